@@ -1,0 +1,44 @@
+"""onnxmerge: one ONNX file for a seq2seq export, every tensor stored once."""
+
+from __future__ import annotations
+
+from onnxmerge.errors import (
+    ExportFolderError,
+    GenerationError,
+    IncompatibleModelsError,
+    InvalidMergedModelError,
+    OnnxMergeError,
+    RefusedOutputError,
+    UnsafeExternalDataError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "__version__",
+    "merge_seq2seq",
+    "merge",
+    "MergeResult",
+    "Seq2SeqModel",
+    "OnnxMergeError",
+    "ExportFolderError",
+    "IncompatibleModelsError",
+    "UnsafeExternalDataError",
+    "RefusedOutputError",
+    "InvalidMergedModelError",
+    "GenerationError",
+]
+
+
+def __getattr__(name: str):
+    # The merge needs only onnx and onnx-ir; the runtime needs onnxruntime. Import lazily so that
+    # each works without the other's dependencies.
+    if name in ("merge_seq2seq", "merge", "MergeResult"):
+        from onnxmerge import merge as _merge
+
+        return getattr(_merge, name)
+    if name == "Seq2SeqModel":
+        from onnxmerge.runtime import Seq2SeqModel
+
+        return Seq2SeqModel
+    raise AttributeError(f"module 'onnxmerge' has no attribute {name!r}")

@@ -1,0 +1,118 @@
+"""The merged model's public interface: input, output and metadata names.
+
+Everything that reads or writes a merged file takes its names from here, so the contract written in
+``docs/format.md`` has one implementation.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+
+FORMAT_VERSION = "1"
+
+# metadata_props keys
+META_FORMAT_VERSION = "onnxmerge.format_version"
+META_LAYOUT = "onnxmerge.layout"
+META_CONFIG = "onnxmerge.config"
+META_GENERATION_CONFIG = "onnxmerge.generation_config"
+META_ENCODER_INPUTS = "onnxmerge.encoder_inputs"
+
+LAYOUT_WITH_PAST = "with_past"
+LAYOUT_WITHOUT_PAST = "without_past"
+
+DECODER_INPUT_IDS = "decoder_input_ids"
+USE_CACHE_BRANCH = "use_cache_branch"
+ATTENTION_MASK = "attention_mask"
+LOGITS = "logits"
+
+# Names as optimum writes them in its decoder files.
+OPTIMUM_DECODER_INPUT_IDS = "input_ids"
+OPTIMUM_ENCODER_ATTENTION_MASK = "encoder_attention_mask"
+OPTIMUM_ENCODER_HIDDEN_STATES = "encoder_hidden_states"
+OPTIMUM_ENCODER_OUTPUT = "last_hidden_state"
+
+_CACHE_NAME = re.compile(r"^(past_key_values|present)\.(\d+)\.(decoder|encoder)\.(key|value)$")
+
+
+def past_name(layer: int, part: str, kind: str) -> str:
+    """``past_key_values.{layer}.{part}.{kind}``; part is decoder|encoder, kind is key|value."""
+    return f"past_key_values.{layer}.{part}.{kind}"
+
+
+def present_name(layer: int, part: str, kind: str) -> str:
+    """``present.{layer}.{part}.{kind}``; part is decoder|encoder, kind is key|value."""
+    return f"present.{layer}.{part}.{kind}"
+
+
+def parse_cache_name(name: str) -> tuple[str, int, str, str] | None:
+    """Split a past/present name into (prefix, layer, part, kind), or None if it is not one."""
+    match = _CACHE_NAME.match(name)
+    if match is None:
+        return None
+    prefix, layer, part, kind = match.groups()
+    return prefix, int(layer), part, kind
+
+
+def is_past_name(name: str) -> bool:
+    return name.startswith("past_key_values.")
+
+
+def is_present_name(name: str) -> bool:
+    return name.startswith("present.")
+
+
+@dataclass(frozen=True)
+class ContractInfo:
+    """What a merged file declares about itself, read from its inputs, outputs and metadata."""
+
+    format_version: str
+    layout: str
+    encoder_inputs: tuple[str, ...]
+    num_layers: int
+    config: dict = field(default_factory=dict)
+    generation_config: dict = field(default_factory=dict)
+
+    @property
+    def has_past(self) -> bool:
+        return self.layout == LAYOUT_WITH_PAST
+
+
+def read_contract(
+    metadata: dict[str, str], input_names: list[str], output_names: list[str]
+) -> ContractInfo:
+    """Read the contract of a merged model from its metadata and I/O names.
+
+    Raises:
+        InvalidMergedModelError: the names or metadata are not those of a merged seq2seq model.
+    """
+    from onnxmerge.errors import InvalidMergedModelError
+
+    version = metadata.get(META_FORMAT_VERSION)
+    if version is None:
+        raise InvalidMergedModelError(
+            f"the model has no {META_FORMAT_VERSION!r} metadata: it was not written by "
+            "onnxmerge; merge its export folder with onnxmerge.merge_seq2seq() first"
+        )
+    if version != FORMAT_VERSION:
+        raise InvalidMergedModelError(
+            f"the model uses merged-format version {version}, this onnxmerge reads version "
+            f"{FORMAT_VERSION}; upgrade onnxmerge or merge the export again"
+        )
+    if DECODER_INPUT_IDS not in input_names or LOGITS not in output_names:
+        raise InvalidMergedModelError(
+            f"the model lacks the {DECODER_INPUT_IDS!r} input or the {LOGITS!r} output"
+        )
+    layers = {
+        parsed[1] for name in input_names if (parsed := parse_cache_name(name)) is not None
+    }
+    encoder_inputs = tuple(json.loads(metadata.get(META_ENCODER_INPUTS, "[]")))
+    return ContractInfo(
+        format_version=version,
+        layout=metadata.get(META_LAYOUT, LAYOUT_WITH_PAST if layers else LAYOUT_WITHOUT_PAST),
+        encoder_inputs=encoder_inputs,
+        num_layers=len(layers),
+        config=json.loads(metadata.get(META_CONFIG, "{}")),
+        generation_config=json.loads(metadata.get(META_GENERATION_CONFIG, "{}")),
+    )

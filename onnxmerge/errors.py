@@ -1,0 +1,50 @@
+"""The exceptions onnxmerge raises. Catch :class:`OnnxMergeError` to catch them all."""
+
+from __future__ import annotations
+
+__all__ = [
+    "OnnxMergeError",
+    "ExportFolderError",
+    "IncompatibleModelsError",
+    "UnsafeExternalDataError",
+    "RefusedOutputError",
+    "InvalidMergedModelError",
+    "GenerationError",
+]
+
+
+class OnnxMergeError(Exception):
+    """Base class of every error raised on purpose by onnxmerge."""
+
+
+class ExportFolderError(OnnxMergeError):
+    """The export folder is missing files or holds files whose role cannot be recognised."""
+
+
+class IncompatibleModelsError(OnnxMergeError):
+    """The files of an export folder cannot be merged into one model.
+
+    ``problems`` lists every problem found, one line each.
+    """
+
+    def __init__(self, message: str, problems: list[str] | None = None):
+        self.problems = list(problems or [])
+        if self.problems:
+            message = message + "\n" + "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(message)
+
+
+class UnsafeExternalDataError(OnnxMergeError):
+    """A model refers to external data outside its folder, or to data that does not fit."""
+
+
+class RefusedOutputError(OnnxMergeError):
+    """The output path cannot be written: it exists, is an input, or there is no room."""
+
+
+class InvalidMergedModelError(OnnxMergeError):
+    """A file is not a merged seq2seq model, or a produced model failed validation."""
+
+
+class GenerationError(OnnxMergeError, ValueError):
+    """Arguments to generation are invalid (wrong dtype, rank, missing inputs, bad settings)."""

@@ -17,7 +17,7 @@ __version__ = "0.1.0"
 __all__ = [
     "__version__",
     "merge_seq2seq",
-    "merge",
+    "merge_seq2seq_with_report",
     "MergeResult",
     "Seq2SeqModel",
     "OnnxMergeError",
@@ -33,10 +33,10 @@ __all__ = [
 def __getattr__(name: str):
     # The merge needs only onnx and onnx-ir; the runtime needs onnxruntime. Import lazily so that
     # each works without the other's dependencies.
-    if name in ("merge_seq2seq", "merge", "MergeResult"):
-        from onnxmerge import merge as _merge
+    if name in ("merge_seq2seq", "merge_seq2seq_with_report", "MergeResult"):
+        from onnxmerge.merge import MergeResult, merge_seq2seq, merge_seq2seq_with_report
 
-        return getattr(_merge, name)
+        return locals()[name]
     if name == "Seq2SeqModel":
         from onnxmerge.runtime import Seq2SeqModel
 

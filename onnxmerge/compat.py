@@ -1,0 +1,91 @@
+"""Do the files of an export belong together? Checks that need the deduplication's findings."""
+
+from __future__ import annotations
+
+import logging
+
+import onnx_ir as ir
+
+from onnxmerge import dedup, splice
+from onnxmerge.errors import IncompatibleModelsError
+from onnxmerge.roles import Role
+
+logger = logging.getLogger(__name__)
+
+# A decoder with past from the same checkpoint shares nearly all of its weights with the decoder.
+MIN_SHARED_FRACTION = 0.5
+
+
+def origins(parts: list[splice.Part]) -> dict[int, tuple[Role, ir.Value]]:
+    """Which part brought each initializer (keyed by identity: names change during the splice)."""
+    found: dict[int, tuple[Role, ir.Value]] = {}
+    for part in parts:
+        for value in part.initializers:
+            found.setdefault(id(value), (part.role, value))
+    return found
+
+
+def check_same_checkpoint(
+    parts: list[splice.Part],
+    origin: dict[int, tuple[Role, ir.Value]],
+    shared: list[dedup.SharedTensor],
+    *,
+    force: bool = False,
+) -> None:
+    """Refuse files that share too little to come from one checkpoint, listing every problem."""
+    role_of = {value.name: role for role, value in origin.values()}
+    sources = {p.role: p.source for p in parts}
+    problems: list[str] = []
+
+    def large(role: Role) -> list[ir.Value]:
+        return [
+            v for r, v in origin.values()
+            if r == role and v.const_value is not None and v.const_value.nbytes >= dedup.MIN_SHARED_BYTES
+        ]
+
+    merged_decoder = sources.get(Role.DECODER) == sources.get(Role.DECODER_WITH_PAST)
+    if Role.DECODER_WITH_PAST in sources and not merged_decoder:
+        total = sum(v.const_value.nbytes for v in large(Role.DECODER_WITH_PAST))
+        matched = sum(
+            s.nbytes for s in shared
+            if role_of.get(s.removed) == Role.DECODER_WITH_PAST
+            and role_of.get(s.kept) in (Role.DECODER, Role.ENCODER)
+        )
+        if total and matched < MIN_SHARED_FRACTION * total:
+            problems.append(
+                f"{sources[Role.DECODER_WITH_PAST].name} shares {matched / total:.0%} of its "
+                f"weights with {sources[Role.DECODER].name}; the two decoders come from "
+                "different checkpoints"
+            )
+    decoder_roles = {Role.DECODER, Role.DECODER_WITH_PAST}
+    crossing = any(
+        (role_of.get(s.kept) == Role.ENCODER) != (role_of.get(s.removed) == Role.ENCODER)
+        for s in shared
+    )
+    if not crossing:
+        encoder_shapes = {_key(v) for v in large(Role.ENCODER) if len(v.const_value.shape) == 2}
+        decoder_shapes = {
+            _key(v) for role in decoder_roles for v in large(role) if len(v.const_value.shape) == 2
+        }
+        # An embedding-sized matrix in both, yet nothing shared: they were trained apart.
+        embeddings = {k for k in encoder_shapes & decoder_shapes if max(k[1]) >= 4 * min(k[1])}
+        if embeddings:
+            problems.append(
+                f"{sources[Role.ENCODER].name} and {sources[Role.DECODER].name} both hold an "
+                f"embedding of shape {list(sorted(embeddings)[0][1])} but share no weights; they "
+                "come from different checkpoints"
+            )
+    if not problems:
+        return
+    if force:
+        for problem in problems:
+            logger.warning("merging anyway: %s", problem)
+        return
+    raise IncompatibleModelsError(
+        "the files do not come from one model (pass force=True / --force to merge anyway):",
+        problems,
+    )
+
+
+def _key(value: ir.Value) -> tuple:
+    return value.const_value.dtype, tuple(value.const_value.shape)

@@ -1,0 +1,329 @@
+"""Store every tensor once: content keys, byte confirmation, transposed matches, hoisting.
+
+All passes work on the main graph of a spliced model, where every initializer already lives.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx_ir as ir
+
+logger = logging.getLogger(__name__)
+
+# Below this a tensor is not worth a Transpose node, and Constant nodes stay where they are.
+MIN_SHARED_BYTES = 1024
+# Work on large tensors in slices of about this many bytes, so memory stays bounded.
+_CHUNK_BYTES = 64 * 2**20
+# Ops that must not be moved or merged even when all their inputs are constant.
+_IMPURE_OPS = frozenset(
+    {"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial",
+     "Bernoulli", "Dropout"}
+)
+
+
+@dataclass(frozen=True)
+class SharedTensor:
+    """One tensor that was stored more than once; ``removed`` now reads ``kept``."""
+
+    kept: str
+    removed: str
+    nbytes: int
+    transposed: bool
+
+
+@dataclass
+class DedupReport:
+    shared: list[SharedTensor] = field(default_factory=list)
+    constants_lifted: int = 0
+    nodes_hoisted: int = 0
+    nodes_merged: int = 0
+    initializers_removed_unused: int = 0
+
+    @property
+    def bytes_saved(self) -> int:
+        return sum(s.nbytes for s in self.shared)
+
+    @property
+    def transposed(self) -> list[SharedTensor]:
+        return [s for s in self.shared if s.transposed]
+
+
+def _array(tensor: ir.TensorProtocol) -> np.ndarray | None:
+    if tensor.dtype == ir.DataType.STRING:
+        return None
+    array = tensor.numpy()
+    return array if array.flags.c_contiguous else np.ascontiguousarray(array)
+
+
+def _byte_view(array: np.ndarray) -> np.ndarray:
+    return array.reshape(-1).view(np.uint8)
+
+
+def _rows_per_chunk(array: np.ndarray) -> int:
+    row_bytes = max(1, array.itemsize * (array.size // max(1, array.shape[0])))
+    return max(1, _CHUNK_BYTES // row_bytes)
+
+
+def _transposed_slices(array: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
+    """Rows of ``array.T`` as contiguous slices, with the index of each slice's first row."""
+    transposed = array.T
+    step = _rows_per_chunk(transposed)
+    for start in range(0, transposed.shape[0], step):
+        yield start, np.ascontiguousarray(transposed[start : start + step])
+
+
+def _digest(array: np.ndarray, *, transposed: bool = False) -> bytes:
+    hasher = hashlib.sha256()
+    if transposed:
+        for _, rows in _transposed_slices(array):
+            hasher.update(memoryview(_byte_view(rows)))
+    else:
+        hasher.update(memoryview(_byte_view(array)))
+    return hasher.digest()
+
+
+def _equal(a: np.ndarray, b: np.ndarray, *, transpose_a: bool = False) -> bool:
+    """Byte equality of ``a`` (or ``a.T``) and ``b``, in bounded memory."""
+    if transpose_a:
+        return all(
+            np.array_equal(_byte_view(rows), _byte_view(b[start : start + len(rows)]))
+            for start, rows in _transposed_slices(a)
+        )
+    a_bytes, b_bytes = _byte_view(a), _byte_view(b)
+    if a_bytes.size != b_bytes.size:
+        return False
+    return all(
+        np.array_equal(a_bytes[start : start + _CHUNK_BYTES], b_bytes[start : start + _CHUNK_BYTES])
+        for start in range(0, a_bytes.size, _CHUNK_BYTES)
+    )
+
+
+def _is_removable(graph: ir.Graph, value: ir.Value) -> bool:
+    return value not in graph.outputs and value not in graph.inputs
+
+
+def _new_value(name: str, like: ir.Value, shape: list | None = None) -> ir.Value:
+    return ir.Value(
+        name=name,
+        type=like.type,
+        shape=ir.Shape(shape) if shape is not None else like.shape,
+    )
+
+
+def lift_large_constants(model: ir.Model, min_bytes: int = MIN_SHARED_BYTES) -> int:
+    """Turn large ``Constant`` nodes anywhere in the model into main-graph initializers.
+
+    Returns how many were lifted.
+    """
+    main = model.graph
+    lifted = 0
+    for node in list(ir.traversal.RecursiveGraphIterator(main)):
+        if node.op_type != "Constant" or node.domain not in ("", "ai.onnx"):
+            continue
+        attr = node.attributes.get("value")
+        if attr is None or attr.type != ir.AttributeType.TENSOR:
+            continue
+        tensor = attr.value
+        if tensor.nbytes < min_bytes:
+            continue
+        output = node.outputs[0]
+        graph = node.graph
+        if output in graph.outputs:
+            continue
+        initializer = ir.Value(
+            name=output.name, type=ir.TensorType(tensor.dtype), shape=ir.Shape(tensor.shape),
+            const_value=tensor,
+        )
+        ir.convenience.replace_all_uses_with(output, initializer)
+        graph.remove(node, safe=True)
+        main.register_initializer(initializer)
+        lifted += 1
+    return lifted
+
+
+def deduplicate_initializers(graph: ir.Graph) -> list[SharedTensor]:
+    """Keep the first of every group of equal initializers, and of transposed pairs.
+
+    A tensor equal to another's transpose is replaced by one ``Transpose`` node in this graph.
+    Keys are (dtype, shape, sha256); every match is confirmed byte by byte.
+    """
+    shared: list[SharedTensor] = []
+    arrays: dict[str, np.ndarray] = {}
+    digests: dict[str, bytes] = {}
+
+    def array_of(value: ir.Value) -> np.ndarray | None:
+        if value.name not in arrays:
+            arrays[value.name] = _array(value.const_value)
+        return arrays[value.name]
+
+    def digest_of(value: ir.Value) -> bytes:
+        if value.name not in digests:
+            digests[value.name] = _digest(array_of(value))
+        return digests[value.name]
+
+    candidates = [
+        v for v in graph.initializers.values()
+        if v.const_value is not None and v.const_value.dtype != ir.DataType.STRING
+    ]
+    kept: dict[tuple, ir.Value] = {}
+    survivors: list[ir.Value] = []
+    for value in candidates:
+        tensor = value.const_value
+        key = (tensor.dtype, tuple(tensor.shape), digest_of(value))
+        first = kept.get(key)
+        if (
+            first is not None
+            and _is_removable(graph, value)
+            and _equal(array_of(first), array_of(value))
+        ):
+            ir.convenience.replace_all_uses_with(value, first)
+            graph.initializers.pop(value.name)
+            shared.append(SharedTensor(first.name, value.name, tensor.nbytes, False))
+            continue
+        kept.setdefault(key, value)
+        survivors.append(value)
+
+    # Transposed copies: only 2-D tensors whose transposed shape also occurs are hashed again.
+    shapes = {
+        (v.const_value.dtype, tuple(v.const_value.shape))
+        for v in survivors
+        if len(v.const_value.shape) == 2 and v.const_value.nbytes >= MIN_SHARED_BYTES
+    }
+    transposed_of: dict[tuple, ir.Value] = {}
+    transposes: dict[str, ir.Value] = {}
+    for value in survivors:
+        tensor = value.const_value
+        shape = tuple(tensor.shape)
+        if len(shape) != 2 or tensor.nbytes < MIN_SHARED_BYTES:
+            continue
+        key = (tensor.dtype, shape, digest_of(value))
+        source = transposed_of.get(key)
+        if (
+            source is not None
+            and _is_removable(graph, value)
+            and _equal(array_of(source), array_of(value), transpose_a=True)
+        ):
+            if source.name not in transposes:
+                transposes[source.name] = _transpose_node(graph, source)
+            ir.convenience.replace_all_uses_with(value, transposes[source.name])
+            graph.initializers.pop(value.name)
+            shared.append(SharedTensor(source.name, value.name, tensor.nbytes, True))
+            continue
+        flipped = (tensor.dtype, shape[::-1])
+        if flipped in shapes:
+            array = array_of(value)
+            transposed_key = (*flipped, _digest(array, transposed=True))
+            transposed_of.setdefault(transposed_key, value)
+    for item in shared:
+        logger.debug(
+            "%s is %s%s (%d bytes)", item.removed, item.kept,
+            "^T" if item.transposed else "", item.nbytes,
+        )
+    return shared
+
+
+def _transpose_node(graph: ir.Graph, source: ir.Value) -> ir.Value:
+    shape = list(source.shape)[::-1] if source.shape is not None else None
+    output = _new_value(f"{source.name}.transposed", source, shape)
+    node = ir.Node(
+        "", "Transpose", [source], attributes=[ir.AttrInt64s("perm", [1, 0])], outputs=[output],
+        name=f"{source.name}.transpose",
+    )
+    if len(graph) > 0:
+        graph.insert_before(graph[0], node)
+    else:
+        graph.append(node)
+    return output
+
+
+def _constant_inputs_only(node: ir.Node, main: ir.Graph, constant: set[ir.Value]) -> bool:
+    if node.op_type in _IMPURE_OPS or not node.inputs:
+        return False
+    if any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for a in node.attributes.values()):
+        return False
+    return all(
+        v is None or v in constant or (v.is_initializer() and v.graph is main)
+        for v in node.inputs
+    )
+
+
+def hoist_constant_nodes(graph: ir.Graph) -> int:
+    """Move nodes of ``If``/``Loop`` branches that read only main-graph initializers to the main graph.
+
+    onnxruntime folds such nodes once per branch: a ``Transpose`` of the shared embedding in both
+    decoders would be materialised twice. In the main graph it is folded once.
+    """
+    hoisted: list[ir.Node] = []
+    constant: set[ir.Value] = set()
+    for node in list(ir.traversal.RecursiveGraphIterator(graph)):
+        if node.graph is graph or not _constant_inputs_only(node, graph, constant):
+            continue
+        node.graph.remove(node)
+        hoisted.append(node)
+        constant.update(node.outputs)
+    if hoisted:
+        anchor = next((n for n in graph if n not in hoisted), None)
+        if anchor is None:
+            graph.extend(hoisted)
+        else:
+            graph.insert_before(anchor, hoisted)
+    return len(hoisted)
+
+
+def _attribute_key(node: ir.Node) -> tuple:
+    items = []
+    for name, attr in sorted(node.attributes.items()):
+        value = attr.value
+        if attr.type == ir.AttributeType.TENSOR:
+            value = (value.dtype, tuple(value.shape), value.tobytes())
+        elif isinstance(value, list):
+            value = tuple(value)
+        items.append((name, attr.type, value))
+    return tuple(items)
+
+
+def merge_equal_constant_nodes(graph: ir.Graph) -> int:
+    """Merge main-graph nodes that compute the same thing from the same initializers."""
+    seen: dict[tuple, ir.Node] = {}
+    constant: set[ir.Value] = set()
+    merged = 0
+    for node in list(graph):
+        if not _constant_inputs_only(node, graph, constant):
+            continue
+        key = (node.domain, node.op_type, node.overload, tuple(id(v) for v in node.inputs),
+               len(node.outputs), _attribute_key(node))
+        first = seen.get(key)
+        if first is None or any(o in graph.outputs for o in node.outputs):
+            seen.setdefault(key, node)
+            constant.update(node.outputs)
+            continue
+        ir.convenience.replace_all_uses_with(node.outputs, first.outputs)
+        graph.remove(node, safe=True)
+        merged += 1
+    return merged
+
+
+def remove_unused_initializers(graph: ir.Graph) -> int:
+    unused = [
+        name for name, v in graph.initializers.items()
+        if not v.uses() and v not in graph.outputs
+    ]
+    for name in unused:
+        graph.initializers.pop(name)
+    return len(unused)
+
+
+def store_once(model: ir.Model) -> DedupReport:
+    """Run every pass of this module in order and report what each did."""
+    report = DedupReport()
+    report.constants_lifted = lift_large_constants(model)
+    report.shared = deduplicate_initializers(model.graph)
+    report.nodes_hoisted = hoist_constant_nodes(model.graph)
+    report.nodes_merged = merge_equal_constant_nodes(model.graph)
+    report.initializers_removed_unused = remove_unused_initializers(model.graph)
+    return report

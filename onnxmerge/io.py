@@ -1,0 +1,240 @@
+"""Reading models safely and writing them atomically.
+
+Reads check every external-data reference before any byte is mapped: it must name a regular file
+inside the model's folder, and its offset and length must fit the file and the tensor. Writes go
+to a temporary folder beside the output, are checked, fsynced and moved into place with
+``os.replace``, so a failure never leaves a half-written output nor harms an existing one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import stat
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import onnx
+import onnx_ir as ir
+
+from onnxmerge.errors import OnnxMergeError, RefusedOutputError, UnsafeExternalDataError
+
+logger = logging.getLogger(__name__)
+
+# Above this the protobuf cannot be serialised in one piece.
+PROTOBUF_LIMIT = 2**31 - 1
+# Write external data well before the limit: graph structure and metadata also count.
+EXTERNAL_DATA_THRESHOLD = int(1.8 * 2**30)
+
+
+def _iter_tensor_protos(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
+    """Every TensorProto of a graph and its subgraphs, sparse initializers included."""
+    yield from graph.initializer
+    for sparse in graph.sparse_initializer:
+        yield sparse.values
+        yield sparse.indices
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.HasField("t"):
+                yield attr.t
+            yield from attr.tensors
+            if attr.HasField("sparse_tensor"):
+                yield attr.sparse_tensor.values
+                yield attr.sparse_tensor.indices
+            for sparse in attr.sparse_tensors:
+                yield sparse.values
+                yield sparse.indices
+            if attr.HasField("g"):
+                yield from _iter_tensor_protos(attr.g)
+            for sub in attr.graphs:
+                yield from _iter_tensor_protos(sub)
+
+
+def _expected_nbytes(tensor: onnx.TensorProto) -> int | None:
+    count = 1
+    for dim in tensor.dims:
+        count *= dim
+    try:
+        dtype = ir.DataType(tensor.data_type)
+    except ValueError:
+        return None
+    if dtype == ir.DataType.STRING:
+        return None
+    return (count * dtype.bitwidth + 7) // 8
+
+
+def _resolve_location(model_path: Path, location: str, tensor_name: str) -> Path:
+    folder = model_path.parent.resolve()
+    where = f"tensor {tensor_name!r} of {model_path}"
+    if not location:
+        raise UnsafeExternalDataError(f"{where} has external data with an empty location")
+    if os.path.isabs(location) or location.startswith(("/", "\\")) or ":" in location:
+        raise UnsafeExternalDataError(
+            f"{where} refers to external data by absolute path {location!r}; only paths "
+            "relative to the model's folder are accepted"
+        )
+    parts = Path(location.replace("\\", "/")).parts
+    if ".." in parts:
+        raise UnsafeExternalDataError(
+            f"{where} refers to external data {location!r} outside the model's folder"
+        )
+    candidate = folder.joinpath(*parts)
+    # Links may point anywhere; accept one only if its target is still inside the folder.
+    resolved = candidate.resolve()
+    if not resolved.is_relative_to(folder):
+        raise UnsafeExternalDataError(
+            f"{where} refers to {location!r}, which resolves to {resolved}, outside the "
+            f"model's folder {folder}; copy the data file into the folder"
+        )
+    try:
+        info = resolved.stat()
+    except FileNotFoundError:
+        raise UnsafeExternalDataError(
+            f"{where} refers to external data file {location!r}, which does not exist in {folder}"
+        ) from None
+    if not stat.S_ISREG(info.st_mode):
+        raise UnsafeExternalDataError(f"{where}: external data {location!r} is not a regular file")
+    return resolved
+
+
+def check_external_data(model: onnx.ModelProto, model_path: Path) -> set[Path]:
+    """Refuse any external-data reference that could read outside the folder or past a file.
+
+    Returns the data files the model reads.
+    """
+    files: set[Path] = set()
+    for tensor in _iter_tensor_protos(model.graph):
+        if tensor.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        entries = {entry.key: entry.value for entry in tensor.external_data}
+        data_file = _resolve_location(model_path, entries.get("location", ""), tensor.name)
+        where = f"tensor {tensor.name!r} of {model_path}"
+        try:
+            offset = int(entries.get("offset", "0"))
+            length = int(entries["length"]) if "length" in entries else None
+        except ValueError:
+            raise UnsafeExternalDataError(f"{where} has a non-numeric offset or length") from None
+        size = data_file.stat().st_size
+        expected = _expected_nbytes(tensor)
+        if length is None:
+            length = expected if expected is not None else size - offset
+        if offset < 0 or length < 0 or offset + length > size:
+            raise UnsafeExternalDataError(
+                f"{where} reads bytes {offset}..{offset + length} of {data_file.name}, "
+                f"which has {size} bytes; the data file is truncated or the model is corrupt"
+            )
+        if expected is not None and length != expected:
+            raise UnsafeExternalDataError(
+                f"{where} declares {length} bytes of external data but its shape "
+                f"{list(tensor.dims)} and type need {expected}"
+            )
+        files.add(data_file)
+    return files
+
+
+def load_model(path: Path) -> tuple[ir.Model, set[Path]]:
+    """Load a model with its external data memory-mapped, after checking every reference.
+
+    Returns the model and the external data files it reads.
+    """
+    path = Path(path)
+    try:
+        proto = onnx.load(os.fspath(path), load_external_data=False)
+    except FileNotFoundError:
+        raise
+    except Exception as e:  # protobuf raises several unrelated types on a corrupt file
+        raise OnnxMergeError(f"{path} is not a readable ONNX model: {e}") from e
+    data_files = check_external_data(proto, path)
+    model = ir.serde.deserialize_model(proto)
+    ir.external_data.set_base_dir(model.graph, path.parent.resolve())
+    logger.debug("loaded %s (%d external data files)", path, len(data_files))
+    return model, data_files
+
+
+def file_bytes(path: Path, data_files: set[Path] | None = None) -> int:
+    """Bytes on disk of a model file and its external data files."""
+    return Path(path).stat().st_size + sum(f.stat().st_size for f in data_files or ())
+
+
+def tensor_bytes(model: ir.Model) -> int:
+    """Bytes of all initializers and Constant tensors, subgraphs included."""
+    total = sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value)
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        for attr in node.attributes.values():
+            if attr.type == ir.AttributeType.TENSOR:
+                total += attr.value.nbytes
+    return total
+
+
+def data_file_name(output: Path) -> str:
+    return output.name + "_data" if output.suffix == ".onnx" else output.name + ".data"
+
+
+def _fsync(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def save_model_atomically(
+    model: ir.Model,
+    output: Path,
+    *,
+    external_data: bool | None = None,
+    validate: Callable[[Path], None] | None = None,
+) -> Path:
+    """Write ``model`` to ``output`` all or nothing.
+
+    With ``external_data=None`` the weights go to one ``<name>_data`` file beside the model when
+    they would pass 2 GB; ``True`` forces that, ``False`` forbids it. ``validate`` is called on the
+    written temporary file before it replaces anything.
+    """
+    output = Path(output)
+    folder = output.parent
+    folder.mkdir(parents=True, exist_ok=True)
+    payload = tensor_bytes(model)
+    if external_data is None:
+        external_data = payload > EXTERNAL_DATA_THRESHOLD
+    elif not external_data and payload > EXTERNAL_DATA_THRESHOLD:
+        raise RefusedOutputError(
+            f"the merged model holds {payload / 2**30:.2f} GiB of tensors, more than one ONNX "
+            "file can hold without external data; allow external data"
+        )
+    free = shutil.disk_usage(folder).free
+    if free < payload + 16 * 2**20:
+        raise RefusedOutputError(
+            f"{folder} has {free / 2**20:.0f} MiB free; the merged model needs about "
+            f"{payload / 2**20:.0f} MiB; free some space or choose another output"
+        )
+    data_name = data_file_name(output) if external_data else None
+    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".tmp", dir=folder))
+    try:
+        tmp_model = tmp_dir / output.name
+        # Tensors under 1 KiB stay inline, as in optimum's own exports.
+        ir.save(model, tmp_model, external_data=data_name, size_threshold_bytes=1024)
+        written = [tmp_model]
+        if data_name is not None and (tmp_dir / data_name).exists():
+            written.insert(0, tmp_dir / data_name)
+        for path in written:
+            _fsync(path)
+        if validate is not None:
+            validate(tmp_model)
+        # The data file first: a model file never points at data that is not in place yet.
+        for path in written:
+            os.replace(path, folder / path.name)
+        _fsync_dir(folder)
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+    logger.info("wrote %s", output)
+    return output

@@ -1,0 +1,277 @@
+"""Orchestration of a merge: load, identify roles, splice, store once, check, save.
+
+Each step lives in its own module; this one only calls them in order and gathers their numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx
+import onnx_ir as ir
+
+from onnxmerge import compat, contract, dedup, io, roles, splice
+from onnxmerge.errors import (
+    ExportFolderError,
+    InvalidMergedModelError,
+    OnnxMergeError,
+    RefusedOutputError,
+)
+from onnxmerge.roles import Role
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_OUTPUT_NAME = "model.onnx"
+CHECKPOINT_NAMES = ("model.safetensors", "pytorch_model.bin")
+
+
+@dataclass(frozen=True)
+class InputFile:
+    path: Path
+    role: str
+    bytes: int
+
+
+@dataclass(frozen=True)
+class MergeResult:
+    """The merged file and the numbers of the merge."""
+
+    path: Path
+    layout: str
+    inputs: tuple[InputFile, ...]
+    output_bytes: int
+    tensors_in: int
+    tensors_out: int
+    shared: tuple[dedup.SharedTensor, ...]
+    constants_lifted: int
+    checkpoint_bytes: int | None
+
+    @property
+    def input_bytes(self) -> int:
+        return sum(f.bytes for f in self.inputs)
+
+    @property
+    def bytes_saved(self) -> int:
+        return self.input_bytes - self.output_bytes
+
+    @property
+    def transposed(self) -> tuple[dedup.SharedTensor, ...]:
+        return tuple(s for s in self.shared if s.transposed)
+
+    @property
+    def checkpoint_ratio(self) -> float | None:
+        return self.output_bytes / self.checkpoint_bytes if self.checkpoint_bytes else None
+
+
+def merge_seq2seq(
+    export_dir: str | os.PathLike,
+    output: str | os.PathLike | None = None,
+    *,
+    overwrite: bool = False,
+    external_data: bool | None = None,
+    force: bool = False,
+) -> Path:
+    """Merge an optimum seq2seq export folder into one ONNX model; return its path.
+
+    See :func:`merge_seq2seq_with_report` for the arguments.
+    """
+    return merge_seq2seq_with_report(
+        export_dir, output, overwrite=overwrite, external_data=external_data, force=force
+    ).path
+
+
+def merge_seq2seq_with_report(
+    export_dir: str | os.PathLike,
+    output: str | os.PathLike | None = None,
+    *,
+    overwrite: bool = False,
+    external_data: bool | None = None,
+    force: bool = False,
+) -> MergeResult:
+    """Merge an optimum seq2seq export folder into one ONNX model and report the numbers.
+
+    Args:
+        export_dir: the folder ``optimum-cli export onnx`` wrote.
+        output: the file to write; ``<export_dir>/model.onnx`` by default.
+        overwrite: replace an existing output file.
+        external_data: ``None`` writes weights to ``<output>_data`` only past 2 GB; ``True`` always;
+            ``False`` never (a model past 2 GB is then refused).
+        force: merge even when the compatibility checks find the files do not belong together.
+
+    Raises:
+        OnnxMergeError: or one of its subclasses, with what is wrong and what to do. Nothing is
+            written and the inputs are never modified.
+    """
+    export_dir = Path(export_dir)
+    if not export_dir.is_dir():
+        raise ExportFolderError(f"{export_dir} is not a folder; pass the folder optimum exported to")
+    output = Path(output) if output is not None else export_dir / DEFAULT_OUTPUT_NAME
+    chosen, models, data_files = _load_export(export_dir, output)
+    _check_output(output, chosen, data_files, overwrite)
+
+    parts = [
+        part
+        for role in (Role.ENCODER, Role.MERGED_DECODER, Role.DECODER, Role.DECODER_WITH_PAST)
+        if role in chosen
+        for part in splice.parts_of_file(models[chosen[role]], role, chosen[role])
+    ]
+    origins = compat.origins(parts)
+    tensors_in = len(origins)
+    spliced = splice.splice(parts, models)
+    report = dedup.store_once(spliced.model)
+    compat.check_same_checkpoint(parts, origins, report.shared, force=force)
+    _add_metadata(spliced, export_dir)
+
+    io.save_model_atomically(
+        spliced.model, output, external_data=external_data, validate=validate_merged_file
+    )
+    written_data = output.parent / io.data_file_name(output)
+    output_bytes = output.stat().st_size
+    if external_data or (external_data is None and written_data.exists()
+                         and _references(output, written_data)):
+        output_bytes += written_data.stat().st_size
+    inputs = tuple(
+        InputFile(path, role.value, io.file_bytes(path, data_files[path]))
+        for role, path in chosen.items()
+    )
+    checkpoint = next((export_dir / n for n in CHECKPOINT_NAMES if (export_dir / n).exists()), None)
+    result = MergeResult(
+        path=output,
+        layout=spliced.layout,
+        inputs=inputs,
+        output_bytes=output_bytes,
+        tensors_in=tensors_in,
+        tensors_out=len(spliced.model.graph.initializers),
+        shared=tuple(report.shared),
+        constants_lifted=report.constants_lifted,
+        checkpoint_bytes=checkpoint.stat().st_size if checkpoint else None,
+    )
+    logger.info(
+        "merged %d files (%d bytes) into %s (%d bytes); %d tensors shared, %d transposed",
+        len(inputs), result.input_bytes, output, output_bytes, len(result.shared),
+        len(result.transposed),
+    )
+    return result
+
+
+def _references(model_path: Path, data_path: Path) -> bool:
+    proto = onnx.load(os.fspath(model_path), load_external_data=False)
+    return data_path.resolve() in io.check_external_data(proto, model_path)
+
+
+def _load_export(
+    export_dir: Path, output: Path
+) -> tuple[dict[Role, Path], dict[Path, ir.Model], dict[Path, set[Path]]]:
+    """Load every model of the folder, judge its role, keep the ones the merge needs."""
+    candidates = sorted(
+        p for p in export_dir.glob("*.onnx")
+        if p.is_file() and not (output.exists() and p.resolve() == output.resolve())
+    )
+    if not candidates:
+        raise ExportFolderError(
+            f"{export_dir} holds no .onnx file; export the model first, e.g. `optimum-cli export "
+            f"onnx --model MODEL --task text2text-generation-with-past {export_dir}`"
+        )
+    models: dict[Path, ir.Model] = {}
+    data_files: dict[Path, set[Path]] = {}
+    judged: dict[Path, roles.Judgement] = {}
+    for path in candidates:
+        models[path], data_files[path] = io.load_model(path)
+        judged[path] = roles.judge(models[path])
+        logger.debug("%s: %s (%s)", path.name, judged[path].role, judged[path].reason)
+    chosen = roles.assign_roles(judged)
+    if Role.MERGED_MODEL in chosen:
+        raise InvalidMergedModelError(
+            f"{chosen[Role.MERGED_MODEL]} is already a merged model; merge the export folder "
+            "it came from, or use it as it is"
+        )
+    missing = []
+    if Role.ENCODER not in chosen:
+        missing.append(roles.CONVENTIONAL_NAMES[Role.ENCODER])
+    if Role.DECODER not in chosen and Role.MERGED_DECODER not in chosen:
+        missing.append(roles.CONVENTIONAL_NAMES[Role.DECODER])
+    if missing:
+        found = ", ".join(f"{p.name} ({j.role.value if j.role else j.reason})"
+                          for p, j in judged.items())
+        raise ExportFolderError(
+            f"{export_dir} lacks {' and '.join(missing)} (found: {found}); export with "
+            "--task text2text-generation-with-past"
+        )
+    if Role.DECODER in chosen and Role.MERGED_DECODER in chosen and (
+        Role.DECODER_WITH_PAST in chosen
+    ):
+        # The separate decoders hold the same graphs; the merged one adds nothing.
+        del chosen[Role.MERGED_DECODER]
+    elif Role.MERGED_DECODER in chosen:
+        chosen.pop(Role.DECODER, None)
+        chosen.pop(Role.DECODER_WITH_PAST, None)
+    if Role.DECODER_WITH_PAST in chosen and Role.DECODER not in chosen:
+        raise ExportFolderError(
+            f"{export_dir} has {chosen[Role.DECODER_WITH_PAST].name} but no decoder without past "
+            "for the first step; export again or add decoder_model.onnx"
+        )
+    kept = set(chosen.values())
+    return (
+        chosen,
+        {p: m for p, m in models.items() if p in kept},
+        {p: d for p, d in data_files.items() if p in kept},
+    )
+
+
+def _check_output(
+    output: Path, chosen: dict[Role, Path], data_files: dict[Path, set[Path]], overwrite: bool
+) -> None:
+    targets = [output, output.parent / io.data_file_name(output)]
+    inputs = set(chosen.values()) | {f for files in data_files.values() for f in files}
+    for target in targets:
+        for path in inputs:
+            if target.exists() and os.path.samefile(target, path):
+                raise RefusedOutputError(
+                    f"the output {target} is the input {path}; choose another output path"
+                )
+    if output.exists() and not overwrite:
+        raise RefusedOutputError(f"{output} exists; pass overwrite=True (--overwrite) to replace it")
+    if output.exists() and output.is_dir():
+        raise RefusedOutputError(f"{output} is a folder; give a file path ending in .onnx")
+
+
+def _read_json(path: Path) -> str | None:
+    if not path.is_file():
+        return None
+    try:
+        # Normalised so the file bytes do not depend on the JSON's formatting.
+        return json.dumps(json.loads(path.read_text(encoding="utf-8")), sort_keys=True)
+    except (OSError, ValueError) as e:
+        raise ExportFolderError(f"{path} is not valid JSON: {e}") from e
+
+
+def _add_metadata(spliced: splice.SplicedModel, export_dir: Path) -> None:
+    meta = spliced.model.metadata_props
+    meta[contract.META_FORMAT_VERSION] = contract.FORMAT_VERSION
+    meta[contract.META_LAYOUT] = spliced.layout
+    meta[contract.META_ENCODER_INPUTS] = json.dumps(spliced.encoder_inputs)
+    for key, name in (
+        (contract.META_CONFIG, "config.json"),
+        (contract.META_GENERATION_CONFIG, "generation_config.json"),
+    ):
+        text = _read_json(export_dir / name)
+        if text is not None:
+            meta[key] = text
+
+
+def validate_merged_file(path: Path) -> None:
+    """Check a written file with the ONNX checker (full shape inference) before it is published."""
+    try:
+        onnx.checker.check_model(os.fspath(path), full_check=True)
+    except Exception as e:  # the checker raises several types
+        raise InvalidMergedModelError(
+            f"the merged model failed the ONNX checker ({e}); nothing was written. Please "
+            "report this with the export folder's config.json"
+        ) from e
+
+
+__all__ = ["merge_seq2seq", "merge_seq2seq_with_report", "MergeResult", "InputFile", "OnnxMergeError"]

@@ -1,0 +1,357 @@
+"""``Seq2SeqModel``: generate with a merged model, token-identical to transformers' ``generate()``."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from onnxmerge import contract as c
+from onnxmerge.errors import GenerationError
+from onnxmerge.runtime.processors import build_processors
+from onnxmerge.runtime.search import beam_search, greedy_or_sample
+from onnxmerge.runtime.session import Cache, MergedSession, StepOutput
+from onnxmerge.runtime.settings import GenerationSettings, resolve_settings
+
+logger = logging.getLogger(__name__)
+
+
+class _Runner:
+    """Adapts a session and its cache to the search loops' runner interface."""
+
+    def __init__(self, session: MergedSession, encoder_inputs: dict, prompt: np.ndarray):
+        self.session = session
+        self.encoder_inputs = encoder_inputs
+        self.prompt = prompt
+        self.cache: Cache | None = None
+
+    def start(self) -> np.ndarray:
+        out = self.session.first_step(self.encoder_inputs, self.prompt)
+        self.cache = out.cache
+        return out.logits[:, -1, :]
+
+    def advance(self, tokens: np.ndarray) -> np.ndarray:
+        ids = np.ascontiguousarray(tokens, dtype=np.int64).reshape(-1, 1)
+        out = self.session.next_step(ids, self.cache)
+        self.cache = out.cache
+        return out.logits[:, -1, :]
+
+    def expand(self, n: int) -> None:
+        if n > 1:
+            self.cache = self.cache.expand(n)
+
+    def reorder(self, rows: np.ndarray, *, within_batch: bool = False) -> None:
+        if np.array_equal(rows, np.arange(len(rows))):
+            return
+        self.cache = self.cache.reorder(rows, encoder=not within_batch)
+
+
+class Seq2SeqModel:
+    """A merged encoder-decoder model (see ``docs/format.md``) ready to generate.
+
+    Args:
+        path: the merged ``.onnx`` file.
+        providers: onnxruntime execution providers (default: CPU).
+        session_options: an ``onnxruntime.SessionOptions``; the default enables all graph
+            optimizations.
+
+    Raises:
+        InvalidMergedModelError: the file is not a merged seq2seq model.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        providers: Sequence[Any] | None = None,
+        session_options: Any | None = None,
+    ):
+        self._session = MergedSession(path, providers=providers, session_options=session_options)
+        self.path = self._session.path
+        self.info = self._session.info
+        self.config: dict = dict(self.info.config)
+        self.generation_config: dict = dict(self.info.generation_config)
+        self._tokenizer = None
+
+    # -- facts ----------------------------------------------------------------------------------
+
+    @property
+    def session(self) -> Any:
+        """The underlying ``onnxruntime.InferenceSession``."""
+        return self._session.session
+
+    @property
+    def encoder_input_names(self) -> tuple[str, ...]:
+        return tuple(self._session.encoder_input_names)
+
+    @property
+    def num_layers(self) -> int:
+        return self.info.num_layers
+
+    @property
+    def has_past(self) -> bool:
+        return self._session.has_past
+
+    @property
+    def model_type(self) -> str | None:
+        return self.config.get("model_type")
+
+    # -- inputs ---------------------------------------------------------------------------------
+
+    def _check_encoder_inputs(self, given: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        names = self.encoder_input_names
+        unknown = sorted(set(given) - set(names))
+        if unknown:
+            raise GenerationError(
+                f"unknown inputs {unknown}: this model's encoder takes {list(names)} (and "
+                "decoder_input_ids); generation settings are keyword arguments of generate()"
+            )
+        missing = [n for n in names if n not in given and n != c.ATTENTION_MASK]
+        if missing:
+            raise GenerationError(f"missing encoder inputs {missing}; the model takes {list(names)}")
+        checked: dict[str, np.ndarray] = {}
+        batch = None
+        for name in names:
+            if name not in given:
+                continue
+            value = given[name]
+            if not isinstance(value, np.ndarray):
+                raise GenerationError(
+                    f"{name} must be a numpy array, got {type(value).__name__}; convert it "
+                    "with numpy.asarray() (or tokenize with return_tensors='np')"
+                )
+            spec = self._session.inputs[name]
+            checked[name] = _cast(name, value, spec.dtype, len(spec.shape))
+            rows = value.shape[0]
+            if batch is not None and rows != batch:
+                raise GenerationError(
+                    f"encoder inputs disagree on the batch size: {name} has {rows} rows, "
+                    f"others {batch}"
+                )
+            batch = rows
+        if batch == 0:
+            raise GenerationError("encoder inputs have no rows")
+        return checked
+
+    def _default_attention_mask(
+        self, inputs: dict[str, np.ndarray], settings_pad: int | None, eos: list[int] | None
+    ) -> None:
+        if not self._session.has_attention_mask or c.ATTENTION_MASK in inputs:
+            return
+        ids = inputs.get("input_ids")
+        if ids is None:
+            first = next(iter(inputs.values()))
+            inputs[c.ATTENTION_MASK] = np.ones(first.shape[:2], dtype=np.int64)
+            return
+        # transformers infers the mask from padding when pad is in the inputs and is not eos.
+        infer = (
+            settings_pad is not None
+            and bool((ids == settings_pad).any())
+            and (eos is None or settings_pad not in eos)
+        )
+        inputs[c.ATTENTION_MASK] = (
+            (ids != settings_pad).astype(np.int64) if infer else np.ones(ids.shape, np.int64)
+        )
+
+    def _prompt(self, decoder_input_ids: Any, batch: int, start: int) -> np.ndarray:
+        if decoder_input_ids is None:
+            return np.full((batch, 1), start, dtype=np.int64)
+        if not isinstance(decoder_input_ids, np.ndarray):
+            raise GenerationError(
+                f"decoder_input_ids must be a numpy array, got {type(decoder_input_ids).__name__}"
+            )
+        ids = _cast(c.DECODER_INPUT_IDS, decoder_input_ids, np.int64, 2)
+        if ids.shape[0] != batch:
+            raise GenerationError(
+                f"decoder_input_ids has {ids.shape[0]} rows but the encoder inputs have {batch}"
+            )
+        if ids.shape[1] == 0:
+            raise GenerationError("decoder_input_ids is empty; omit it to start from the start token")
+        if self.model_type != "whisper" and bool((ids[:, 0] != start).all()):
+            ids = np.concatenate([np.full((batch, 1), start, dtype=np.int64), ids], axis=1)
+        return ids
+
+    # -- generation -----------------------------------------------------------------------------
+
+    def resolve_settings(self, prompt_length: int = 1, **overrides: Any) -> GenerationSettings:
+        """The settings ``generate()`` would use, with the model's defaults filled in."""
+        return resolve_settings(self.config, self.generation_config, overrides, prompt_length)
+
+    def generate(
+        self,
+        encoder_inputs: Mapping[str, np.ndarray] | None = None,
+        /,
+        *,
+        decoder_input_ids: np.ndarray | None = None,
+        max_new_tokens: int | None = None,
+        max_length: int | None = None,
+        min_new_tokens: int | None = None,
+        min_length: int | None = None,
+        num_beams: int | None = None,
+        num_return_sequences: int | None = None,
+        do_sample: bool | None = None,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        repetition_penalty: float | None = None,
+        no_repeat_ngram_size: int | None = None,
+        length_penalty: float | None = None,
+        early_stopping: bool | str | None = None,
+        bad_words_ids: list[list[int]] | None = None,
+        forced_bos_token_id: int | None = None,
+        forced_eos_token_id: int | list[int] | None = None,
+        suppress_tokens: list[int] | None = None,
+        begin_suppress_tokens: list[int] | None = None,
+        pad_token_id: int | None = None,
+        eos_token_id: int | list[int] | None = None,
+        decoder_start_token_id: int | None = None,
+        seed: int | None = None,
+        **named_inputs: np.ndarray,
+    ) -> np.ndarray:
+        """Generate token ids, as transformers' ``generate()`` does for encoder-decoder models.
+
+        Encoder inputs are numpy arrays passed by name (``input_ids=..., attention_mask=...``,
+        or ``input_features=...`` for Whisper), or as one mapping. Settings left at None take
+        the model's generation config, then transformers' defaults. Returns an int64 array
+        ``[batch * num_return_sequences, length]`` starting with the decoder start token; rows
+        that finished early are padded like transformers pads them.
+
+        Raises:
+            GenerationError: invalid inputs or settings.
+        """
+        given = dict(encoder_inputs or {})
+        overlap = set(given) & set(named_inputs)
+        if overlap:
+            raise GenerationError(f"inputs {sorted(overlap)} passed twice")
+        given.update(named_inputs)
+        if not given:
+            raise GenerationError(
+                f"no encoder inputs given; this model takes {list(self.encoder_input_names)}"
+            )
+        inputs = self._check_encoder_inputs(given)
+        batch = next(iter(inputs.values())).shape[0]
+        overrides = dict(
+            max_new_tokens=max_new_tokens,
+            max_length=max_length,
+            min_new_tokens=min_new_tokens,
+            min_length=min_length,
+            num_beams=num_beams,
+            num_return_sequences=num_return_sequences,
+            do_sample=do_sample,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            repetition_penalty=repetition_penalty,
+            no_repeat_ngram_size=no_repeat_ngram_size,
+            length_penalty=length_penalty,
+            early_stopping=early_stopping,
+            bad_words_ids=bad_words_ids,
+            forced_bos_token_id=forced_bos_token_id,
+            forced_eos_token_id=forced_eos_token_id,
+            suppress_tokens=suppress_tokens,
+            begin_suppress_tokens=begin_suppress_tokens,
+            pad_token_id=pad_token_id,
+            eos_token_id=eos_token_id,
+            decoder_start_token_id=decoder_start_token_id,
+        )
+        # The prompt's length decides max_length; resolve the start token first.
+        start = resolve_settings(self.config, self.generation_config, overrides, 1)
+        prompt = self._prompt(decoder_input_ids, batch, start.decoder_start_token_id)
+        settings = resolve_settings(
+            self.config, self.generation_config, overrides, prompt.shape[1]
+        )
+        self._default_attention_mask(inputs, settings.pad_token_id, settings.eos_token_id)
+        processors = build_processors(settings)
+        rng = np.random.default_rng(seed)
+        if settings.num_beams == 1:
+            if settings.num_return_sequences > 1:
+                repeat = settings.num_return_sequences
+                inputs = {k: np.repeat(v, repeat, axis=0) for k, v in inputs.items()}
+                prompt = np.repeat(prompt, repeat, axis=0)
+            runner = _Runner(self._session, inputs, prompt)
+            return greedy_or_sample(runner, prompt, settings, processors, rng)
+        runner = _Runner(self._session, inputs, prompt)
+        return beam_search(runner, prompt, settings, processors, rng)
+
+    # -- step API -------------------------------------------------------------------------------
+
+    def first_step(
+        self,
+        encoder_inputs: Mapping[str, np.ndarray],
+        decoder_input_ids: np.ndarray,
+    ) -> StepOutput:
+        """Run the encoder and the decoder on a prompt. ``logits``: ``[rows, prompt_len, vocab]``."""
+        inputs = self._check_encoder_inputs(dict(encoder_inputs))
+        batch = next(iter(inputs.values())).shape[0]
+        ids = _cast(c.DECODER_INPUT_IDS, np.asarray(decoder_input_ids), np.int64, 2)
+        if ids.shape[0] != batch:
+            raise GenerationError(
+                f"decoder_input_ids has {ids.shape[0]} rows but the encoder inputs have {batch}"
+            )
+        if self._session.has_attention_mask and c.ATTENTION_MASK not in inputs:
+            first = next(iter(inputs.values()))
+            inputs[c.ATTENTION_MASK] = np.ones(first.shape[:2], dtype=np.int64)
+        return self._session.first_step(inputs, ids)
+
+    def next_step(
+        self,
+        decoder_input_ids: np.ndarray,
+        cache: Cache,
+        attention_mask: np.ndarray | None = None,
+    ) -> StepOutput:
+        """Feed ``decoder_input_ids`` ``[rows, n]`` after the prefix held by ``cache``.
+
+        ``attention_mask`` is the encoder's mask, by default the one the cache carries.
+        """
+        if not isinstance(cache, Cache):
+            raise GenerationError("next_step() needs the cache of a previous step")
+        ids = _cast(c.DECODER_INPUT_IDS, np.asarray(decoder_input_ids), np.int64, 2)
+        if ids.shape[0] != cache.rows:
+            raise GenerationError(
+                f"decoder_input_ids has {ids.shape[0]} rows but the cache has {cache.rows}"
+            )
+        if attention_mask is not None:
+            attention_mask = _cast(c.ATTENTION_MASK, np.asarray(attention_mask), np.int64, 2)
+        return self._session.next_step(ids, cache, attention_mask)
+
+    # -- text -----------------------------------------------------------------------------------
+
+    def translate(
+        self,
+        texts: str | Sequence[str],
+        tokenizer: Any | None = None,
+        **generate_kwargs: Any,
+    ) -> list[str] | str:
+        """Tokenize ``texts``, generate, decode. See :class:`onnxmerge.runtime.text.TextGenerator`."""
+        from onnxmerge.runtime.text import TextGenerator
+
+        if tokenizer is None and self._tokenizer is None:
+            self._tokenizer = TextGenerator.load_tokenizer(self.path.parent)
+        generator = TextGenerator(self, tokenizer if tokenizer is not None else self._tokenizer)
+        return generator(texts, **generate_kwargs)
+
+    def __repr__(self) -> str:
+        return (
+            f"Seq2SeqModel({str(self.path)!r}, model_type={self.model_type!r}, "
+            f"layers={self.num_layers}, layout={self.info.layout!r})"
+        )
+
+
+def _cast(name: str, value: np.ndarray, dtype: type, rank: int) -> np.ndarray:
+    """``value`` as a contiguous array of ``dtype``; refuse a wrong kind of number or rank."""
+    if value.ndim != rank:
+        raise GenerationError(
+            f"{name} must have {rank} dimensions, got shape {tuple(value.shape)}"
+        )
+    want_int = np.issubdtype(dtype, np.integer)
+    if want_int and not np.issubdtype(value.dtype, np.integer):
+        raise GenerationError(f"{name} must hold integers (int64), got {value.dtype}")
+    if not want_int and not np.issubdtype(value.dtype, np.floating):
+        raise GenerationError(f"{name} must hold floats ({np.dtype(dtype).name}), got {value.dtype}")
+    return np.ascontiguousarray(value, dtype=dtype)
+
+
+__all__ = ["Seq2SeqModel", "Cache", "StepOutput"]

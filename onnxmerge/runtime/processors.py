@@ -1,0 +1,284 @@
+"""Logits processors in numpy, with the semantics of transformers' classes of the same role.
+
+Each processor is called as ``processor(input_ids, scores) -> scores`` where ``input_ids`` is the
+``[rows, cur_len]`` int64 array of tokens so far (decoder start included) and ``scores`` the
+``[rows, vocab]`` float32 array for the next token. Processors may modify ``scores`` in place and
+return it. They are applied in the order :func:`build_processors` lists them, which is the order
+transformers applies its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from onnxmerge.runtime.settings import GenerationSettings
+
+NEG_INF = np.float32(-np.inf)
+
+
+class LogitsProcessor(Protocol):
+    def __call__(self, input_ids: np.ndarray, scores: np.ndarray) -> np.ndarray: ...
+
+
+def _token_array(tokens: Iterable[int]) -> np.ndarray:
+    return np.asarray(list(tokens), dtype=np.int64).reshape(-1)
+
+
+def _valid_tokens(tokens: np.ndarray, vocab: int) -> np.ndarray:
+    # transformers builds a vocabulary mask with isin, so ids outside the vocabulary are ignored.
+    return tokens[(tokens >= 0) & (tokens < vocab)]
+
+
+class RepetitionPenalty:
+    """Divide positive (multiply negative) scores of tokens already in the sequence by ``penalty``."""
+
+    def __init__(self, penalty: float):
+        if not penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {penalty}")
+        self.penalty = float(penalty)
+
+    def __call__(self, input_ids: np.ndarray, scores: np.ndarray) -> np.ndarray:
+        rows = np.arange(scores.shape[0])[:, None]
+        picked = scores[rows, input_ids]
+        penalized = np.where(picked < 0, picked * self.penalty, picked / self.penalty)
+        scores[rows, input_ids] = penalized.astype(scores.dtype, copy=False)
+        return scores
+
+
+class NoRepeatNGram:
+    """Ban every token that would repeat an n-gram already present in the row."""
+
+    def __init__(self, ngram_size: int):
+        if ngram_size <= 0:
+            raise ValueError(f"no_repeat_ngram_size must be > 0, got {ngram_size}")
+        self.ngram_size = int(ngram_size)
+
+    def __call__(self, input_ids: np.ndarray, scores: np.ndarray) -> np.ndarray:
+        n = self.ngram_size
+        cur_len = input_ids.shape[1]
+        if cur_len + 1 < n:
+            return scores
+        for row, tokens in enumerate(input_ids.tolist()):
+            prefix = tuple(tokens[cur_len + 1 - n :])
+            banned = [
+                tokens[start + n - 1]
+                for start in range(cur_len - n + 1)
+                if tuple(tokens[start : start + n - 1]) == prefix
+            ]
+            if banned:
+                scores[row, banned] = NEG_INF
+        return scores
+
+
+class NoBadWords:
+    """Ban single tokens always, and the last token of a multi-token sequence after its prefix.
+
+    A bad word equal to a single eos token is dropped, as transformers does.
+    """
+
+    def __init__(self, bad_words_ids: Sequence[Sequence[int]], eos_token_ids: Sequence[int] = ()):
+        eos = [[int(t)] for t in eos_token_ids]
+        words = [list(map(int, w)) for w in bad_words_ids]
+        words = [w for w in words if w not in eos]
+        self.single = _token_array(w[0] for w in words if len(w) == 1)
+        self.multi = [(np.asarray(w[:-1], dtype=np.int64), w[-1]) for w in words if len(w) > 1]
+
+    def __call__(self, input_ids: np.ndarray, scores: np.ndarray) -> np.ndarray:
+        if self.single.size:
+            scores[:, self.single] = NEG_INF
+        cur_len = input_ids.shape[1]
+        for prefix, last in self.multi:
+            if len(prefix) + 1 > cur_len:
+                continue
+            matching = np.all(input_ids[:, cur_len - len(prefix) :] == prefix, axis=1)
+            scores[matching, last] = NEG_INF
+        return scores
+
+
+class MinLength:
+    """Forbid eos while the sequence (decoder start included) is shorter than ``min_length``."""
+
+    def __init__(self, min_length: int, eos_token_ids: Sequence[int]):
+        self.min_length = int(min_length)
+        self.eos = _token_array(eos_token_ids)
+
+    def __call__(self, input_ids: np.ndarray, scores: np.ndarray) -> np.ndarray:
+        if input_ids.shape[1] < self.min_length:
+            scores[:, _valid_tokens(self.eos, scores.shape[1])] = NEG_INF
+        return scores
+
+
+class MinNewTokens:
+    """Forbid eos until ``min_new_tokens`` tokens follow the prompt of ``prompt_length`` tokens."""
+
+    def __init__(self, prompt_length: int, min_new_tokens: int, eos_token_ids: Sequence[int]):
+        self.prompt_length = int(prompt_length)
+        self.min_new_tokens = int(min_new_tokens)
+        self.eos = _token_array(eos_token_ids)
+
+    def __call__(self, input_ids: np.ndarray, scores: np.ndarray) -> np.ndarray:
+        if input_ids.shape[1] - self.prompt_length < self.min_new_tokens:
+            scores[:, _valid_tokens(self.eos, scores.shape[1])] = NEG_INF
+        return scores
+
+
+class ForcedBOS:
+    """Force ``token_id`` as the first generated token (when the sequence holds one token)."""
+
+    def __init__(self, token_id: int):
+        self.token_id = int(token_id)
+
+    def __call__(self, input_ids: np.ndarray, scores: np.ndarray) -> np.ndarray:
+        if input_ids.shape[1] == 1:
+            scores.fill(NEG_INF)
+            scores[:, self.token_id] = 0
+        return scores
+
+
+class ForcedEOS:
+    """Force eos as the last token when the sequence reaches ``max_length - 1``."""
+
+    def __init__(self, max_length: int, eos_token_ids: Sequence[int]):
+        self.max_length = int(max_length)
+        self.eos = _token_array(eos_token_ids)
+        if (self.eos < 0).any():
+            raise ValueError(f"forced_eos_token_id must be non-negative, got {self.eos.tolist()}")
+
+    def __call__(self, input_ids: np.ndarray, scores: np.ndarray) -> np.ndarray:
+        if input_ids.shape[1] == self.max_length - 1:
+            scores.fill(NEG_INF)
+            scores[:, self.eos] = 0
+        return scores
+
+
+class SuppressTokens:
+    """Set the scores of ``tokens`` to -inf at every step."""
+
+    def __init__(self, tokens: Iterable[int]):
+        self.tokens = _token_array(tokens)
+
+    def __call__(self, input_ids: np.ndarray, scores: np.ndarray) -> np.ndarray:
+        scores[:, _valid_tokens(self.tokens, scores.shape[1])] = NEG_INF
+        return scores
+
+
+class SuppressTokensAtBegin:
+    """Set the scores of ``tokens`` to -inf on the step where the sequence is ``begin_index`` long."""
+
+    def __init__(self, tokens: Iterable[int], begin_index: int):
+        self.tokens = _token_array(tokens)
+        self.begin_index = int(begin_index)
+
+    def __call__(self, input_ids: np.ndarray, scores: np.ndarray) -> np.ndarray:
+        if input_ids.shape[1] == self.begin_index:
+            scores[:, _valid_tokens(self.tokens, scores.shape[1])] = NEG_INF
+        return scores
+
+
+class Temperature:
+    def __init__(self, temperature: float):
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0 when sampling, got {temperature}")
+        self.temperature = float(temperature)
+
+    def __call__(self, input_ids: np.ndarray, scores: np.ndarray) -> np.ndarray:
+        scores /= np.float32(self.temperature)
+        return scores
+
+
+class TopK:
+    """Keep the ``top_k`` highest scores (ties with the k-th included), -inf elsewhere."""
+
+    def __init__(self, top_k: int, min_tokens_to_keep: int = 1):
+        if top_k <= 0:
+            raise ValueError(f"top_k must be > 0, got {top_k}")
+        self.top_k = max(int(top_k), int(min_tokens_to_keep))
+
+    def __call__(self, input_ids: np.ndarray, scores: np.ndarray) -> np.ndarray:
+        k = min(self.top_k, scores.shape[1])
+        kth = np.partition(scores, -k, axis=1)[:, -k, None]
+        scores[scores < kth] = NEG_INF
+        return scores
+
+
+class TopP:
+    """Nucleus filtering: drop the least likely tokens whose total probability is <= 1 - top_p."""
+
+    def __init__(self, top_p: float, min_tokens_to_keep: int = 1):
+        if not 0 <= top_p <= 1:
+            raise ValueError(f"top_p must be in [0, 1], got {top_p}")
+        self.top_p = float(top_p)
+        self.min_tokens_to_keep = int(min_tokens_to_keep)
+
+    def __call__(self, input_ids: np.ndarray, scores: np.ndarray) -> np.ndarray:
+        order = np.argsort(scores, axis=1, kind="stable")
+        sorted_scores = np.take_along_axis(scores, order, axis=1)
+        cumulative = np.cumsum(softmax(sorted_scores), axis=1, dtype=np.float32)
+        remove_sorted = cumulative <= np.float32(1 - self.top_p)
+        remove_sorted[:, -self.min_tokens_to_keep :] = False
+        remove = np.zeros_like(remove_sorted)
+        np.put_along_axis(remove, order, remove_sorted, axis=1)
+        scores[remove] = NEG_INF
+        return scores
+
+
+def softmax(scores: np.ndarray) -> np.ndarray:
+    shifted = scores - scores.max(axis=-1, keepdims=True)
+    exp = np.exp(shifted)
+    return exp / exp.sum(axis=-1, keepdims=True)
+
+
+def log_softmax(scores: np.ndarray) -> np.ndarray:
+    shifted = scores - scores.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+class ProcessorList(list):
+    """Apply processors in order."""
+
+    def __call__(self, input_ids: np.ndarray, scores: np.ndarray) -> np.ndarray:
+        for processor in self:
+            scores = processor(input_ids, scores)
+        return scores
+
+
+def build_processors(settings: GenerationSettings) -> ProcessorList:
+    """The processors transformers would build for ``settings``, in transformers' order."""
+    s = settings
+    eos = s.eos_token_id
+    processors = ProcessorList()
+    if s.repetition_penalty != 1.0:
+        processors.append(RepetitionPenalty(s.repetition_penalty))
+    if s.no_repeat_ngram_size > 0:
+        processors.append(NoRepeatNGram(s.no_repeat_ngram_size))
+    if s.bad_words_ids is not None:
+        processors.append(NoBadWords(s.bad_words_ids, eos or ()))
+    if eos is not None and s.min_length > 0:
+        processors.append(MinLength(s.min_length, eos))
+    if eos is not None and s.min_new_tokens is not None and s.min_new_tokens > 0:
+        processors.append(MinNewTokens(s.prompt_length, s.min_new_tokens, eos))
+    if s.forced_bos_token_id is not None:
+        processors.append(ForcedBOS(s.forced_bos_token_id))
+    if s.forced_eos_token_id is not None:
+        processors.append(ForcedEOS(s.max_length, s.forced_eos_token_id))
+    if s.suppress_tokens is not None:
+        processors.append(SuppressTokens(s.suppress_tokens))
+    if s.begin_suppress_tokens is not None:
+        begin = s.prompt_length
+        if s.prompt_length == 1 and s.forced_bos_token_id is not None:
+            begin += 1
+        processors.append(SuppressTokensAtBegin(s.begin_suppress_tokens, begin))
+    if s.do_sample:
+        # Beam sampling keeps one more token than there are eos tokens, so a beam can continue.
+        keep = (len(eos) + 1 if eos is not None else 2) if s.num_beams > 1 else 1
+        if s.temperature != 1.0:
+            processors.append(Temperature(s.temperature))
+        if s.top_k is not None and s.top_k != 0:
+            processors.append(TopK(s.top_k, keep))
+        if s.top_p < 1.0:
+            processors.append(TopP(s.top_p, keep))
+    return processors

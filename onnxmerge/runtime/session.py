@@ -1,0 +1,309 @@
+"""One onnxruntime session over a merged model, and the step API built on it.
+
+``first_step`` runs the encoder and the decoder on the prompt (``use_cache_branch = false``);
+``next_step`` runs the decoder with past on new tokens (``use_cache_branch = true``). The cache
+keeps the tensors the model returned, as numpy arrays that share onnxruntime's buffers, so steps
+pass them back without copying.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from onnxmerge import contract as c
+from onnxmerge.errors import GenerationError, InvalidMergedModelError
+
+logger = logging.getLogger(__name__)
+
+_ORT_TO_NUMPY = {
+    "tensor(int64)": np.int64,
+    "tensor(int32)": np.int32,
+    "tensor(float)": np.float32,
+    "tensor(float16)": np.float16,
+    "tensor(double)": np.float64,
+    "tensor(bool)": np.bool_,
+}
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    name: str
+    dtype: type
+    shape: tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class Cache:
+    """What a step hands to the next one.
+
+    With past: ``decoder`` and ``encoder`` hold the key/value tensors per layer (key, value,
+    key, value, ...), ``[rows, heads, length, head_dim]``. Without past: ``tokens`` holds the
+    decoder prefix so far and ``encoder_inputs`` the inputs the encoder is re-run on.
+    Methods return new caches; a cache is never changed in place.
+    """
+
+    attention_mask: np.ndarray | None
+    decoder: tuple[np.ndarray, ...] = ()
+    encoder: tuple[np.ndarray, ...] = ()
+    tokens: np.ndarray | None = None
+    encoder_inputs: Mapping[str, np.ndarray] | None = None
+
+    @property
+    def rows(self) -> int:
+        if self.tokens is not None:
+            return self.tokens.shape[0]
+        return self.decoder[0].shape[0]
+
+    @property
+    def length(self) -> int:
+        """Decoder positions already processed."""
+        if self.tokens is not None:
+            return self.tokens.shape[1]
+        return self.decoder[0].shape[2]
+
+    def reorder(self, indices: Sequence[int] | np.ndarray, *, encoder: bool = True) -> Cache:
+        """Rows ``indices`` of this cache, in that order (beam search's cache reorder).
+
+        ``encoder=False`` keeps the encoder part as it is; beam search uses it because beams only
+        move within an input, whose encoder tensors are the same for all its beams.
+        """
+        idx = np.asarray(indices, dtype=np.int64)
+        if idx.ndim != 1 or (idx.size and (idx.min() < 0 or idx.max() >= self.rows)):
+            raise GenerationError(
+                f"reorder indices must be a 1-D list of rows in [0, {self.rows}), got {idx.tolist()}"
+            )
+        if not encoder and idx.size != self.rows:
+            raise GenerationError("reorder(encoder=False) must keep the number of rows")
+        take = lambda a: np.take(a, idx, axis=0)  # noqa: E731
+        mask = None if self.attention_mask is None else (
+            take(self.attention_mask) if encoder else self.attention_mask
+        )
+        if self.tokens is not None:
+            inputs = self.encoder_inputs or {}
+            return Cache(
+                attention_mask=mask,
+                tokens=take(self.tokens),
+                encoder_inputs={k: take(v) for k, v in inputs.items()} if encoder else inputs,
+            )
+        return Cache(
+            attention_mask=mask,
+            decoder=tuple(take(t) for t in self.decoder),
+            encoder=tuple(take(t) for t in self.encoder) if encoder else self.encoder,
+        )
+
+    def expand(self, n: int) -> Cache:
+        """Every row repeated ``n`` times in place (row r becomes rows r*n ... r*n+n-1)."""
+        return self.reorder(np.repeat(np.arange(self.rows), n))
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """``logits``: ``[rows, new_tokens, vocab]`` for the tokens just fed; ``cache`` for the next step."""
+
+    logits: np.ndarray
+    cache: Cache
+
+
+def default_session_options() -> Any:
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    # Each step is short and shape-changing: the memory-pattern planner does not pay off.
+    options.enable_mem_pattern = False
+    return options
+
+
+class MergedSession:
+    """An onnxruntime session over a merged model, with the step API."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        providers: Sequence[Any] | None = None,
+        session_options: Any | None = None,
+    ):
+        try:
+            import onnxruntime as ort
+        except ImportError as error:  # pragma: no cover - depends on the environment
+            raise ImportError(
+                "running a merged model needs onnxruntime: pip install 'onnxmerge[runtime]'"
+            ) from error
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise InvalidMergedModelError(f"{self.path} is not a file; pass the merged .onnx file")
+        options = session_options if session_options is not None else default_session_options()
+        try:
+            self.session = ort.InferenceSession(
+                str(self.path),
+                sess_options=options,
+                providers=list(providers) if providers else ["CPUExecutionProvider"],
+            )
+        except Exception as error:
+            raise InvalidMergedModelError(
+                f"onnxruntime cannot load {self.path}: {error}"
+            ) from error
+        inputs = self.session.get_inputs()
+        outputs = self.session.get_outputs()
+        metadata = self.session.get_modelmeta().custom_metadata_map
+        self.info = c.read_contract(
+            metadata, [i.name for i in inputs], [o.name for o in outputs]
+        )
+        self.inputs = {
+            i.name: InputSpec(i.name, _ORT_TO_NUMPY.get(i.type, np.float32), tuple(i.shape))
+            for i in inputs
+        }
+        self.output_names = [o.name for o in outputs]
+        self.encoder_input_names = self.info.encoder_inputs or tuple(
+            name
+            for name in self.inputs
+            if name not in (c.DECODER_INPUT_IDS, c.USE_CACHE_BRANCH) and not c.is_past_name(name)
+        )
+        missing = [n for n in self.encoder_input_names if n not in self.inputs]
+        if missing:
+            raise InvalidMergedModelError(
+                f"{self.path}: metadata lists encoder inputs {missing} that the graph does not have"
+            )
+        self.has_attention_mask = c.ATTENTION_MASK in self.inputs
+        self.has_past = self.info.has_past
+        layers = range(self.info.num_layers)
+        self.past_decoder_names = [
+            c.past_name(i, "decoder", k) for i in layers for k in ("key", "value")
+        ]
+        self.past_encoder_names = [
+            c.past_name(i, "encoder", k) for i in layers for k in ("key", "value")
+        ]
+        self.present_decoder_names = [
+            c.present_name(i, "decoder", k) for i in layers for k in ("key", "value")
+        ]
+        self.present_encoder_names = [
+            c.present_name(i, "encoder", k) for i in layers for k in ("key", "value")
+        ]
+        if self.has_past:
+            absent = [
+                n
+                for n in self.past_decoder_names + self.past_encoder_names + [c.USE_CACHE_BRANCH]
+                if n not in self.inputs
+            ] + [
+                n
+                for n in self.present_decoder_names + self.present_encoder_names
+                if n not in self.output_names
+            ]
+            if absent:
+                raise InvalidMergedModelError(
+                    f"{self.path} is not a complete merged model: it lacks {absent[:4]}"
+                )
+            self._first_outputs = (
+                [c.LOGITS] + self.present_decoder_names + self.present_encoder_names
+            )
+            self._next_outputs = [c.LOGITS] + self.present_decoder_names
+            self._past_shapes = {
+                name: self._past_shape(name)
+                for name in self.past_decoder_names + self.past_encoder_names
+            }
+        self._true = np.ones(1, dtype=np.bool_)
+        self._false = np.zeros(1, dtype=np.bool_)
+
+    # -- shapes ---------------------------------------------------------------------------------
+
+    def _past_shape(self, name: str) -> tuple[int, int]:
+        """(heads, head_dim) of a past input, from its declared shape or the model config."""
+        shape = self.inputs[name].shape
+        heads, head_dim = (shape[1], shape[3]) if len(shape) == 4 else (None, None)
+        if isinstance(heads, int) and isinstance(head_dim, int):
+            return heads, head_dim
+        cfg = self.info.config
+        heads = cfg.get("decoder_attention_heads") or cfg.get("num_heads") or cfg.get("n_head")
+        d_model = cfg.get("d_model") or cfg.get("hidden_size")
+        head_dim = cfg.get("d_kv") or (d_model // heads if heads and d_model else None)
+        if not heads or not head_dim:
+            raise InvalidMergedModelError(
+                f"{self.path}: the shape of {name} does not give heads and head_dim, and the "
+                "embedded config does not either"
+            )
+        return int(heads), int(head_dim)
+
+    def _empty_past(self, rows: int) -> dict[str, np.ndarray]:
+        dtype = self.inputs[self.past_decoder_names[0]].dtype
+        return {
+            name: np.zeros((rows, heads, 0, head_dim), dtype=dtype)
+            for name, (heads, head_dim) in self._past_shapes.items()
+        }
+
+    def placeholders(self, rows: int) -> dict[str, np.ndarray]:
+        """Zero-length stand-ins for the encoder inputs a cached step does not read."""
+        result = {}
+        for name in self.encoder_input_names:
+            if name == c.ATTENTION_MASK:
+                continue
+            spec = self.inputs[name]
+            middle = [d if isinstance(d, int) else 1 for d in spec.shape[1:-1]]
+            result[name] = np.zeros((rows, *middle, 0), dtype=spec.dtype)
+        return result
+
+    # -- steps ----------------------------------------------------------------------------------
+
+    def _run(self, output_names: list[str], feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        return self.session.run(output_names, feeds)
+
+    def first_step(
+        self, encoder_inputs: Mapping[str, np.ndarray], decoder_input_ids: np.ndarray
+    ) -> StepOutput:
+        """Run the encoder and the decoder on ``decoder_input_ids``; inputs must be validated."""
+        feeds = dict(encoder_inputs)
+        feeds[c.DECODER_INPUT_IDS] = decoder_input_ids
+        mask = encoder_inputs.get(c.ATTENTION_MASK)
+        if not self.has_past:
+            logits = self._run([c.LOGITS], feeds)[0]
+            return StepOutput(
+                logits,
+                Cache(attention_mask=mask, tokens=decoder_input_ids, encoder_inputs=dict(encoder_inputs)),
+            )
+        rows = decoder_input_ids.shape[0]
+        feeds[c.USE_CACHE_BRANCH] = self._false
+        feeds.update(self._empty_past(rows))
+        results = self._run(self._first_outputs, feeds)
+        n = len(self.present_decoder_names)
+        cache = Cache(
+            attention_mask=mask,
+            decoder=tuple(results[1 : 1 + n]),
+            encoder=tuple(results[1 + n :]),
+        )
+        return StepOutput(results[0], cache)
+
+    def next_step(
+        self,
+        decoder_input_ids: np.ndarray,
+        cache: Cache,
+        attention_mask: np.ndarray | None = None,
+    ) -> StepOutput:
+        """Feed new tokens ``[rows, n]`` after the cached prefix."""
+        mask = attention_mask if attention_mask is not None else cache.attention_mask
+        if not self.has_past:
+            tokens = np.concatenate([cache.tokens, decoder_input_ids], axis=1)
+            feeds = dict(cache.encoder_inputs or {})
+            if mask is not None:
+                feeds[c.ATTENTION_MASK] = mask
+            feeds[c.DECODER_INPUT_IDS] = tokens
+            logits = self._run([c.LOGITS], feeds)[0]
+            new_cache = Cache(attention_mask=mask, tokens=tokens, encoder_inputs=cache.encoder_inputs)
+            return StepOutput(logits[:, -decoder_input_ids.shape[1] :], new_cache)
+        rows = decoder_input_ids.shape[0]
+        feeds = self.placeholders(rows)
+        if mask is not None and self.has_attention_mask:
+            feeds[c.ATTENTION_MASK] = mask
+        feeds[c.DECODER_INPUT_IDS] = decoder_input_ids
+        feeds[c.USE_CACHE_BRANCH] = self._true
+        feeds.update(zip(self.past_decoder_names, cache.decoder))
+        feeds.update(zip(self.past_encoder_names, cache.encoder))
+        results = self._run(self._next_outputs, feeds)
+        new_cache = Cache(attention_mask=mask, decoder=tuple(results[1:]), encoder=cache.encoder)
+        return StepOutput(results[0], new_cache)

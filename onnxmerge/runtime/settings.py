@@ -1,0 +1,234 @@
+"""Resolve generation settings the way transformers' ``generate()`` does.
+
+Priority: arguments to ``generate()`` > the model's ``generation_config.json`` (or, without one,
+the generation parameters of its ``config.json``) > transformers' global defaults.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from onnxmerge.errors import GenerationError
+
+# transformers.GenerationConfig's defaults for the parameters this runtime reads.
+GLOBAL_DEFAULTS: dict[str, Any] = {
+    "max_length": 20,
+    "max_new_tokens": None,
+    "min_length": 0,
+    "min_new_tokens": None,
+    "early_stopping": False,
+    "do_sample": False,
+    "num_beams": 1,
+    "num_return_sequences": 1,
+    "temperature": 1.0,
+    "top_k": 50,
+    "top_p": 1.0,
+    "repetition_penalty": 1.0,
+    "length_penalty": 1.0,
+    "no_repeat_ngram_size": 0,
+    "bad_words_ids": None,
+    "forced_bos_token_id": None,
+    "forced_eos_token_id": None,
+    "suppress_tokens": None,
+    "begin_suppress_tokens": None,
+    "pad_token_id": None,
+    "bos_token_id": None,
+    "eos_token_id": None,
+    "decoder_start_token_id": None,
+}
+
+# Parameters that change the output and that this runtime does not implement: refuse them rather
+# than silently generate something else. Values are the settings that mean "off".
+UNSUPPORTED_OFF_VALUES: dict[str, tuple[Any, ...]] = {
+    "min_p": (None,),
+    "typical_p": (1.0, None),
+    "epsilon_cutoff": (0.0, None),
+    "eta_cutoff": (0.0, None),
+    "encoder_repetition_penalty": (1.0, None),
+    "encoder_no_repeat_ngram_size": (0, None),
+    "sequence_bias": (None,),
+    "renormalize_logits": (False, None),
+    "remove_invalid_values": (False, None),
+    "exponential_decay_length_penalty": (None,),
+    "guidance_scale": (None, 1, 1.0),
+    "num_beam_groups": (1, None),
+    "diversity_penalty": (0.0, None),
+    "penalty_alpha": (None,),
+    "constraints": (None,),
+    "force_words_ids": (None,),
+    "forced_decoder_ids": (None, []),
+    "max_time": (None,),
+    "stop_strings": (None,),
+}
+
+
+@dataclass
+class GenerationSettings:
+    """Every setting a search reads, after defaults, special tokens and lengths are resolved."""
+
+    max_length: int
+    min_length: int
+    min_new_tokens: int | None
+    max_new_tokens: int | None
+    early_stopping: bool | str
+    do_sample: bool
+    num_beams: int
+    num_return_sequences: int
+    temperature: float
+    top_k: int | None
+    top_p: float
+    repetition_penalty: float
+    length_penalty: float
+    no_repeat_ngram_size: int
+    bad_words_ids: list[list[int]] | None
+    forced_bos_token_id: int | None
+    forced_eos_token_id: list[int] | None
+    suppress_tokens: list[int] | None
+    begin_suppress_tokens: list[int] | None
+    pad_token_id: int | None
+    eos_token_id: list[int] | None
+    decoder_start_token_id: int
+    prompt_length: int = 1
+
+
+def model_generation_defaults(config: dict, generation_config: dict) -> dict[str, Any]:
+    """The model's own generation parameters: its generation config, else its config's."""
+    source = generation_config if generation_config else config
+    defaults = dict(GLOBAL_DEFAULTS)
+    for key in list(GLOBAL_DEFAULTS) + list(UNSUPPORTED_OFF_VALUES):
+        if key in source and source[key] is not None:
+            defaults[key] = source[key]
+    return defaults
+
+
+def _as_token_list(value: Any) -> list[int] | None:
+    if value is None:
+        return None
+    if isinstance(value, (list, tuple)):
+        return [int(v) for v in value]
+    return [int(value)]
+
+
+def resolve_settings(
+    config: dict,
+    generation_config: dict,
+    overrides: dict[str, Any],
+    prompt_length: int,
+) -> GenerationSettings:
+    """Merge defaults and ``overrides`` (None means "not given") and resolve lengths and tokens.
+
+    ``prompt_length`` is the decoder prompt's length (1 for the decoder start token alone).
+    """
+    values = model_generation_defaults(config, generation_config)
+    for key, off in UNSUPPORTED_OFF_VALUES.items():
+        if key in values and values[key] not in off:
+            raise GenerationError(
+                f"the model's generation config sets {key}={values[key]!r}, which this runtime does "
+                "not implement; pass a supported configuration or use transformers for this model"
+            )
+    given = {k: v for k, v in overrides.items() if v is not None}
+    unknown = sorted(set(given) - set(GLOBAL_DEFAULTS))
+    if unknown:
+        raise GenerationError(f"unknown generation settings: {', '.join(unknown)}")
+    values.update(given)
+
+    eos = _as_token_list(values["eos_token_id"])
+    pad = values["pad_token_id"]
+    if pad is None and eos is not None:
+        pad = eos[0]
+    start = values["decoder_start_token_id"]
+    if start is None:
+        start = values["bos_token_id"]
+    if start is None:
+        raise GenerationError(
+            "neither decoder_start_token_id nor bos_token_id is set in the model's configs; pass "
+            "decoder_input_ids that start with the decoder start token"
+        )
+
+    max_length = values["max_length"]
+    if values["max_new_tokens"] is not None:
+        max_length = values["max_new_tokens"] + prompt_length
+    elif "max_length" not in given and max_length == GLOBAL_DEFAULTS["max_length"]:
+        # transformers: an unset max_length means 20 new tokens, capped by the positions.
+        max_length = max_length + prompt_length
+        positions = config.get("max_position_embeddings")
+        if positions is not None:
+            max_length = min(max_length, positions)
+    min_length = values["min_length"]
+    if values["min_new_tokens"] is not None:
+        min_length = values["min_new_tokens"] + prompt_length
+
+    settings = GenerationSettings(
+        max_length=int(max_length),
+        min_length=int(min_length or 0),
+        min_new_tokens=values["min_new_tokens"],
+        max_new_tokens=values["max_new_tokens"],
+        early_stopping=values["early_stopping"],
+        do_sample=bool(values["do_sample"]),
+        num_beams=int(values["num_beams"]),
+        num_return_sequences=int(values["num_return_sequences"]),
+        temperature=float(values["temperature"]),
+        top_k=values["top_k"],
+        top_p=float(values["top_p"]),
+        repetition_penalty=float(values["repetition_penalty"]),
+        length_penalty=float(values["length_penalty"]),
+        no_repeat_ngram_size=int(values["no_repeat_ngram_size"] or 0),
+        bad_words_ids=values["bad_words_ids"],
+        forced_bos_token_id=values["forced_bos_token_id"],
+        forced_eos_token_id=_as_token_list(values["forced_eos_token_id"]),
+        suppress_tokens=_as_token_list(values["suppress_tokens"]),
+        begin_suppress_tokens=_as_token_list(values["begin_suppress_tokens"]),
+        pad_token_id=None if pad is None else int(pad),
+        eos_token_id=eos,
+        decoder_start_token_id=int(start),
+        prompt_length=prompt_length,
+    )
+    validate_settings(settings)
+    return settings
+
+
+def validate_settings(s: GenerationSettings) -> None:
+    if s.num_beams < 1:
+        raise GenerationError(f"num_beams must be >= 1, got {s.num_beams}")
+    if s.num_return_sequences < 1:
+        raise GenerationError(f"num_return_sequences must be >= 1, got {s.num_return_sequences}")
+    if s.num_beams > 1 and s.num_return_sequences > s.num_beams:
+        raise GenerationError(
+            f"num_return_sequences ({s.num_return_sequences}) must be <= num_beams ({s.num_beams})"
+        )
+    if s.num_beams == 1 and not s.do_sample and s.num_return_sequences > 1:
+        raise GenerationError(
+            "greedy search returns one sequence per input: set num_beams >= num_return_sequences "
+            "or do_sample=True"
+        )
+    if s.prompt_length >= s.max_length:
+        raise GenerationError(
+            f"decoder_input_ids are {s.prompt_length} tokens long but max_length is {s.max_length}; "
+            "raise max_length or set max_new_tokens"
+        )
+    if s.max_new_tokens is not None and s.max_new_tokens < 1:
+        raise GenerationError(f"max_new_tokens must be >= 1, got {s.max_new_tokens}")
+    if s.early_stopping not in (True, False, "never"):
+        raise GenerationError(
+            f"early_stopping must be True, False or 'never', got {s.early_stopping!r}"
+        )
+    if s.do_sample and not s.temperature > 0:
+        raise GenerationError(f"temperature must be > 0 when sampling, got {s.temperature}")
+    if s.do_sample and not 0 <= s.top_p <= 1:
+        raise GenerationError(f"top_p must be in [0, 1], got {s.top_p}")
+    if s.top_k is not None and s.top_k < 0:
+        raise GenerationError(f"top_k must be >= 0, got {s.top_k}")
+    if s.repetition_penalty <= 0:
+        raise GenerationError(f"repetition_penalty must be > 0, got {s.repetition_penalty}")
+    if s.no_repeat_ngram_size < 0:
+        raise GenerationError(f"no_repeat_ngram_size must be >= 0, got {s.no_repeat_ngram_size}")
+    if s.bad_words_ids is not None and (
+        not isinstance(s.bad_words_ids, list)
+        or not s.bad_words_ids
+        or not all(isinstance(w, (list, tuple)) and w for w in s.bad_words_ids)
+    ):
+        raise GenerationError("bad_words_ids must be a non-empty list of non-empty lists of ids")
+
+
+SETTING_NAMES = tuple(f.name for f in fields(GenerationSettings))

@@ -1,0 +1,371 @@
+"""Splice the parts of an export into one graph under the merged-model contract.
+
+The encoder and the decoder without past become the ``else`` branch of an ``If`` on
+``use_cache_branch``; the decoder with past becomes the ``then`` branch. Initializers of every part
+move to the main graph, where both branches read them from the outer scope.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+
+from onnxmerge import __version__, contract
+from onnxmerge.errors import ExportFolderError, IncompatibleModelsError
+from onnxmerge.roles import Role
+
+logger = logging.getLogger(__name__)
+
+GRAPH_NAME = "onnxmerge"
+
+
+@dataclass
+class Part:
+    """The nodes of one role, with the interface they had in their source file."""
+
+    role: Role
+    source: Path
+    graph: ir.Graph
+    inputs: dict[str, ir.Value]
+    outputs: dict[str, ir.Value]
+    # Initializers this part brings; parts taken from one merged decoder share theirs.
+    initializers: list[ir.Value] = field(default_factory=list)
+
+
+def parts_of_file(model: ir.Model, role: Role, source: Path) -> list[Part]:
+    """The part(s) a loaded file contributes: one, or two for an optimum merged decoder."""
+    graph = model.graph
+    initializers = list(graph.initializers.values())
+    if role != Role.MERGED_DECODER:
+        return [
+            Part(
+                role, source, graph,
+                {v.name: v for v in graph.inputs}, {v.name: v for v in graph.outputs},
+                initializers,
+            )
+        ]
+    if_nodes = [n for n in graph if n.op_type == "If"]
+    if len(if_nodes) != 1 or len(graph) != 1:
+        raise ExportFolderError(
+            f"{source} takes use_cache_branch but is not one If node over two decoders "
+            f"({len(graph)} top-level nodes); re-export it with optimum, or remove it and keep "
+            "decoder_model.onnx and decoder_with_past_model.onnx"
+        )
+    node = if_nodes[0]
+    inputs = {v.name: v for v in graph.inputs}
+    past_inputs = {v for name, v in inputs.items() if contract.is_past_name(name)}
+    names = [v.name for v in node.outputs]
+    parts: list[Part] = []
+    for attr_name in ("then_branch", "else_branch"):
+        branch = node.attributes[attr_name].value
+        reads_past = any(
+            v in past_inputs for n in ir.traversal.RecursiveGraphIterator(branch) for v in n.inputs
+        )
+        part_role = Role.DECODER_WITH_PAST if reads_past else Role.DECODER
+        outputs = dict(zip(names, branch.outputs, strict=True))
+        if reads_past:
+            # Cached steps return empty encoder presents; the splice makes its own.
+            outputs = {
+                k: v for k, v in outputs.items()
+                if not (contract.is_present_name(k) and ".encoder." in k)
+            }
+        parts.append(Part(part_role, source, branch, inputs, outputs))
+    if {p.role for p in parts} != {Role.DECODER, Role.DECODER_WITH_PAST}:
+        raise ExportFolderError(
+            f"{source}: expected one branch with past and one without, found "
+            f"{[p.role.value for p in parts]}"
+        )
+    parts.sort(key=lambda p: p.role != Role.DECODER)
+    parts[0].initializers = initializers
+    return parts
+
+
+class _Names:
+    """Hands out unique names: the first taker keeps its name, later ones get a role prefix."""
+
+    def __init__(self, reserved: set[str]):
+        self.used = set(reserved)
+
+    def claim(self, name: str, prefix: str) -> str:
+        candidate = name
+        counter = 0
+        while candidate in self.used:
+            counter += 1
+            candidate = f"{prefix}/{name}" if counter == 1 else f"{prefix}/{name}.{counter}"
+        self.used.add(candidate)
+        return candidate
+
+
+def _rename_part(part: Part, values: _Names, nodes: _Names) -> None:
+    prefix = part.role.value
+    for value in part.initializers:
+        value.name = values.claim(value.name, prefix)
+    for node in ir.traversal.RecursiveGraphIterator(part.graph):
+        if node.name:
+            node.name = nodes.claim(node.name, prefix)
+        for output in node.outputs:
+            if output.name:
+                output.name = values.claim(output.name, prefix)
+        for attr in node.attributes.values():
+            if attr.type == ir.AttributeType.GRAPH:
+                for sub_input in attr.value.inputs:
+                    sub_input.name = values.claim(sub_input.name, prefix)
+            elif attr.type == ir.AttributeType.GRAPHS:
+                for sub in attr.value:
+                    for sub_input in sub.inputs:
+                        sub_input.name = values.claim(sub_input.name, prefix)
+
+
+def _move_initializers(parts: list[Part], main: ir.Graph) -> None:
+    for part in parts:
+        for value in part.initializers:
+            owner = value.graph
+            if owner is main:
+                continue
+            if owner is not None:
+                owner.initializers.pop(value.name)
+            main.register_initializer(value)
+
+
+def _take_nodes(part: Part) -> list[ir.Node]:
+    """Detach a part's nodes and outputs from its source graph, so a new graph can own them."""
+    nodes = list(part.graph)
+    part.graph.remove(nodes)
+    part.graph.outputs.clear()
+    return nodes
+
+
+def _produced_in(value: ir.Value, nodes: list[ir.Node]) -> bool:
+    producer = value.producer()
+    return producer is not None and producer in nodes
+
+
+def _branch(name: str, nodes: list[ir.Node], outputs: list[ir.Value]) -> ir.Graph:
+    """A subgraph over ``nodes``; outputs not computed inside it go through an Identity."""
+    node_set = set(nodes)
+    final: list[ir.Value] = []
+    for value in outputs:
+        if not _produced_in(value, node_set) or value in final:
+            identity = ir.Node("", "Identity", [value], name=f"{name}/{value.name}/identity",
+                               outputs=[ir.Value(name=f"{name}/{value.name}.out", type=value.type,
+                                                 shape=value.shape)])
+            nodes.append(identity)
+            node_set.add(identity)
+            value = identity.outputs[0]
+        final.append(value)
+    return ir.Graph([], final, nodes=nodes, name=name)
+
+
+def _empty_like(name: str, value: ir.Value) -> ir.Node:
+    """A Constant with no elements, keeping ``value``'s fixed dims so runtimes see no mismatch."""
+    dims = list(value.shape) if value.shape is not None else [0, 0, 0, 0]
+    dims = [d if isinstance(d, int) else 0 for d in dims]
+    if 0 not in dims:
+        dims[0] = 0
+    dtype = value.dtype if value.dtype is not None else ir.DataType.FLOAT
+    empty = ir.tensor(np.zeros(dims, dtype=dtype.numpy()), name=name)
+    return ir.Node("", "Constant", [], attributes=[ir.AttrTensor("value", empty)], name=name,
+                   outputs=[ir.Value(name=name, type=value.type, shape=ir.Shape(dims))])
+
+
+def _input_like(name: str, value: ir.Value) -> ir.Value:
+    return ir.Value(name=name, type=value.type, shape=value.shape)
+
+
+@dataclass
+class SplicedModel:
+    model: ir.Model
+    encoder_inputs: list[str]
+    layout: str
+
+
+def _check_opsets(parts: list[Part], models: dict[Path, ir.Model]) -> tuple[dict[str, int], int]:
+    opsets: dict[str, int] = {}
+    problems: list[str] = []
+    for path, model in models.items():
+        for domain, version in model.opset_imports.items():
+            domain = "" if domain == "ai.onnx" else domain
+            if opsets.setdefault(domain, version) != version:
+                problems.append(
+                    f"{path.name} imports opset {domain or 'ai.onnx'} {version}, another file "
+                    f"imports {opsets[domain]}; export all files with the same --opset"
+                )
+    if problems:
+        raise IncompatibleModelsError("the files use different opsets:", problems)
+    # IR versions only gate file-format features; the newest of them reads all the others.
+    return opsets, max(model.ir_version for model in models.values())
+
+
+def splice(parts: list[Part], models: dict[Path, ir.Model]) -> SplicedModel:
+    """Join encoder and decoder parts into one model under the contract of ``docs/format.md``."""
+    by_role = {p.role: p for p in parts}
+    encoder = by_role[Role.ENCODER]
+    decoder = by_role[Role.DECODER]
+    with_past = by_role.get(Role.DECODER_WITH_PAST)
+    opsets, ir_version = _check_opsets(parts, models)
+
+    encoder_output = encoder.outputs.get(contract.OPTIMUM_ENCODER_OUTPUT)
+    if encoder_output is None:
+        raise ExportFolderError(f"{encoder.source} has no last_hidden_state output")
+
+    # Main-graph inputs, in the contract's order.
+    main_inputs: dict[str, ir.Value] = {
+        name: _input_like(name, v) for name, v in encoder.inputs.items()
+    }
+    encoder_inputs = list(main_inputs)
+    mask_name = (
+        contract.ATTENTION_MASK if contract.ATTENTION_MASK in main_inputs
+        else contract.OPTIMUM_ENCODER_ATTENTION_MASK
+    )
+    renames = {
+        contract.OPTIMUM_DECODER_INPUT_IDS: contract.DECODER_INPUT_IDS,
+        contract.OPTIMUM_ENCODER_ATTENTION_MASK: mask_name,
+    }
+    decoder_parts = [decoder] + ([with_past] if with_past else [])
+    problems: list[str] = []
+    for part in decoder_parts:
+        for name, value in part.inputs.items():
+            if name == contract.OPTIMUM_ENCODER_HIDDEN_STATES:
+                continue
+            target = renames.get(name, name)
+            existing = main_inputs.get(target)
+            if existing is None:
+                main_inputs[target] = _input_like(target, value)
+            elif existing.dtype != value.dtype:
+                problems.append(
+                    f"{part.source.name} input {name!r} is {value.dtype}, but {target!r} is "
+                    f"{existing.dtype} elsewhere"
+                )
+    hidden = decoder.inputs.get(contract.OPTIMUM_ENCODER_HIDDEN_STATES)
+    if hidden is None:
+        problems.append(f"{decoder.source.name} has no encoder_hidden_states input")
+    elif hidden.dtype != encoder_output.dtype:
+        problems.append(
+            f"{encoder.source.name} returns {encoder_output.dtype} hidden states but "
+            f"{decoder.source.name} expects {hidden.dtype}"
+        )
+    if with_past is not None and with_past.inputs.get(contract.OPTIMUM_ENCODER_HIDDEN_STATES):
+        if any(_read_by(with_past, with_past.inputs[contract.OPTIMUM_ENCODER_HIDDEN_STATES])):
+            problems.append(f"{with_past.source.name} reads encoder_hidden_states on cached steps")
+    if problems:
+        raise IncompatibleModelsError("the encoder and decoders do not fit together:", problems)
+    if with_past is not None:
+        main_inputs[contract.USE_CACHE_BRANCH] = ir.Value(
+            name=contract.USE_CACHE_BRANCH, type=ir.TensorType(ir.DataType.BOOL), shape=ir.Shape([1])
+        )
+    output_names = [
+        n for n in decoder.outputs if with_past is not None or not contract.is_present_name(n)
+    ]
+    if with_past is None and len(output_names) != len(decoder.outputs):
+        logger.warning(
+            "%s returns present key/values but no decoder with past was found: the merged "
+            "model will have no cache", decoder.source.name,
+        )
+
+    # Names: contract names are reserved; every part keeps its own where it is free.
+    values = _Names(set(main_inputs) | set(output_names))
+    nodes = _Names(set())
+    seen_initializers: set[int] = set()
+    for part in parts:
+        part.initializers = [v for v in part.initializers if id(v) not in seen_initializers]
+        seen_initializers.update(id(v) for v in part.initializers)
+        _rename_part(part, values, nodes)
+
+    main = ir.Graph(
+        list(main_inputs.values()), [], nodes=[], opset_imports=dict(opsets), name=GRAPH_NAME
+    )
+    _move_initializers(parts, main)
+
+    # Wire: part inputs read main inputs; the decoder reads the encoder's output.
+    for part in [encoder, *decoder_parts]:
+        for name, value in part.inputs.items():
+            if name == contract.OPTIMUM_ENCODER_HIDDEN_STATES:
+                replacement = encoder_output
+            elif part is encoder:
+                replacement = main_inputs[name]
+            else:
+                replacement = main_inputs[renames.get(name, name)]
+            if value is not replacement and value.uses():
+                ir.convenience.replace_all_uses_with(value, replacement)
+
+    first_step_nodes = _take_nodes(encoder) + _take_nodes(decoder)
+    first_step_outputs = [decoder.outputs[n] for n in output_names]
+    if with_past is None:
+        main.extend(first_step_nodes)
+        for name, value in zip(output_names, first_step_outputs, strict=True):
+            if not _produced_in(value, set(first_step_nodes)) or value in main.outputs:
+                identity = ir.Node("", "Identity", [value], outputs=[_input_like(name, value)])
+                main.append(identity)
+                value = identity.outputs[0]
+            else:
+                value.name = name
+            main.outputs.append(value)
+        layout = contract.LAYOUT_WITHOUT_PAST
+    else:
+        cached_nodes = _take_nodes(with_past)
+        cached_outputs = []
+        for name, value in zip(output_names, first_step_outputs, strict=True):
+            if name in with_past.outputs:
+                cached_outputs.append(with_past.outputs[name])
+            elif contract.is_present_name(name) and ".encoder." in name:
+                empty = _empty_like(values.claim(f"{name}.empty", "decoder_with_past"), value)
+                cached_nodes.append(empty)
+                cached_outputs.append(empty.outputs[0])
+            else:
+                raise IncompatibleModelsError(
+                    f"{with_past.source.name} lacks the output {name!r} that "
+                    f"{decoder.source.name} has; the two decoders are not from one export"
+                )
+        cache_problems = _cache_mismatches(output_names, with_past)
+        if cache_problems:
+            raise IncompatibleModelsError("the decoders' caches do not match:", cache_problems)
+        then_branch = _branch("with_past", cached_nodes, cached_outputs)
+        else_branch = _branch("no_past", first_step_nodes, first_step_outputs)
+        if_node = ir.Node(
+            "", "If", [main_inputs[contract.USE_CACHE_BRANCH]],
+            attributes=[ir.AttrGraph("then_branch", then_branch),
+                        ir.AttrGraph("else_branch", else_branch)],
+            outputs=[_input_like(n, v) for n, v in zip(output_names, first_step_outputs, strict=True)],
+            name="use_cache_branch",
+        )
+        main.append(if_node)
+        main.outputs.extend(if_node.outputs)
+        layout = contract.LAYOUT_WITH_PAST
+
+    functions = {}
+    for model in models.values():
+        for key, function in model.functions.items():
+            if key in functions:
+                raise IncompatibleModelsError(
+                    f"two files define the local function {key}; merge cannot tell them apart"
+                )
+            functions[key] = function
+    model = ir.Model(
+        main, ir_version=ir_version, producer_name="onnxmerge", producer_version=__version__,
+        functions=list(functions.values()),
+    )
+    return SplicedModel(model, encoder_inputs, layout)
+
+
+def _read_by(part: Part, value: ir.Value) -> list[ir.Node]:
+    nodes = set(ir.traversal.RecursiveGraphIterator(part.graph))
+    return [use.node for use in value.uses() if use.node in nodes]
+
+
+def _cache_mismatches(output_names: list[str], with_past: Part) -> list[str]:
+    """Past inputs the decoder with past lacks, or has without a matching present output."""
+    expected = set()
+    for name in output_names:
+        parsed = contract.parse_cache_name(name)
+        if parsed is not None:
+            expected.add(contract.past_name(*parsed[1:]))
+    found = {n for n in with_past.inputs if contract.is_past_name(n)}
+    source = with_past.source.name
+    return [f"{source} lacks the input {n!r}" for n in sorted(expected - found)] + [
+        f"{source} takes {n!r}, which the decoder without past does not return"
+        for n in sorted(found - expected)
+    ]

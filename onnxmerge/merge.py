@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,6 +92,7 @@ def merge_seq2seq_with_report(
     overwrite: bool = False,
     external_data: bool | None = None,
     force: bool = False,
+    progress: Callable[[str], None] | None = None,
 ) -> MergeResult:
     """Merge an optimum seq2seq export folder into one ONNX model and report the numbers.
 
@@ -101,6 +103,7 @@ def merge_seq2seq_with_report(
         external_data: ``None`` writes weights to ``<output>_data`` only past 2 GB; ``True`` always;
             ``False`` never (a model past 2 GB is then refused).
         force: merge even when the compatibility checks find the files do not belong together.
+        progress: called with the name of each step as it starts (for progress displays).
 
     Raises:
         OnnxMergeError: or one of its subclasses, with what is wrong and what to do. Nothing is
@@ -110,7 +113,9 @@ def merge_seq2seq_with_report(
     if not export_dir.is_dir():
         raise ExportFolderError(f"{export_dir} is not a folder; pass the folder optimum exported to")
     output = Path(output) if output is not None else export_dir / DEFAULT_OUTPUT_NAME
-    chosen, models, data_files = _load_export(export_dir, output)
+    step = progress or (lambda _: None)
+    step("loading")
+    chosen, models, data_files = load_export(export_dir, output)
     _check_output(output, chosen, data_files, overwrite)
 
     parts = [
@@ -121,11 +126,13 @@ def merge_seq2seq_with_report(
     ]
     origins = compat.origins(parts)
     tensors_in = len(origins)
+    step("splicing")
     spliced = splice.splice(parts, models)
+    step("deduplicating")
     report = dedup.store_once(spliced.model)
     compat.check_same_checkpoint(parts, origins, report.shared, force=force)
     _add_metadata(spliced, export_dir)
-
+    step("saving and checking")
     io.save_model_atomically(
         spliced.model, output, external_data=external_data, validate=validate_merged_file
     )
@@ -163,7 +170,7 @@ def _references(model_path: Path, data_path: Path) -> bool:
     return data_path.resolve() in io.check_external_data(proto, model_path)
 
 
-def _load_export(
+def load_export(
     export_dir: Path, output: Path
 ) -> tuple[dict[Role, Path], dict[Path, ir.Model], dict[Path, set[Path]]]:
     """Load every model of the folder, judge its role, keep the ones the merge needs."""

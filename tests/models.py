@@ -374,22 +374,55 @@ def build_pytorch(arch: str, out_dir: Path) -> None:
     model.save_pretrained(out_dir)
 
 
+def _module_kind(model: Any, param_name: str) -> str:
+    import torch
+
+    module = model.get_submodule(param_name.rpartition(".")[0])
+    if isinstance(module, torch.nn.Embedding):
+        return "Embedding"
+    if isinstance(module, torch.nn.Linear):
+        return "Linear"
+    return type(module).__name__
+
+
+def _weights_to_tie_any_embedding(
+    tied_params: list[list[str]], model: Any
+) -> tuple[list[dict[str, str]], list[list[str]], list[list[str]]]:
+    """optimum's grouping of tied parameters, accepting subclasses of Embedding and Linear.
+
+    optimum matches module class names exactly, so the scaled embeddings of BART, mBART, M2M100
+    and Blenderbot are never tied; with this grouping they get the same Transpose form as Marian.
+    """
+    with_kind: list[dict[str, str]] = []
+    to_tie: list[list[str]] = []
+    ignored: list[list[str]] = []
+    for group in tied_params:
+        kinds = {name: _module_kind(model, name) for name in group}
+        with_kind.append(kinds)
+        supported = all(kind in ("Embedding", "Linear") for kind in kinds.values())
+        (to_tie if supported else ignored).append(group)
+    return with_kind, to_tie, ignored
+
+
 @contextlib.contextmanager
 def _tied_weight_pass(enabled: bool) -> Iterator[None]:
-    """Switch optimum's post-export tied-weight deduplication on or off for one export."""
+    """Switch optimum's post-export tied-weight deduplication off, or on for every embedding."""
     import optimum.exporters.onnx.base as optimum_base
+    import optimum.onnx.graph_transformations as optimum_graph
 
     if enabled and not optimum_base.is_accelerate_available():
         raise RuntimeError(
             "the 'head-tied' variant needs optimum's tied-weight pass, which needs accelerate; "
             "install accelerate"
         )
-    original = optimum_base.is_accelerate_available
+    originals = (optimum_base.is_accelerate_available, optimum_graph._get_weights_to_tie)
     optimum_base.is_accelerate_available = lambda: enabled
+    if enabled:
+        optimum_graph._get_weights_to_tie = _weights_to_tie_any_embedding
     try:
         yield
     finally:
-        optimum_base.is_accelerate_available = original
+        optimum_base.is_accelerate_available, optimum_graph._get_weights_to_tie = originals
 
 
 def _run_main_export(pytorch_dir: Path, out_dir: Path, arch: str, variant: str) -> None:

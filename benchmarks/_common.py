@@ -1,0 +1,436 @@
+"""Shared helpers for the benchmarks: reference models, exports on disk, measured child processes.
+
+Models are built from transformers configs with seeded random weights, saved with
+``save_pretrained`` and exported with optimum's ``main_export``, so each export folder is what a
+user has after ``optimum-cli export onnx``. Exports are cached under ``.cache/bench/`` keyed by the
+config, the export variant and the versions of the packages that shape the files.
+
+Export variants (optimum's post-export tied-weight pass, which runs only when ``accelerate`` is
+importable):
+
+- ``tied``: the pass runs; the tied LM head becomes a ``Transpose`` of the embedding.
+- ``untied``: the pass is switched off, as for a user without ``accelerate``; the LM head is its
+  own initializer, a copy of ``embedding^T``, in each decoder file.
+
+Measured runs happen in a fresh interpreter (``run_in_subprocess``), so the peak memory of one run
+is not hidden by what an earlier run allocated.
+
+Nothing here imports torch, transformers or optimum at module level: a child process that only
+merges should not pay for them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib
+import importlib.metadata
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_CACHE_DIR = REPO_ROOT / ".cache" / "bench"
+# Bump to invalidate cached exports after a change in how models are built or exported.
+CACHE_VERSION = "1"
+EXPORT_VARIANTS = ("tied", "untied")
+SEED = 0
+
+ENCODER_FILE = "encoder_model.onnx"
+DECODER_FILE = "decoder_model.onnx"
+DECODER_WITH_PAST_FILE = "decoder_with_past_model.onnx"
+DECODER_MERGED_FILE = "decoder_model_merged.onnx"
+CHECKPOINT_FILE = "model.safetensors"
+
+
+# ---------------------------------------------------------------- reference configs
+
+
+def opus_mt_config() -> Any:
+    """The shape of Helsinki-NLP/opus-mt-fr-en (about 75 M parameters, 298.7 MB of safetensors)."""
+    from transformers import MarianConfig
+
+    return MarianConfig(
+        vocab_size=59514,
+        decoder_vocab_size=59514,
+        d_model=512,
+        encoder_layers=6,
+        decoder_layers=6,
+        encoder_attention_heads=8,
+        decoder_attention_heads=8,
+        encoder_ffn_dim=2048,
+        decoder_ffn_dim=2048,
+        max_position_embeddings=512,
+        pad_token_id=59513,
+        decoder_start_token_id=59513,
+        eos_token_id=0,
+        forced_eos_token_id=0,
+        activation_function="swish",
+        scale_embedding=True,
+        static_position_embeddings=True,
+        share_encoder_decoder_embeddings=True,
+    )
+
+
+def tiny_marian_config() -> Any:
+    """A Marian model small enough to build, export and merge in seconds."""
+    from transformers import MarianConfig
+
+    return MarianConfig(
+        vocab_size=200,
+        decoder_vocab_size=200,
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        max_position_embeddings=64,
+        pad_token_id=199,
+        decoder_start_token_id=199,
+        eos_token_id=0,
+        forced_eos_token_id=0,
+        activation_function="swish",
+        scale_embedding=True,
+        static_position_embeddings=True,
+        share_encoder_decoder_embeddings=True,
+    )
+
+
+# ---------------------------------------------------------------- exports on disk
+
+
+@dataclass(frozen=True)
+class Export:
+    """One cached export: the PyTorch checkpoint folder and the folder optimum wrote."""
+
+    key: str
+    variant: str
+    pytorch_dir: Path
+    onnx_dir: Path
+
+    @property
+    def checkpoint(self) -> Path:
+        return self.pytorch_dir / CHECKPOINT_FILE
+
+
+def package_versions() -> dict[str, str]:
+    versions = {}
+    for name in ("torch", "transformers", "optimum", "optimum-onnx", "onnx", "accelerate"):
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = "absent"
+    return versions
+
+
+def cache_key(config: Any, variant: str) -> str:
+    payload = json.dumps(
+        {
+            "cache_version": CACHE_VERSION,
+            "seed": SEED,
+            "variant": variant,
+            "config": config.to_dict(),
+            "versions": package_versions(),
+        },
+        sort_keys=True,
+        default=str,
+    )
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def export_cached(
+    config_factory: Callable[[], Any],
+    variant: str = "tied",
+    cache_dir: str | os.PathLike | None = None,
+    *,
+    task: str = "text2text-generation-with-past",
+) -> Export:
+    """Build, save and export the model of ``config_factory()`` once; return the cached folders.
+
+    The PyTorch checkpoint is shared by the variants of one config; each variant has its own
+    export folder. A folder is published by renaming a finished staging folder, so an interrupted
+    run leaves nothing that looks complete.
+    """
+    if variant not in EXPORT_VARIANTS:
+        raise ValueError(f"unknown export variant {variant!r}; choose one of {EXPORT_VARIANTS}")
+    cache_dir = Path(cache_dir) if cache_dir is not None else DEFAULT_CACHE_DIR
+    config = config_factory()
+    name = getattr(config_factory, "__name__", "model").removesuffix("_config")
+    model_key = cache_key(config, "pytorch")
+    pytorch_dir = cache_dir / f"{name}-{model_key}" / "pytorch"
+    key = cache_key(config, f"{variant}:{task}")
+    onnx_dir = cache_dir / f"{name}-{model_key}" / f"onnx-{variant}-{key}"
+    if not (pytorch_dir / CHECKPOINT_FILE).exists():
+        with _staging(pytorch_dir) as staging:
+            build_pytorch(config, staging)
+    if not (onnx_dir / ENCODER_FILE).exists():
+        with _staging(onnx_dir) as staging:
+            _run_main_export(pytorch_dir, staging, variant, task)
+    return Export(key=key, variant=variant, pytorch_dir=pytorch_dir, onnx_dir=onnx_dir)
+
+
+def build_pytorch(config: Any, out_dir: Path) -> None:
+    """Save a seeded random model of ``config`` with ``save_pretrained``."""
+    import torch
+    from transformers import AutoModelForSeq2SeqLM, GenerationConfig
+
+    torch.manual_seed(SEED)
+    model = AutoModelForSeq2SeqLM.from_config(config).eval()
+    model.generation_config = GenerationConfig.from_model_config(config)
+    model.save_pretrained(out_dir)
+
+
+@contextlib.contextmanager
+def _staging(final: Path) -> Iterator[Path]:
+    final.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
+    try:
+        yield staging
+        if final.exists():
+            shutil.rmtree(final)
+        staging.rename(final)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def tied_weight_pass(enabled: bool) -> Iterator[None]:
+    """Force optimum's post-export tied-weight deduplication on or off.
+
+    optimum runs it from ``OnnxConfig.post_process_exported_models`` only when
+    ``is_accelerate_available()`` (as imported into ``optimum.exporters.onnx.base``) is true; it
+    uses ``accelerate.utils.find_tied_parameters``, so "on" needs accelerate installed, while "off"
+    is what a user without accelerate gets.
+    """
+    import optimum.exporters.onnx.base as optimum_base
+
+    if enabled and not optimum_base.is_accelerate_available():
+        raise RuntimeError("optimum's tied-weight pass needs accelerate; pip install accelerate")
+    original = optimum_base.is_accelerate_available
+    optimum_base.is_accelerate_available = lambda: enabled
+    try:
+        yield
+    finally:
+        optimum_base.is_accelerate_available = original
+
+
+def _run_main_export(pytorch_dir: Path, out_dir: Path, variant: str, task: str) -> None:
+    from optimum.exporters.onnx import main_export
+
+    with tied_weight_pass(variant == "tied"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        main_export(str(pytorch_dir), output=out_dir, task=task, do_validation=False)
+
+
+def files_bytes(folder: Path, names: Sequence[str]) -> int:
+    """Bytes of the named files plus any external data files beside them (``<name>_data``)."""
+    total = 0
+    for name in names:
+        path = folder / name
+        total += path.stat().st_size
+        for data in (folder / f"{name}_data", folder / f"{name}.data"):
+            if data.exists():
+                total += data.stat().st_size
+    return total
+
+
+# ---------------------------------------------------------------- measured child processes
+
+
+def _read_proc_kib(path: str, keys: Sequence[str]) -> int | None:
+    """Sum of the ``kB`` fields ``keys`` of a /proc file, in bytes; None once the process is gone."""
+    try:
+        with open(path, encoding="ascii") as f:
+            text = f.read()
+    except (OSError, ValueError):
+        return None
+    total = 0
+    for line in text.splitlines():
+        field, _, rest = line.partition(":")
+        if field in keys:
+            total += int(rest.split()[0]) * 1024
+    return total
+
+
+def self_rss_bytes() -> dict[str, int | None]:
+    """This process's current and peak resident set size."""
+    return {
+        "rss_bytes": _read_proc_kib("/proc/self/status", ("VmRSS",)),
+        "peak_rss_bytes": _read_proc_kib("/proc/self/status", ("VmHWM",)),
+    }
+
+
+def reset_peak_rss() -> bool:
+    """Reset this process's VmHWM to its current RSS (Linux ``clear_refs`` 5); False if refused."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+class _PrivateMemorySampler(threading.Thread):
+    """Samples Private_Clean + Private_Dirty of a process from smaps_rollup; keeps the peak."""
+
+    def __init__(self, pid: int, interval_s: float) -> None:
+        super().__init__(daemon=True)
+        self.path = f"/proc/{pid}/smaps_rollup"
+        self.interval_s = interval_s
+        self.peak = 0
+        self.samples = 0
+        self._stop = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop.is_set():
+            value = _read_proc_kib(self.path, ("Private_Clean", "Private_Dirty"))
+            if value is None:
+                if self.samples:
+                    return
+            else:
+                self.samples += 1
+                self.peak = max(self.peak, value)
+            self._stop.wait(self.interval_s)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.join()
+
+
+_CHILD = r"""
+import importlib, json, sys, time
+sys.path[:0] = json.loads(sys.argv[2])
+spec = json.loads(sys.argv[1])
+for name in spec["preload"]:
+    importlib.import_module(name)
+from benchmarks import _common
+module_name, _, fn_name = spec["fn"].partition(":")
+fn = getattr(importlib.import_module(module_name), fn_name)
+before = _common.self_rss_bytes()
+start = time.perf_counter()
+value = fn(*spec["args"], **spec["kwargs"])
+call_s = time.perf_counter() - start
+after = _common.self_rss_bytes()
+with open(spec["result_path"], "w", encoding="utf-8") as f:
+    json.dump({"call_s": call_s, "baseline_rss_bytes": before["rss_bytes"],
+               "peak_rss_bytes": after["peak_rss_bytes"], "result": value}, f, default=str)
+"""
+
+
+def run_in_subprocess(
+    fn_path: str,
+    args: Sequence[Any] = (),
+    kwargs: dict[str, Any] | None = None,
+    *,
+    preload: Sequence[str] = (),
+    sample_interval_s: float = 0.01,
+    timeout_s: float | None = None,
+) -> dict[str, Any]:
+    """Call ``module:function`` with JSON-able arguments in a fresh interpreter and measure it.
+
+    ``preload`` modules are imported before the measured call, so ``call_s`` and the baseline
+    leave out import costs; ``wall_s`` is the whole process. Returns ``wall_s``, ``call_s``,
+    ``peak_rss_bytes`` (VmHWM of the child: the whole process, imports included),
+    ``baseline_rss_bytes`` (RSS just before the call), ``peak_call_rss_bytes`` (peak minus
+    baseline), ``peak_private_bytes`` (sampled peak of Private_Clean + Private_Dirty),
+    ``maxrss_bytes`` (the kernel's ru_maxrss of the reaped child) and ``result`` (the function's
+    return value, round-tripped through JSON).
+    """
+    with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
+        result_path = Path(tmp) / "result.json"
+        spec = {
+            "fn": fn_path,
+            "args": list(args),
+            "kwargs": dict(kwargs or {}),
+            "preload": list(preload),
+            "result_path": str(result_path),
+        }
+        paths = [str(REPO_ROOT)]
+        env = dict(os.environ, PYTHONHASHSEED="0")
+        start = time.perf_counter()
+        child = subprocess.Popen(
+            [sys.executable, "-c", _CHILD, json.dumps(spec), json.dumps(paths)],
+            env=env,
+            cwd=REPO_ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        sampler = _PrivateMemorySampler(child.pid, sample_interval_s)
+        sampler.start()
+        output: list[bytes] = []
+        reader = threading.Thread(target=lambda: output.append(child.stdout.read()), daemon=True)
+        reader.start()
+        deadline = None if timeout_s is None else start + timeout_s
+        while True:
+            pid, status, usage = os.wait4(child.pid, os.WNOHANG)
+            if pid:
+                break
+            if deadline is not None and time.perf_counter() > deadline:
+                child.kill()
+                pid, status, usage = os.wait4(child.pid, 0)
+                break
+            time.sleep(0.005)
+        wall_s = time.perf_counter() - start
+        child.returncode = os.waitstatus_to_exitcode(status)
+        sampler.stop()
+        reader.join()
+        log = b"".join(output).decode(errors="replace")
+        if child.returncode != 0 or not result_path.exists():
+            raise RuntimeError(f"{fn_path} failed in a child process (exit {child.returncode}):\n{log}")
+        measured = json.loads(result_path.read_text(encoding="utf-8"))
+    measured.update(
+        wall_s=wall_s,
+        maxrss_bytes=usage.ru_maxrss * 1024,
+        peak_private_bytes=sampler.peak or None,
+        private_samples=sampler.samples,
+        peak_call_rss_bytes=measured["peak_rss_bytes"] - measured["baseline_rss_bytes"],
+        log=log[-4000:],
+    )
+    return measured
+
+
+def median_runs(runs: Sequence[dict[str, Any]], keys: Sequence[str]) -> dict[str, Any]:
+    """Median of each numeric key over the runs (None where a run lacks it)."""
+    out: dict[str, Any] = {}
+    for key in keys:
+        values = [r[key] for r in runs if r.get(key) is not None]
+        out[key] = statistics.median(values) if values else None
+    return out
+
+
+def repeat_in_subprocess(
+    fn_path: str,
+    args: Sequence[Any] = (),
+    kwargs: dict[str, Any] | None = None,
+    *,
+    repeats: int = 3,
+    preload: Sequence[str] = (),
+    before_each: Callable[[], None] | None = None,
+) -> dict[str, Any]:
+    """``run_in_subprocess`` ``repeats`` times; the medians plus every run."""
+    runs = []
+    for _ in range(repeats):
+        if before_each is not None:
+            before_each()
+        runs.append(run_in_subprocess(fn_path, args, kwargs, preload=preload))
+    keys = ("wall_s", "call_s", "peak_rss_bytes", "baseline_rss_bytes", "peak_call_rss_bytes",
+            "peak_private_bytes", "maxrss_bytes")
+    return {"median": median_runs(runs, keys), "runs": runs}
+
+
+def mb(n: float | None) -> str:
+    return "-" if n is None else f"{n / 1e6:.1f}"

@@ -1,0 +1,389 @@
+"""The ``onnxmerge`` command: the only module that talks to a person."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, is_dataclass
+from pathlib import Path
+
+from onnxmerge import __version__
+from onnxmerge.errors import OnnxMergeError
+
+EXIT_OK = 0
+EXIT_MISMATCH = 1
+EXIT_USAGE = 2
+EXIT_ERROR = 3
+EXIT_MISSING_DEPENDENCY = 4
+EXIT_INTERRUPTED = 130
+
+
+class _Missing(Exception):
+    """An optional dependency is not installed."""
+
+
+def _human(n: int | float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return str(n)
+
+
+def _numeric(cell: str) -> bool:
+    return bool(cell) and (cell[0].isdigit() or (cell[0] in "-+." and cell[1:2].isdigit()))
+
+
+def table(rows: Sequence[Sequence[object]], header: Sequence[str]) -> str:
+    """A plain-text table; columns of numbers are right-aligned."""
+    body = [[str(c) for c in row] for row in rows]
+    cells = [[str(c) for c in header], *body]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    right = [all(_numeric(r[i]) or not r[i] for r in body) and any(r[i] for r in body)
+             for i in range(len(header))]
+
+    def line(row: list[str]) -> str:
+        return "  ".join(
+            c.rjust(w) if r else c.ljust(w) for c, w, r in zip(row, widths, right)
+        ).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([line(cells[0]), rule, *(line(r) for r in body)])
+
+
+def _jsonable(obj):
+    if is_dataclass(obj):
+        return {k: _jsonable(v) for k, v in asdict(obj).items()}
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, Path):
+        return os.fspath(obj)
+    if hasattr(obj, "tolist"):
+        return obj.tolist()
+    return obj
+
+
+class _Steps:
+    """One line per step on stderr, with the time each took: progress for long merges."""
+
+    def __init__(self, quiet: bool):
+        self.quiet = quiet
+        self.current: str | None = None
+        self.started = 0.0
+
+    def __call__(self, name: str) -> None:
+        self.finish()
+        self.current, self.started = name, time.perf_counter()
+        if not self.quiet:
+            print(f"  {name} ...", end="", file=sys.stderr, flush=True)
+
+    def finish(self) -> None:
+        if self.current is not None and not self.quiet:
+            print(f" {time.perf_counter() - self.started:.1f} s", file=sys.stderr, flush=True)
+        self.current = None
+
+
+def _merge_summary(result) -> str:
+    rows = [(f.path.name, f.role, _human(f.bytes)) for f in result.inputs]
+    rows.append(("total read", "", _human(result.input_bytes)))
+    rows.append((result.path.name, "merged", _human(result.output_bytes)))
+    lines = [table(rows, ("file", "role", "size"))]
+    saved = result.bytes_saved
+    lines.append("")
+    lines.append(
+        f"tensors: {result.tensors_in} in, {result.tensors_out} out; "
+        f"{len(result.shared)} stored once instead of twice or more "
+        f"({len(result.transposed)} found transposed)"
+    )
+    lines.append(
+        f"saved {_human(saved)} ({saved / max(1, result.input_bytes):.0%} of the files read)"
+    )
+    if result.checkpoint_ratio is not None:
+        lines.append(
+            f"merged model / PyTorch checkpoint: {result.checkpoint_ratio:.3f}x "
+            f"({_human(result.checkpoint_bytes)} checkpoint)"
+        )
+    lines.append(f"wrote {result.path}")
+    return "\n".join(lines)
+
+
+def _result_json(result) -> dict:
+    data = _jsonable(result)
+    data.update(
+        input_bytes=result.input_bytes, bytes_saved=result.bytes_saved,
+        checkpoint_ratio=result.checkpoint_ratio,
+    )
+    return data
+
+
+def cmd_merge(args: argparse.Namespace) -> int:
+    from onnxmerge.merge import merge_seq2seq_with_report
+
+    steps = _Steps(quiet=args.json)
+    try:
+        result = merge_seq2seq_with_report(
+            args.dir, args.output, overwrite=args.overwrite,
+            external_data=True if args.external_data else None, force=args.force, progress=steps,
+        )
+    finally:
+        steps.finish()
+    if args.generation:
+        raise OnnxMergeError(
+            "--generation is not available yet: the in-graph decoding loop is not part of "
+            "this release"
+        )
+    _emit(args, _result_json(result), lambda: _merge_summary(result))
+    return EXIT_OK
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from onnxmerge.verify import verify
+
+    _need("onnxruntime", "runtime")
+    against = Path(args.against) if args.against else Path(args.file).parent
+    report = verify(args.file, against, seed=args.seed, tolerance=args.tolerance)
+    rows = [(d.step, d.name, "x".join(map(str, d.shape)), f"{d.max_abs_diff:.3g}")
+            for d in report.diffs]
+
+    def text() -> str:
+        verdict = "OK" if report.ok else "MISMATCH"
+        return (table(rows, ("step", "output", "shape", "max |diff|")) +
+                f"\n\n{verdict}: max |diff| {report.max_abs_diff:.3g} "
+                f"(tolerance {report.tolerance:g}) against {against}")
+
+    _emit(args, dict(_jsonable(report), ok=report.ok, max_abs_diff=report.max_abs_diff), text)
+    return EXIT_OK if report.ok else EXIT_MISMATCH
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from onnxmerge.inspect import inspect_model, is_merged
+
+    found = inspect_model(args.file)
+
+    def text() -> str:
+        io_rows = [("input", t.name, t.type, list(t.shape)) for t in found.inputs]
+        io_rows += [("output", t.name, t.type, list(t.shape)) for t in found.outputs]
+        if len(io_rows) > 16 and not args.all:
+            hidden = [r for r in io_rows if ".1." in r[1] or any(f".{i}." in r[1] for i in range(2, 99))]
+            io_rows = [r for r in io_rows if r not in hidden]
+            io_rows.append(("", f"... {len(hidden)} more cache tensors (--all shows them)", "", ""))
+        total = sum(found.bytes_by_part.values()) or 1
+        parts = [(k, _human(v), f"{v / total:.0%}") for k, v in found.bytes_by_part.items()]
+        meta = [(k, (v[:60] + "...") if len(v) > 63 else v) for k, v in sorted(found.metadata.items())]
+        kind = "merged seq2seq model" if is_merged(found) else "ONNX model (not merged)"
+        return "\n\n".join([
+            f"{found.path}: {kind}, {_human(found.file_bytes)} on disk, "
+            f"{found.initializers} initializers",
+            table(io_rows, ("", "name", "type", "shape")),
+            table(parts, ("part", "bytes", "share")),
+            table(meta, ("metadata", "value")) if meta else "no metadata",
+        ])
+
+    _emit(args, _jsonable(found), text)
+    return EXIT_OK
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    _need("onnxruntime", "runtime")
+    from onnxmerge.runtime import Seq2SeqModel
+
+    model = Seq2SeqModel(args.file)
+    options = {k: v for k, v in (("max_new_tokens", args.max_new_tokens),
+                                  ("num_beams", args.num_beams)) if v is not None}
+    if args.text:
+        texts = model.translate(args.text, **options)
+        _emit(args, {"inputs": args.text, "outputs": texts},
+              lambda: "\n".join(f"{s}\n  -> {t}" for s, t in zip(args.text, texts)))
+        return EXIT_OK
+    ids = np.array([args.ids], dtype=np.int64)
+    sequences = model.generate(input_ids=ids, attention_mask=np.ones_like(ids), **options)
+    _emit(args, {"sequences": sequences.tolist()},
+          lambda: "\n".join(" ".join(map(str, row)) for row in sequences.tolist()))
+    return EXIT_OK
+
+
+def _export(model: str, output: Path, task: str) -> None:
+    _need("optimum.exporters.onnx", "export")
+    from optimum.exporters.onnx import main_export
+
+    logging.getLogger("optimum").setLevel(logging.ERROR)
+    main_export(model, output=output, task=task)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from onnxmerge.merge import merge_seq2seq_with_report
+
+    output = Path(args.output) if args.output else Path(Path(args.model).name + "-onnx")
+    steps = _Steps(quiet=args.json)
+    try:
+        steps(f"exporting {args.model} with optimum")
+        _export(args.model, output, args.task)
+        _copy_tokenizer(Path(args.model), output)
+        result = merge_seq2seq_with_report(output, overwrite=args.overwrite, progress=steps)
+    finally:
+        steps.finish()
+    _emit(args, _result_json(result), lambda: _merge_summary(result))
+    return EXIT_OK
+
+
+def _copy_tokenizer(source: Path, export_dir: Path) -> None:
+    import shutil
+
+    if not source.is_dir():
+        return
+    for path in source.iterdir():
+        if (path.name.startswith(("tokenizer", "special_tokens", "vocab", "source.", "target."))
+                and path.is_file() and not (export_dir / path.name).exists()):
+            shutil.copy2(path, export_dir / path.name)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Export the shipped trained demo model, merge it, show the gain, translate with it."""
+    from onnxmerge.demo import DEMO_MODEL_DIR, DEMO_SENTENCES
+    from onnxmerge.merge import merge_seq2seq_with_report
+
+    _need("onnxruntime", "runtime")
+    from onnxmerge.runtime import Seq2SeqModel
+
+    work = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="onnxmerge-demo-"))
+    export_dir = work / "export"
+    steps = _Steps(quiet=args.json)
+    try:
+        if not (export_dir / "encoder_model.onnx").exists():
+            steps("exporting the demo model with optimum")
+            _export(os.fspath(DEMO_MODEL_DIR), export_dir, "text2text-generation-with-past")
+            _copy_tokenizer(DEMO_MODEL_DIR, export_dir)
+        result = merge_seq2seq_with_report(export_dir, overwrite=True, progress=steps)
+        steps("translating")
+        model = Seq2SeqModel(result.path)
+        translations = model.translate(list(DEMO_SENTENCES))
+    finally:
+        steps.finish()
+    payload = dict(merge=_result_json(result),
+                   translations=[{"source": s, "output": t}
+                                 for s, t in zip(DEMO_SENTENCES, translations)])
+
+    def text() -> str:
+        rows = [(s, t) for s, t in zip(DEMO_SENTENCES, translations)]
+        return "\n\n".join([
+            _merge_summary(result),
+            f"Generating with the single file {result.path.name}:",
+            table(rows, ("French", "English (generated)")),
+        ])
+
+    _emit(args, payload, text)
+    return EXIT_OK
+
+
+def _need(module: str, extra: str) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec(module.split(".")[0]) is None:
+        raise _Missing(f"this command needs {module}: pip install 'onnxmerge[{extra}]'")
+
+
+def _emit(args: argparse.Namespace, data, text: Callable[[], str]) -> None:
+    if args.json:
+        print(json.dumps(data, indent=2, default=str))
+    else:
+        print(text())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="onnxmerge",
+        description="Merge an optimum seq2seq ONNX export into one file with every tensor stored "
+        "once, check it, inspect it and generate with it.",
+        epilog="Exit codes: 0 success, 1 verification mismatch, 2 usage error, 3 refused input or "
+        "output (the message says why), 4 missing optional dependency.",
+    )
+    parser.add_argument("--version", action="version", version=f"onnxmerge {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log details; show tracebacks")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(name: str, handler, help_: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_, description=help_)
+        p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
+        p.set_defaults(handler=handler)
+        return p
+
+    p = add("merge", cmd_merge, "merge an export folder into one model")
+    p.add_argument("dir", help="folder written by optimum-cli export onnx")
+    p.add_argument("-o", "--output", help="output file (default: DIR/model.onnx)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    p.add_argument("--external-data", action="store_true",
+                   help="store weights in OUTPUT_data beside the model (automatic past 2 GB)")
+    p.add_argument("--force", action="store_true",
+                   help="merge even if the files look like they come from different checkpoints")
+    p.add_argument("--generation", choices=("greedy", "beam"), help=argparse.SUPPRESS)
+
+    p = add("verify", cmd_verify, "compare a merged model with the files it came from")
+    p.add_argument("file", help="merged model")
+    p.add_argument("--against", help="export folder (default: the model's folder)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tolerance", type=float, default=1e-4)
+
+    p = add("inspect", cmd_inspect, "show a model's inputs, outputs, metadata and size by part")
+    p.add_argument("file")
+    p.add_argument("--all", action="store_true", help="list every cache input and output")
+
+    p = add("generate", cmd_generate, "generate with a merged model")
+    p.add_argument("file", help="merged model")
+    group = p.add_mutually_exclusive_group(required=True)
+    group.add_argument("--ids", type=int, nargs="+", help="source token ids")
+    group.add_argument("--text", nargs="+", help="source texts (needs a tokenizer beside the model)")
+    p.add_argument("--max-new-tokens", type=int)
+    p.add_argument("--num-beams", type=int)
+
+    p = add("export", cmd_export, "export a local model folder (or hub id) with optimum, then merge")
+    p.add_argument("model", help="transformers model folder or hub id")
+    p.add_argument("-o", "--output", help="export folder (default: ./<model>-onnx)")
+    p.add_argument("--task", default="text2text-generation-with-past")
+    p.add_argument("--overwrite", action="store_true")
+
+    p = add("demo", cmd_demo, "export, merge and run the bundled demo translation model")
+    p.add_argument("--dir", help="work folder to keep (default: a new temporary folder)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return args.handler(args)
+    except OnnxMergeError as e:
+        if args.verbose:
+            raise
+        print(f"onnxmerge: error: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    except _Missing as e:
+        print(f"onnxmerge: error: {e}", file=sys.stderr)
+        return EXIT_MISSING_DEPENDENCY
+    except FileNotFoundError as e:
+        if args.verbose:
+            raise
+        print(f"onnxmerge: error: {e.filename or e}: no such file", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print("onnxmerge: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,14 @@
+"""Generation on a merged model with onnxruntime.
+
+``Seq2SeqModel(path).generate(input_ids=..., attention_mask=...)`` returns the token ids
+transformers' ``generate()`` returns for the same settings.
+"""
+
+from __future__ import annotations
+
+from onnxmerge.runtime.model import Seq2SeqModel
+from onnxmerge.runtime.session import Cache, StepOutput
+from onnxmerge.runtime.settings import GenerationSettings
+from onnxmerge.runtime.text import TextGenerator
+
+__all__ = ["Seq2SeqModel", "Cache", "StepOutput", "GenerationSettings", "TextGenerator"]

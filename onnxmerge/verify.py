@@ -1,0 +1,211 @@
+"""Run a merged model and the files it came from on the same inputs; report every output's diff."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from onnxmerge import contract
+from onnxmerge.errors import ExportFolderError, InvalidMergedModelError
+from onnxmerge.roles import Role
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TOLERANCE = 1e-4
+
+
+@dataclass(frozen=True)
+class OutputDiff:
+    step: str  # "first" (use_cache_branch false) or "cached"
+    name: str
+    shape: tuple[int, ...]
+    max_abs_diff: float
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    diffs: tuple[OutputDiff, ...]
+    tolerance: float
+
+    @property
+    def max_abs_diff(self) -> float:
+        return max((d.max_abs_diff for d in self.diffs), default=0.0)
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.diffs) and self.max_abs_diff <= self.tolerance
+
+
+def _session(path: Path, optimized: bool):
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    if not optimized:
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.log_severity_level = 3
+    return ort.InferenceSession(os.fspath(path), options, providers=["CPUExecutionProvider"])
+
+
+_NUMPY_TYPES = {
+    "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(float)": np.float32,
+    "tensor(float16)": np.float16, "tensor(double)": np.float64, "tensor(bool)": np.bool_,
+}
+
+
+def _dims(shape: list, sizes: dict[str, int], default: int) -> list[int]:
+    return [d if isinstance(d, int) and d > 0 else sizes.get(str(d), default) for d in shape]
+
+
+def sample_encoder_inputs(
+    session, config: dict, *, batch: int, length: int, rng: np.random.Generator
+) -> dict[str, np.ndarray]:
+    """Random but valid encoder inputs for a merged model's session."""
+    names = set(_encoder_input_names(session))
+    vocab = int(config.get("vocab_size") or 100)
+    feeds: dict[str, np.ndarray] = {}
+    for info in session.get_inputs():
+        if info.name not in names:
+            continue
+        dtype = _NUMPY_TYPES.get(info.type, np.float32)
+        if info.name == "input_features":
+            frames = 2 * int(config.get("max_source_positions", 1500))
+            dims = _dims(info.shape, {}, 1)
+            dims[0], dims[-1] = batch, frames
+            feeds[info.name] = rng.standard_normal(dims).astype(dtype)
+        elif info.name == contract.ATTENTION_MASK:
+            mask = np.ones((batch, length), dtype)
+            mask[1:, length - 2 :] = 0  # padding on every row but the first
+            feeds[info.name] = mask
+        elif np.issubdtype(dtype, np.integer):
+            feeds[info.name] = rng.integers(2, max(3, vocab - 2), (batch, length)).astype(dtype)
+        else:
+            dims = _dims(info.shape, {}, 1)
+            dims[0] = batch
+            image = int(config.get("encoder", {}).get("image_size", 0) or 0)
+            if image and len(dims) == 4:
+                dims[2] = dims[3] = image
+            feeds[info.name] = rng.standard_normal(dims).astype(dtype)
+    return feeds
+
+
+def _encoder_input_names(session) -> list[str]:
+    meta = session.get_modelmeta().custom_metadata_map
+    return json.loads(meta.get(contract.META_ENCODER_INPUTS, "[]"))
+
+
+def verify(
+    merged: str | os.PathLike,
+    export_dir: str | os.PathLike,
+    *,
+    batch: int = 2,
+    encoder_length: int = 7,
+    decoder_length: int = 3,
+    seed: int = 0,
+    optimized: bool = False,
+    tolerance: float = DEFAULT_TOLERANCE,
+) -> VerifyReport:
+    """Compare both branches of ``merged`` with the original files of ``export_dir``.
+
+    The first step (``use_cache_branch = false``) runs against encoder + decoder; the cached step
+    runs against the decoder with past, both fed the same past key/values.
+    """
+    from onnxmerge.merge import load_export
+
+    merged, export_dir = Path(merged), Path(export_dir)
+    if not merged.is_file():
+        raise InvalidMergedModelError(f"{merged} does not exist")
+    rng = np.random.default_rng(seed)
+    model = _session(merged, optimized)
+    meta = model.get_modelmeta().custom_metadata_map
+    if contract.META_FORMAT_VERSION not in meta:
+        raise InvalidMergedModelError(f"{merged} is not a model written by onnxmerge")
+    config = json.loads(meta.get(contract.META_CONFIG, "{}"))
+    chosen, _, _ = load_export(export_dir, merged)
+    feeds = sample_encoder_inputs(model, config, batch=batch, length=encoder_length, rng=rng)
+    vocab = model.get_outputs()[0].shape[-1]
+    vocab = vocab if isinstance(vocab, int) else int(config.get("vocab_size", 100))
+    decoder_ids = rng.integers(2, max(3, vocab - 2), (batch, decoder_length)).astype(np.int64)
+    mask = feeds.get(contract.ATTENTION_MASK)
+
+    # Reference: the original files.
+    encoder = _session(chosen[Role.ENCODER], optimized)
+    hidden = encoder.run(None, {i.name: feeds[i.name] for i in encoder.get_inputs()})[0]
+    first_ref = _run_decoder(chosen, optimized, decoder_ids, mask, hidden, past=None)
+    input_names = {i.name for i in model.get_inputs()}
+    has_past = contract.USE_CACHE_BRANCH in input_names
+    first_feed = dict(feeds, decoder_input_ids=decoder_ids)
+    if has_past:
+        first_feed[contract.USE_CACHE_BRANCH] = np.array([False])
+        for info in model.get_inputs():
+            if contract.is_past_name(info.name):
+                dims = _dims(info.shape, {}, 1)
+                dims[0], dims[2] = batch, 0
+                first_feed[info.name] = np.zeros(dims, _NUMPY_TYPES.get(info.type, np.float32))
+    output_names = [o.name for o in model.get_outputs()]
+    first = dict(zip(output_names, model.run(None, first_feed), strict=True))
+    diffs = [_diff("first", n, first[n], ref) for n, ref in first_ref.items() if n in first]
+    if has_past:
+        past = {
+            contract.past_name(*contract.parse_cache_name(n)[1:]): v
+            for n, v in first_ref.items() if contract.is_present_name(n)
+        }
+        next_ids = rng.integers(2, max(3, vocab - 2), (batch, 1)).astype(np.int64)
+        cached_ref = _run_decoder(chosen, optimized, next_ids, mask, None, past=past)
+        cached_feed = {
+            name: np.zeros((batch,) + (0,) * (value.ndim - 1), value.dtype)
+            if name != contract.ATTENTION_MASK else value
+            for name, value in feeds.items()
+        }
+        cached_feed.update(past, decoder_input_ids=next_ids)
+        cached_feed[contract.USE_CACHE_BRANCH] = np.array([True])
+        cached = dict(zip(output_names, model.run(None, cached_feed), strict=True))
+        diffs += [_diff("cached", n, cached[n], ref) for n, ref in cached_ref.items()
+                  if n in cached and not (contract.is_present_name(n) and ".encoder." in n)]
+    report = VerifyReport(tuple(diffs), tolerance)
+    logger.info("verified %s: %d outputs, max |diff| %.3g", merged, len(diffs), report.max_abs_diff)
+    return report
+
+
+def _diff(step: str, name: str, actual: np.ndarray, expected: np.ndarray) -> OutputDiff:
+    if actual.shape != expected.shape:
+        return OutputDiff(step, name, tuple(actual.shape), float("inf"))
+    delta = np.abs(actual.astype(np.float64) - expected.astype(np.float64))
+    return OutputDiff(step, name, tuple(actual.shape), float(delta.max()) if delta.size else 0.0)
+
+
+def _run_decoder(chosen, optimized, ids, mask, hidden, past) -> dict[str, np.ndarray]:
+    """Run the original decoder for a first step (``past`` None) or a cached step."""
+    if Role.MERGED_DECODER in chosen:
+        session = _session(chosen[Role.MERGED_DECODER], optimized)
+        feed = {contract.USE_CACHE_BRANCH: np.array([past is not None])}
+        for info in session.get_inputs():
+            if contract.is_past_name(info.name) and past is None:
+                dims = _dims(info.shape, {}, 1)
+                dims[0], dims[2] = ids.shape[0], 0
+                feed[info.name] = np.zeros(dims, _NUMPY_TYPES.get(info.type, np.float32))
+            elif info.name == contract.OPTIMUM_ENCODER_HIDDEN_STATES and hidden is None:
+                dims = _dims(info.shape, {}, 1)
+                dims[0], dims[1] = ids.shape[0], 0
+                feed[info.name] = np.zeros(dims, _NUMPY_TYPES.get(info.type, np.float32))
+    else:
+        role = Role.DECODER if past is None else Role.DECODER_WITH_PAST
+        if role not in chosen:
+            raise ExportFolderError(f"the export has no {role.value} file to compare with")
+        session = _session(chosen[role], optimized)
+        feed = {}
+    available = {
+        contract.OPTIMUM_DECODER_INPUT_IDS: ids,
+        contract.OPTIMUM_ENCODER_ATTENTION_MASK: mask,
+        contract.OPTIMUM_ENCODER_HIDDEN_STATES: hidden,
+        **(past or {}),
+    }
+    for info in session.get_inputs():
+        if info.name not in feed and available.get(info.name) is not None:
+            feed[info.name] = available[info.name]
+    names = [o.name for o in session.get_outputs()]
+    return dict(zip(names, session.run(None, feed), strict=True))

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Create .venv and install onnxmerge with the extras a task needs.
+#   scripts/setup.sh         runtime + export + text (the demo)
+#   scripts/setup.sh test    everything the test suite needs
+# torch is installed first, pinned to its CPU build: an unpinned torch pulls a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras="runtime,export,text"
+[ "${1:-}" = "test" ] && extras="test"
+[ "${1:-}" = "bench" ] && extras="bench"
+python3 -m venv .venv
+.venv/bin/python -m pip install --quiet --upgrade pip
+.venv/bin/python -m pip install --quiet "torch==2.13.0"
+.venv/bin/python -m pip install --quiet -e ".[${extras}]"

@@ -293,10 +293,10 @@ class _PrivateMemorySampler(threading.Thread):
         self.interval_s = interval_s
         self.peak = 0
         self.samples = 0
-        self._stop = threading.Event()
+        self._halt = threading.Event()
 
     def run(self) -> None:
-        while not self._stop.is_set():
+        while not self._halt.is_set():
             value = _read_proc_kib(self.path, ("Private_Clean", "Private_Dirty"))
             if value is None:
                 if self.samples:
@@ -304,10 +304,10 @@ class _PrivateMemorySampler(threading.Thread):
             else:
                 self.samples += 1
                 self.peak = max(self.peak, value)
-            self._stop.wait(self.interval_s)
+            self._halt.wait(self.interval_s)
 
     def stop(self) -> None:
-        self._stop.set()
+        self._halt.set()
         self.join()
 
 

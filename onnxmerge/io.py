@@ -218,6 +218,9 @@ def save_model_atomically(
             f"{payload / 2**20:.0f} MiB; free some space or choose another output"
         )
     data_name = data_file_name(output) if external_data else None
+    if data_name is None:
+        # Weights mapped from the inputs' data files must be copied in, not referenced.
+        ir.external_data.load_to_model(model)
     tmp_dir = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".tmp", dir=folder))
     try:
         tmp_model = tmp_dir / output.name

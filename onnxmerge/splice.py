@@ -176,6 +176,18 @@ def _input_like(name: str, value: ir.Value) -> ir.Value:
     return ir.Value(name=name, type=value.type, shape=value.shape)
 
 
+def _placeholder_friendly_input(name: str, value: ir.Value) -> ir.Value:
+    """An encoder input whose fixed dims are made symbolic.
+
+    Cached steps do not run the encoder and take zero-length placeholders; onnxruntime refuses
+    those for an input declared with fixed dims (Whisper's 80 x 3000 features, say).
+    """
+    if value.shape is None:
+        return _input_like(name, value)
+    dims = [d if not isinstance(d, int) else f"{name}_dim{i}" for i, d in enumerate(value.shape)]
+    return ir.Value(name=name, type=value.type, shape=ir.Shape(dims))
+
+
 @dataclass
 class SplicedModel:
     model: ir.Model
@@ -214,7 +226,9 @@ def splice(parts: list[Part], models: dict[Path, ir.Model]) -> SplicedModel:
 
     # Main-graph inputs, in the contract's order.
     main_inputs: dict[str, ir.Value] = {
-        name: _input_like(name, v) for name, v in encoder.inputs.items()
+        name: _placeholder_friendly_input(name, v) if with_past is not None
+        and name != contract.ATTENTION_MASK else _input_like(name, v)
+        for name, v in encoder.inputs.items()
     }
     encoder_inputs = list(main_inputs)
     mask_name = (
@@ -250,7 +264,12 @@ def splice(parts: list[Part], models: dict[Path, ir.Model]) -> SplicedModel:
         )
     if with_past is not None and with_past.inputs.get(contract.OPTIMUM_ENCODER_HIDDEN_STATES):
         if any(_read_by(with_past, with_past.inputs[contract.OPTIMUM_ENCODER_HIDDEN_STATES])):
-            problems.append(f"{with_past.source.name} reads encoder_hidden_states on cached steps")
+            problems.append(
+                f"{with_past.source.name} reads encoder_hidden_states on every cached step "
+                "(cross attention without an encoder cache, as in GPT-2 decoders of "
+                "vision-encoder-decoder models); format 1 runs the encoder only on the first "
+                "step. Export without past (--task image-to-text) to merge such a model"
+            )
     if problems:
         raise IncompatibleModelsError("the encoder and decoders do not fit together:", problems)
     if with_past is not None:

@@ -74,8 +74,7 @@ def sample_encoder_inputs(
         dtype = _NUMPY_TYPES.get(info.type, np.float32)
         if info.name == "input_features":
             frames = 2 * int(config.get("max_source_positions", 1500))
-            dims = _dims(info.shape, {}, 1)
-            dims[0], dims[-1] = batch, frames
+            dims = [batch, int(config.get("num_mel_bins", 80)), frames]
             feeds[info.name] = rng.standard_normal(dims).astype(dtype)
         elif info.name == contract.ATTENTION_MASK:
             mask = np.ones((batch, length), dtype)
@@ -83,13 +82,16 @@ def sample_encoder_inputs(
             feeds[info.name] = mask
         elif np.issubdtype(dtype, np.integer):
             feeds[info.name] = rng.integers(2, max(3, vocab - 2), (batch, length)).astype(dtype)
-        else:
-            dims = _dims(info.shape, {}, 1)
-            dims[0] = batch
-            image = int(config.get("encoder", {}).get("image_size", 0) or 0)
-            if image and len(dims) == 4:
-                dims[2] = dims[3] = image
+        elif info.name == "pixel_values":
+            vision = config.get("encoder", {})
+            size = int(vision.get("image_size", 224))
+            dims = [batch, int(vision.get("num_channels", 3)), size, size]
             feeds[info.name] = rng.standard_normal(dims).astype(dtype)
+        else:
+            raise InvalidMergedModelError(
+                f"cannot make sample values for the encoder input {info.name!r}; "
+                "verify supports text, speech (input_features) and image (pixel_values) encoders"
+            )
     return feeds
 
 

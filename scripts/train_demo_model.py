@@ -115,13 +115,17 @@ def build_model(tokenizer: PreTrainedTokenizerFast, seed: int) -> MarianMTModel:
 
 
 def translate(
-    model: MarianMTModel, tokenizer: PreTrainedTokenizerFast, sources: list[str], batch_size: int = 256
+    model: MarianMTModel,
+    tokenizer: PreTrainedTokenizerFast,
+    sources: list[str],
+    batch_size: int = 256,
 ) -> list[str]:
     model.eval()
     outputs: list[str] = []
     with torch.no_grad():
         for start in range(0, len(sources), batch_size):
-            batch = tokenizer(sources[start : start + batch_size], return_tensors="pt", padding=True)
+            chunk = sources[start : start + batch_size]
+            batch = tokenizer(chunk, return_tensors="pt", padding=True)
             generated = model.generate(**batch)
             outputs += tokenizer.batch_decode(generated, skip_special_tokens=True)
     return outputs
@@ -197,19 +201,22 @@ def save(model: MarianMTModel, tokenizer: PreTrainedTokenizerFast, output: Path)
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", type=Path, default=DEMO_MODEL_DIR)
-    parser.add_argument("--epochs", type=int, default=60)
+    parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--learning-rate", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
+    # One thread: on small CPU machines two threads ran these tiny matmuls several times slower.
+    parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     torch.use_deterministic_algorithms(True)
     every_number = range(LARGEST_NUMBER + 1)
     train_numbers = [n for n in every_number if not is_held_out(n)]
     held_out = [n for n in every_number if is_held_out(n)]
 
-    tokenizer = build_tokenizer([f(n) for n in every_number for f in (french_number, english_number)])
+    texts = [convert(n) for n in every_number for convert in (french_number, english_number)]
+    tokenizer = build_tokenizer(texts)
     model = build_model(tokenizer, args.seed)
     parameters = sum(p.numel() for p in model.parameters())
     print(f"vocab {len(tokenizer)}, {parameters} parameters, {len(train_numbers)} training pairs")

@@ -123,4 +123,5 @@ def test_demo_sentences_translate_exactly(model, tokenizer) -> None:
     french_to_english = {french_number(n): english_number(n) for n in range(LARGEST_NUMBER + 1)}
     translations = _translate(model, tokenizer, list(DEMO_SENTENCES))
     assert translations == [french_to_english[source] for source in DEMO_SENTENCES]
-    assert any(is_held_out(n) for n in range(LARGEST_NUMBER + 1) if french_number(n) in DEMO_SENTENCES)
+    shown = [n for n in range(LARGEST_NUMBER + 1) if french_number(n) in DEMO_SENTENCES]
+    assert sum(is_held_out(n) for n in shown) >= 2

@@ -6,7 +6,8 @@ by ``scripts/train_demo_model.py`` to translate French number words for 0..9999 
 
 French follows the traditional spelling: hyphens only below one hundred ("vingt et un",
 "quatre-vingt-dix-sept"), "cents" and "quatre-vingts" take an s only when they end the number,
-"mille" never does. English is American style without "and": "one thousand nine hundred eighty-four".
+"mille" never does. English is American style, without "and":
+"one thousand nine hundred eighty-four".
 """
 
 from __future__ import annotations
@@ -27,14 +28,14 @@ DEMO_MODEL_DIR: Path = Path(__file__).resolve().parent / "model"
 
 LARGEST_NUMBER = 9999
 
-# 243, 97, 1984, 71 and 8080 are in the training data; 3517 and 6291 are held out from it.
+# 243, 97 and 71 are in the training data; 1984, 5671 and 8180 were held out from it.
 DEMO_SENTENCES: tuple[str, ...] = (
     "deux cent quarante-trois",
     "quatre-vingt-dix-sept",
     "mille neuf cent quatre-vingt-quatre",
     "soixante et onze",
-    "trois mille cinq cent dix-sept",
-    "six mille deux cent quatre-vingt-onze",
+    "cinq mille six cent soixante et onze",
+    "huit mille cent quatre-vingts",
 )
 
 _FRENCH_UNITS = (
@@ -103,7 +104,7 @@ def _french_below_1000(n: int) -> str:
 
 
 def french_number(n: int) -> str:
-    """French words for ``n`` in 0..9999, traditional spelling: 1980 -> "mille neuf cent quatre-vingts"."""
+    """French words for ``n`` in 0..9999: 1980 -> "mille neuf cent quatre-vingts"."""
     _check_range(n)
     thousands, rest = divmod(n, 1000)
     if thousands == 0:

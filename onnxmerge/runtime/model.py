@@ -198,6 +198,8 @@ class Seq2SeqModel:
         top_p: float | None = None,
         repetition_penalty: float | None = None,
         no_repeat_ngram_size: int | None = None,
+        encoder_repetition_penalty: float | None = None,
+        encoder_no_repeat_ngram_size: int | None = None,
         length_penalty: float | None = None,
         early_stopping: bool | str | None = None,
         bad_words_ids: list[list[int]] | None = None,
@@ -246,6 +248,8 @@ class Seq2SeqModel:
             top_p=top_p,
             repetition_penalty=repetition_penalty,
             no_repeat_ngram_size=no_repeat_ngram_size,
+            encoder_repetition_penalty=encoder_repetition_penalty,
+            encoder_no_repeat_ngram_size=encoder_no_repeat_ngram_size,
             length_penalty=length_penalty,
             early_stopping=early_stopping,
             bad_words_ids=bad_words_ids,
@@ -264,7 +268,10 @@ class Seq2SeqModel:
             self.config, self.generation_config, overrides, prompt.shape[1]
         )
         self._default_attention_mask(inputs, settings.pad_token_id, settings.eos_token_id)
-        processors = build_processors(settings)
+        encoder_ids = inputs.get("input_ids")
+        processors = build_processors(
+            settings, encoder_ids if encoder_ids is not None and encoder_ids.ndim == 2 else None
+        )
         rng = np.random.default_rng(seed)
         if settings.num_beams == 1:
             if settings.num_return_sequences > 1:

@@ -74,6 +74,55 @@ class NoRepeatNGram:
         return scores
 
 
+class EncoderRepetitionPenalty:
+    """Raise the scores of tokens present in the encoder's ``input_ids`` (penalty < 1 lowers them).
+
+    As in transformers, the encoder rows pair with the first score rows only.
+    """
+
+    def __init__(self, penalty: float, encoder_input_ids: np.ndarray):
+        if not penalty > 0:
+            raise ValueError(f"encoder_repetition_penalty must be > 0, got {penalty}")
+        self.penalty = 1 / float(penalty)
+        self.encoder_input_ids = np.asarray(encoder_input_ids, dtype=np.int64)
+
+    def __call__(self, input_ids: np.ndarray, scores: np.ndarray) -> np.ndarray:
+        ids = self.encoder_input_ids[: scores.shape[0]]
+        rows = np.arange(ids.shape[0])[:, None]
+        picked = scores[rows, ids]
+        penalized = np.where(picked < 0, picked * self.penalty, picked / self.penalty)
+        scores[rows, ids] = penalized.astype(scores.dtype, copy=False)
+        return scores
+
+
+class EncoderNoRepeatNGram:
+    """Ban tokens that would repeat an n-gram of the encoder's ``input_ids`` (of the row's input)."""
+
+    def __init__(self, ngram_size: int, encoder_input_ids: np.ndarray):
+        if ngram_size <= 0:
+            raise ValueError(f"encoder_no_repeat_ngram_size must be > 0, got {ngram_size}")
+        self.ngram_size = int(ngram_size)
+        self.batch_size = encoder_input_ids.shape[0]
+        self.ngrams: list[dict[tuple[int, ...], list[int]]] = []
+        for tokens in np.asarray(encoder_input_ids).tolist():
+            table: dict[tuple[int, ...], list[int]] = {}
+            for start in range(len(tokens) - ngram_size + 1):
+                gram = tokens[start : start + ngram_size]
+                table.setdefault(tuple(gram[:-1]), []).append(gram[-1])
+            self.ngrams.append(table)
+
+    def __call__(self, input_ids: np.ndarray, scores: np.ndarray) -> np.ndarray:
+        per_input = scores.shape[0] // self.batch_size
+        cur_len = input_ids.shape[1]
+        start = cur_len + 1 - self.ngram_size
+        for row, tokens in enumerate(input_ids.tolist()):
+            # A negative start slices from the end, as transformers' tensor slicing does.
+            banned = self.ngrams[row // per_input].get(tuple(tokens[start:cur_len]), [])
+            if banned:
+                scores[row, banned] = NEG_INF
+        return scores
+
+
 class NoBadWords:
     """Ban single tokens always, and the last token of a multi-token sequence after its prefix.
 
@@ -246,15 +295,25 @@ class ProcessorList(list):
         return scores
 
 
-def build_processors(settings: GenerationSettings) -> ProcessorList:
-    """The processors transformers would build for ``settings``, in transformers' order."""
+def build_processors(
+    settings: GenerationSettings, encoder_input_ids: np.ndarray | None = None
+) -> ProcessorList:
+    """The processors transformers would build for ``settings``, in transformers' order.
+
+    ``encoder_input_ids`` (``[batch, seq]``, one row per input) feed the encoder-side
+    processors; without them those settings are ignored, as transformers ignores them.
+    """
     s = settings
     eos = s.eos_token_id
     processors = ProcessorList()
+    if s.encoder_repetition_penalty != 1.0 and encoder_input_ids is not None:
+        processors.append(EncoderRepetitionPenalty(s.encoder_repetition_penalty, encoder_input_ids))
     if s.repetition_penalty != 1.0:
         processors.append(RepetitionPenalty(s.repetition_penalty))
     if s.no_repeat_ngram_size > 0:
         processors.append(NoRepeatNGram(s.no_repeat_ngram_size))
+    if s.encoder_no_repeat_ngram_size > 0 and encoder_input_ids is not None:
+        processors.append(EncoderNoRepeatNGram(s.encoder_no_repeat_ngram_size, encoder_input_ids))
     if s.bad_words_ids is not None:
         processors.append(NoBadWords(s.bad_words_ids, eos or ()))
     if eos is not None and s.min_length > 0:

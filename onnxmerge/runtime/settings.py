@@ -27,6 +27,8 @@ GLOBAL_DEFAULTS: dict[str, Any] = {
     "repetition_penalty": 1.0,
     "length_penalty": 1.0,
     "no_repeat_ngram_size": 0,
+    "encoder_repetition_penalty": 1.0,
+    "encoder_no_repeat_ngram_size": 0,
     "bad_words_ids": None,
     "forced_bos_token_id": None,
     "forced_eos_token_id": None,
@@ -45,8 +47,6 @@ UNSUPPORTED_OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "typical_p": (1.0, None),
     "epsilon_cutoff": (0.0, None),
     "eta_cutoff": (0.0, None),
-    "encoder_repetition_penalty": (1.0, None),
-    "encoder_no_repeat_ngram_size": (0, None),
     "sequence_bias": (None,),
     "renormalize_logits": (False, None),
     "remove_invalid_values": (False, None),
@@ -81,6 +81,8 @@ class GenerationSettings:
     repetition_penalty: float
     length_penalty: float
     no_repeat_ngram_size: int
+    encoder_repetition_penalty: float
+    encoder_no_repeat_ngram_size: int
     bad_words_ids: list[list[int]] | None
     forced_bos_token_id: int | None
     forced_eos_token_id: list[int] | None
@@ -174,6 +176,8 @@ def resolve_settings(
         repetition_penalty=float(values["repetition_penalty"]),
         length_penalty=float(values["length_penalty"]),
         no_repeat_ngram_size=int(values["no_repeat_ngram_size"] or 0),
+        encoder_repetition_penalty=float(values["encoder_repetition_penalty"]),
+        encoder_no_repeat_ngram_size=int(values["encoder_no_repeat_ngram_size"] or 0),
         bad_words_ids=values["bad_words_ids"],
         forced_bos_token_id=values["forced_bos_token_id"],
         forced_eos_token_id=_as_token_list(values["forced_eos_token_id"]),

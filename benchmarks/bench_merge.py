@@ -1,0 +1,468 @@
+"""Merge benchmark: bytes on disk per layout, merge time and peak memory against optimum.
+
+On the opus-mt-fr-en shape (seeded random weights), exported twice with optimum: with its tied-
+weight pass (``tied``: needs accelerate) and without it (``untied``: what users without accelerate
+get). For each export it measures:
+
+1. bytes on disk of each layout and their ratio to ``model.safetensors``;
+2. onnxmerge's ``merge_seq2seq`` against optimum's ``merge_decoders`` on the same folder, each in a
+   fresh interpreter, median of ``--repeats`` runs: time and peak memory;
+3. the merge report (tensors in/out, shared, transposed) and an onnxruntime check of the merged
+   file: one first step and one cached step, compared with the separate export files.
+
+``--profile`` also breaks onnxmerge's merge down by phase (time, peak RSS) and by function
+(cProfile). ``--quick`` uses a tiny Marian model so the whole run takes seconds.
+
+Usage: python benchmarks/bench_merge.py [--quick] [--out benchmarks/out/merge.json] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks import _common  # noqa: E402
+from benchmarks._common import (  # noqa: E402
+    DECODER_FILE,
+    DECODER_MERGED_FILE,
+    DECODER_WITH_PAST_FILE,
+    ENCODER_FILE,
+)
+
+DEFAULT_OUT = REPO_ROOT / "benchmarks" / "out" / "merge.json"
+TARGET_CHECKPOINT_RATIO = 1.01
+TARGET_TIME_RATIO = 1.0
+TARGET_RSS_RATIO = 0.5
+
+LAYOUTS: dict[str, tuple[str, ...]] = {
+    "encoder+decoder+decoder_with_past": (ENCODER_FILE, DECODER_FILE, DECODER_WITH_PAST_FILE),
+    "all four files": (ENCODER_FILE, DECODER_FILE, DECODER_WITH_PAST_FILE, DECODER_MERGED_FILE),
+    "encoder+decoder_model_merged": (ENCODER_FILE, DECODER_MERGED_FILE),
+}
+OURS_LAYOUT = "onnxmerge model.onnx"
+
+
+# ---------------------------------------------------------------- run in child processes
+
+
+def merge_ours(export_dir: str, output: str) -> dict[str, Any]:
+    """onnxmerge's merge of the export folder; the report's numbers."""
+    from onnxmerge.merge import merge_seq2seq_with_report
+
+    result = merge_seq2seq_with_report(export_dir, output, overwrite=True)
+    return {
+        "path": str(result.path),
+        "layout": result.layout,
+        "inputs": [{"path": str(f.path), "role": f.role, "bytes": f.bytes} for f in result.inputs],
+        "input_bytes": result.input_bytes,
+        "output_bytes": result.output_bytes,
+        "tensors_in": result.tensors_in,
+        "tensors_out": result.tensors_out,
+        "constants_lifted": result.constants_lifted,
+        "shared": len(result.shared),
+        "shared_bytes_removed": sum(s.nbytes for s in result.shared),
+        "transposed": len(result.transposed),
+        "transposed_tensors": [
+            {"kept": s.kept, "removed": s.removed, "nbytes": s.nbytes}
+            for s in result.transposed
+        ],
+    }
+
+
+def merge_optimum(export_dir: str, output: str) -> dict[str, Any]:
+    """optimum's merge of the two decoders of the folder, called as main_export calls it.
+
+    ``strict=False`` because the decoder with past does not output the cross-attention cache.
+    """
+    from optimum.onnx import merge_decoders
+
+    folder = Path(export_dir)
+    merge_decoders(folder / DECODER_FILE, folder / DECODER_WITH_PAST_FILE, save_path=output,
+                   strict=False)
+    out = Path(output)
+    return {"output_bytes": _common.files_bytes(out.parent, [out.name])}
+
+
+class _PhaseRecorder:
+    """Wraps functions to record each call's time and peak RSS, nested calls included."""
+
+    def __init__(self) -> None:
+        self.records: list[dict[str, Any]] = []
+        self._peaks: list[int] = []
+        self.missing: list[str] = []
+        self.t0 = __import__("time").perf_counter()
+
+    def wrap(self, owner: Any, attr: str, label: str | None = None) -> None:
+        import functools
+        import time
+
+        original = getattr(owner, attr, None)
+        name = label or attr
+        if original is None:  # the library moved on; profile what is still there
+            self.missing.append(f"{getattr(owner, '__name__', owner)}.{attr}")
+            return
+
+        @functools.wraps(original)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            hwm = _common.self_rss_bytes()["peak_rss_bytes"]
+            if self._peaks:
+                self._peaks[-1] = max(self._peaks[-1], hwm)
+            _common.reset_peak_rss()
+            rss_before = _common.self_rss_bytes()["rss_bytes"]
+            self._peaks.append(0)
+            depth = len(self._peaks) - 1
+            detail = next((Path(a).name for a in args if isinstance(a, (str, os.PathLike))), "")
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                seconds = time.perf_counter() - start
+                now = _common.self_rss_bytes()
+                peak = max(self._peaks.pop(), now["peak_rss_bytes"])
+                if self._peaks:
+                    self._peaks[-1] = max(self._peaks[-1], peak)
+                self.records.append({
+                    "phase": name, "detail": detail, "depth": depth, "start": start - self.t0,
+                    "seconds": seconds,
+                    "rss_before_bytes": rss_before, "rss_after_bytes": now["rss_bytes"],
+                    "peak_rss_bytes": peak,
+                })
+
+        setattr(owner, attr, timed)
+
+
+def profile_ours(export_dir: str, output: str, top: int = 25) -> dict[str, Any]:
+    """onnxmerge's merge, broken down by phase, then once more under cProfile."""
+    import cProfile
+    import io as text_io
+    import pstats
+    import time
+
+    import onnx
+    import onnx_ir as ir
+
+    from onnxmerge import compat, dedup, io, merge, roles, splice
+
+    recorder = _PhaseRecorder()
+    recorder.wrap(merge, "load_export", "merge.load_export")
+    recorder.wrap(merge, "_load_export", "merge.load_export")
+    recorder.wrap(io, "load_model", "io.load_model")
+    recorder.wrap(onnx, "load", "onnx.load")
+    recorder.wrap(io, "check_external_data", "io.check_external_data")
+    recorder.wrap(ir.serde, "deserialize_model", "ir.serde.deserialize_model")
+    recorder.wrap(roles, "judge", "roles.judge")
+    recorder.wrap(splice, "parts_of_file", "splice.parts_of_file")
+    recorder.wrap(compat, "origins", "compat.origins")
+    recorder.wrap(splice, "splice", "splice.splice")
+    recorder.wrap(dedup, "store_once", "dedup.store_once")
+    recorder.wrap(compat, "check_same_checkpoint", "compat.check_same_checkpoint")
+    recorder.wrap(merge, "_add_metadata", "merge._add_metadata")
+    recorder.wrap(io, "save_model_atomically", "io.save_model_atomically")
+    recorder.wrap(ir, "save", "ir.save")
+    recorder.wrap(io, "_fsync", "io._fsync")
+    recorder.wrap(merge, "validate_merged_file", "validate_merged_file (checker full_check)")
+    recorder.wrap(merge, "_references", "merge._references (onnx.load of output)")
+    recorder.wrap(io, "file_bytes", "io.file_bytes")
+
+    _common.reset_peak_rss()
+    baseline = _common.self_rss_bytes()["rss_bytes"]
+    start = time.perf_counter()
+    merge.merge_seq2seq_with_report(export_dir, output, overwrite=True)
+    total_s = time.perf_counter() - start
+    peak = _common.self_rss_bytes()["peak_rss_bytes"]
+    # Records are appended when a call ends; order them by start for reading.
+    phases = sorted(recorder.records, key=lambda r: r["start"])
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    merge.merge_seq2seq_with_report(export_dir, output, overwrite=True)
+    profiler.disable()
+    stream = text_io.StringIO()
+    stats = pstats.Stats(profiler, stream=stream)
+    stats.sort_stats("cumulative").print_stats(top)
+    stats.sort_stats("tottime").print_stats(top)
+    return {
+        "total_s": total_s,
+        "baseline_rss_bytes": baseline,
+        "peak_rss_bytes": peak,
+        "phases": phases,
+        "not_found": recorder.missing,
+        "cprofile": stream.getvalue(),
+    }
+
+
+# ---------------------------------------------------------------- onnxruntime check
+
+
+def ort_check(export_dir: Path, merged: Path) -> dict[str, Any]:
+    """Run the merged file for one first step and one cached step; compare with the export's files."""
+    import numpy as np
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    providers = ["CPUExecutionProvider"]
+    model = ort.InferenceSession(str(merged), options, providers=providers)
+    encoder = ort.InferenceSession(str(export_dir / ENCODER_FILE), options, providers=providers)
+    decoder = ort.InferenceSession(str(export_dir / DECODER_FILE), options, providers=providers)
+    with_past = ort.InferenceSession(
+        str(export_dir / DECODER_WITH_PAST_FILE), options, providers=providers
+    )
+    config = json.loads((export_dir / "config.json").read_text(encoding="utf-8"))
+    start_token = config["decoder_start_token_id"]
+    rng = np.random.default_rng(0)
+    input_ids = rng.integers(1, config["vocab_size"] - 1, size=(2, 7), dtype=np.int64)
+    attention_mask = np.ones_like(input_ids)
+    attention_mask[1, 5:] = 0
+    decoder_ids = np.full((2, 1), start_token, dtype=np.int64)
+
+    past_inputs = [i for i in model.get_inputs() if i.name.startswith("past_key_values.")]
+    heads = config["decoder_attention_heads"]
+    head_dim = config["d_model"] // heads
+    empty = np.zeros((2, heads, 0, head_dim), dtype=np.float32)
+    feed = {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "decoder_input_ids": decoder_ids,
+        "use_cache_branch": np.array([False]),
+        **{i.name: empty for i in past_inputs},
+    }
+    out_names = [o.name for o in model.get_outputs()]
+    first = dict(zip(out_names, model.run(None, feed)))
+
+    (hidden,) = encoder.run(None, {"input_ids": input_ids, "attention_mask": attention_mask})
+    dec_names = [o.name for o in decoder.get_outputs()]
+    reference = dict(zip(dec_names, decoder.run(None, {
+        "input_ids": decoder_ids, "encoder_attention_mask": attention_mask,
+        "encoder_hidden_states": hidden,
+    })))
+    first_diff = max(
+        float(np.abs(first[name] - reference[name]).max()) for name in dec_names if name in first
+    )
+
+    next_ids = first["logits"][:, -1].argmax(-1)[:, None].astype(np.int64)
+    past = {
+        name.replace("present.", "past_key_values."): value
+        for name, value in first.items() if name.startswith("present.")
+    }
+    cached = dict(zip(out_names, model.run(None, {
+        **feed, "decoder_input_ids": next_ids, "use_cache_branch": np.array([True]), **past,
+    })))
+    past_feed = {i.name: past[i.name] for i in with_past.get_inputs() if i.name in past}
+    wp_names = [o.name for o in with_past.get_outputs()]
+    reference_cached = dict(zip(wp_names, with_past.run(None, {
+        "input_ids": next_ids, "encoder_attention_mask": attention_mask, **past_feed,
+    })))
+    cached_diff = max(
+        float(np.abs(cached[name] - reference_cached[name]).max())
+        for name in wp_names if name in cached
+    )
+    return {
+        "loads": True,
+        "first_step_logits_shape": list(first["logits"].shape),
+        "first_step_max_abs_diff": first_diff,
+        "cached_step_max_abs_diff": cached_diff,
+        "ok": bool(np.isfinite(first["logits"]).all()) and first_diff < 1e-3 and cached_diff < 1e-3,
+    }
+
+
+# ---------------------------------------------------------------- the benchmark
+
+
+def layout_bytes(export: _common.Export, ours_bytes: int) -> dict[str, dict[str, Any]]:
+    checkpoint = export.checkpoint.stat().st_size
+    sizes = {name: _common.files_bytes(export.onnx_dir, files) for name, files in LAYOUTS.items()}
+    sizes[OURS_LAYOUT] = ours_bytes
+    return {
+        name: {"bytes": size, "ratio_to_safetensors": size / checkpoint}
+        for name, size in sizes.items()
+    }
+
+
+def _ratio(ours: float | None, theirs: float | None) -> float | None:
+    return ours / theirs if ours is not None and theirs else None
+
+
+def bench_export(export: _common.Export, repeats: int, scratch: Path, profile: bool) -> dict:
+    export_dir = str(export.onnx_dir)
+    ours_out = scratch / f"{export.variant}-ours" / "model.onnx"
+    optimum_out = scratch / f"{export.variant}-optimum" / "decoder_model_merged.onnx"
+    for folder in (ours_out.parent, optimum_out.parent):
+        folder.mkdir(parents=True, exist_ok=True)
+
+    def clear(folder: Path) -> Any:
+        return lambda: [p.unlink() for p in folder.iterdir() if p.is_file()]
+
+    ours = _common.repeat_in_subprocess(
+        "benchmarks.bench_merge:merge_ours", (export_dir, str(ours_out)),
+        repeats=repeats, preload=("onnxmerge.merge",), before_each=clear(ours_out.parent),
+    )
+    optimum = _common.repeat_in_subprocess(
+        "benchmarks.bench_merge:merge_optimum", (export_dir, str(optimum_out)),
+        repeats=repeats, preload=("optimum.onnx",), before_each=clear(optimum_out.parent),
+    )
+    report = ours["runs"][-1]["result"]
+    for runs in (ours, optimum):
+        for run in runs["runs"]:
+            run.pop("result", None)
+    result = {
+        "variant": export.variant,
+        "export_dir": export_dir,
+        "checkpoint_bytes": export.checkpoint.stat().st_size,
+        "layouts": layout_bytes(export, report["output_bytes"]),
+        "merge_report": report,
+        "ort_check": ort_check(export.onnx_dir, ours_out),
+        "merge_time_memory": {
+            "onnxmerge": ours,
+            "optimum_merge_decoders": optimum,
+            "ratios_ours_over_optimum": {
+                key: _ratio(ours["median"][key], optimum["median"][key])
+                for key in ("call_s", "wall_s", "peak_rss_bytes", "peak_call_rss_bytes",
+                            "peak_private_bytes")
+            },
+        },
+    }
+    if profile:
+        result["profile"] = _common.run_in_subprocess(
+            "benchmarks.bench_merge:profile_ours", (export_dir, str(ours_out)),
+            preload=("onnxmerge.merge",),
+        )
+    return result
+
+
+def markdown(results: dict[str, Any]) -> str:
+    lines = ["### Bytes on disk (ratio to model.safetensors)", ""]
+    variants = results["variants"]
+    names = list(next(iter(variants.values()))["layouts"])
+    lines.append("| layout | " + " | ".join(variants) + " |")
+    lines.append("|---|" + "---|" * len(variants))
+    for name in names:
+        cells = [
+            f"{_common.mb(v['layouts'][name]['bytes'])} MB ({v['layouts'][name]['ratio_to_safetensors']:.3f}x)"
+            for v in variants.values()
+        ]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    first = next(iter(variants.values()))
+    lines.append(f"| model.safetensors | " + " | ".join(
+        f"{_common.mb(v['checkpoint_bytes'])} MB" for v in variants.values()) + " |")
+    lines += ["", f"### Merge, median of {results['repeats']} fresh processes (ours / optimum)", ""]
+    lines.append("| export | tool | merge s | process s | peak RSS MB | RSS above imports MB "
+                 "| peak private MB |")
+    lines.append("|---|---|---|---|---|---|---|")
+    for variant, v in variants.items():
+        tm = v["merge_time_memory"]
+        for tool in ("onnxmerge", "optimum_merge_decoders"):
+            m = tm[tool]["median"]
+            lines.append(
+                f"| {variant} | {tool} | {m['call_s']:.2f} | {m['wall_s']:.2f} | "
+                f"{_common.mb(m['peak_rss_bytes'])} | {_common.mb(m['peak_call_rss_bytes'])} | "
+                f"{_common.mb(m['peak_private_bytes'])} |"
+            )
+        r = tm["ratios_ours_over_optimum"]
+        fmt = lambda x: "-" if x is None else f"{x:.2f}x"  # noqa: E731
+        lines.append(
+            f"| {variant} | ratio | {fmt(r['call_s'])} | {fmt(r['wall_s'])} | "
+            f"{fmt(r['peak_rss_bytes'])} | {fmt(r['peak_call_rss_bytes'])} | "
+            f"{fmt(r['peak_private_bytes'])} |"
+        )
+    lines += ["", "### Merge report and onnxruntime check", ""]
+    lines.append("| export | initializers in | out | shared | transposed | ORT first / cached step "
+                 "max abs diff | ok |")
+    lines.append("|---|---|---|---|---|---|---|")
+    for variant, v in variants.items():
+        rep, chk = v["merge_report"], v["ort_check"]
+        lines.append(
+            f"| {variant} | {rep['tensors_in']} | {rep['tensors_out']} | {rep['shared']} | "
+            f"{rep['transposed']} | {chk['first_step_max_abs_diff']:.2e} / "
+            f"{chk['cached_step_max_abs_diff']:.2e} | {chk['ok']} |"
+        )
+    lines += ["", "### Targets", ""]
+    for variant, t in results["targets"].items():
+        lines.append(f"- {variant}: " + ", ".join(f"{k}: {'met' if ok else 'MISSED'}"
+                                                  for k, ok in t.items()))
+    del first
+    return "\n".join(lines)
+
+
+def profile_markdown(variant: str, profile: dict[str, Any]) -> str:
+    lines = [f"### Profile of onnxmerge's merge ({variant})", "",
+             f"total {profile['result']['total_s']:.2f} s, peak RSS "
+             f"{_common.mb(profile['result']['peak_rss_bytes'])} MB (baseline "
+             f"{_common.mb(profile['result']['baseline_rss_bytes'])} MB)", "",
+             "| phase | detail | s | RSS before MB | RSS after MB | peak RSS MB |", "|---|---|---|---|---|---|"]
+    for r in profile["result"]["phases"]:
+        lines.append(
+            f"| {'  ' * r['depth']}{r['phase']} | {r['detail']} | {r['seconds']:.3f} | "
+            f"{_common.mb(r['rss_before_bytes'])} | {_common.mb(r['rss_after_bytes'])} | "
+            f"{_common.mb(r['peak_rss_bytes'])} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny model, one run each")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON results file")
+    parser.add_argument("--repeats", type=int, default=None, help="runs per tool (default 3; 1 with --quick)")
+    parser.add_argument("--variants", nargs="+", default=list(_common.EXPORT_VARIANTS),
+                        choices=_common.EXPORT_VARIANTS)
+    parser.add_argument("--cache-dir", type=Path, default=_common.DEFAULT_CACHE_DIR)
+    parser.add_argument("--profile", action="store_true", help="also profile onnxmerge's merge")
+    args = parser.parse_args(argv)
+    repeats = args.repeats or (1 if args.quick else 3)
+    factory = _common.tiny_marian_config if args.quick else _common.opus_mt_config
+
+    results: dict[str, Any] = {
+        "benchmark": "merge",
+        "model": "tiny-marian" if args.quick else "opus-mt-fr-en shape (seeded random weights)",
+        "repeats": repeats,
+        "machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
+                    "platform": platform.platform()},
+        "versions": _common.package_versions(),
+        "variants": {},
+    }
+    scratch = Path(tempfile.mkdtemp(prefix="bench-merge-"))
+    try:
+        for variant in args.variants:
+            export = _common.export_cached(factory, variant, args.cache_dir)
+            results["variants"][variant] = bench_export(export, repeats, scratch, args.profile)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+    results["targets"] = {
+        variant: {
+            f"onnxmerge/safetensors <= {TARGET_CHECKPOINT_RATIO}":
+                v["layouts"][OURS_LAYOUT]["ratio_to_safetensors"] <= TARGET_CHECKPOINT_RATIO,
+            f"time <= {TARGET_TIME_RATIO}x optimum":
+                (v["merge_time_memory"]["ratios_ours_over_optimum"]["call_s"] or 0) <= TARGET_TIME_RATIO,
+            f"peak RSS <= {TARGET_RSS_RATIO}x optimum":
+                (v["merge_time_memory"]["ratios_ours_over_optimum"]["peak_rss_bytes"] or 0)
+                <= TARGET_RSS_RATIO,
+            "ORT check": v["ort_check"]["ok"],
+        }
+        for variant, v in results["variants"].items()
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2, default=str) + "\n", encoding="utf-8")
+    print(markdown(results))
+    for variant, v in results["variants"].items():
+        if "profile" in v:
+            print()
+            print(profile_markdown(variant, v["profile"]))
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

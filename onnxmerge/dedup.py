@@ -42,6 +42,7 @@ class DedupReport:
     constants_lifted: int = 0
     nodes_hoisted: int = 0
     nodes_merged: int = 0
+    aliases_dropped: int = 0
     initializers_removed_unused: int = 0
 
     @property
@@ -219,12 +220,28 @@ def deduplicate_initializers(graph: ir.Graph) -> list[SharedTensor]:
             array = array_of(value)
             transposed_key = (*flipped, _digest(array, transposed=True))
             transposed_of.setdefault(transposed_key, value)
+    shared = _resolve_chains(shared)
     for item in shared:
         logger.debug(
             "%s is %s%s (%d bytes)", item.removed, item.kept,
             "^T" if item.transposed else "", item.nbytes,
         )
     return shared
+
+
+def _resolve_chains(shared: list[SharedTensor]) -> list[SharedTensor]:
+    """Report each removed tensor against the tensor actually kept.
+
+    ``b == a`` found first, then ``a == e^T``: ``b`` is stored as ``e``, transposed.
+    """
+    removed = {s.removed: s for s in shared}
+    resolved = []
+    for item in shared:
+        kept, transposed = item.kept, item.transposed
+        while kept in removed:
+            kept, transposed = removed[kept].kept, transposed != removed[kept].transposed
+        resolved.append(SharedTensor(kept, item.removed, item.nbytes, transposed))
+    return resolved
 
 
 def _transpose_node(graph: ir.Graph, source: ir.Value) -> ir.Value:
@@ -262,6 +279,9 @@ def hoist_constant_nodes(graph: ir.Graph) -> int:
     constant: set[ir.Value] = set()
     for node in list(ir.traversal.RecursiveGraphIterator(graph)):
         if node.graph is graph or not _constant_inputs_only(node, graph, constant):
+            continue
+        if any(out.is_graph_output() for out in node.outputs):
+            # A branch must compute its outputs itself; leave this one in place.
             continue
         node.graph.remove(node)
         hoisted.append(node)
@@ -308,6 +328,28 @@ def merge_equal_constant_nodes(graph: ir.Graph) -> int:
     return merged
 
 
+def drop_initializer_aliases(graph: ir.Graph) -> int:
+    """Remove main-graph Identity nodes of initializers; their readers read the initializer.
+
+    torch exports such aliases when one weight has several names. Left in place, onnxruntime
+    tries to rename the branches' outer-scope references when it removes them, and warns.
+    """
+    dropped = 0
+    for node in list(graph):
+        if node.op_type != "Identity" or node.domain not in ("", "ai.onnx"):
+            continue
+        source, alias = node.inputs[0], node.outputs[0]
+        if source is None or not source.is_initializer() or alias.is_graph_output():
+            continue
+        if any(use.node.graph is not graph and alias in use.node.graph.outputs
+               for use in alias.uses()):
+            continue
+        ir.convenience.replace_all_uses_with(alias, source)
+        graph.remove(node, safe=True)
+        dropped += 1
+    return dropped
+
+
 def remove_unused_initializers(graph: ir.Graph) -> int:
     unused = [
         name for name, v in graph.initializers.items()
@@ -325,6 +367,7 @@ def store_once(model: ir.Model) -> DedupReport:
     report.shared = deduplicate_initializers(model.graph)
     report.nodes_hoisted = hoist_constant_nodes(model.graph)
     report.nodes_merged = merge_equal_constant_nodes(model.graph)
+    report.aliases_dropped = drop_initializer_aliases(model.graph)
     report.initializers_removed_unused = remove_unused_initializers(model.graph)
     return report
 

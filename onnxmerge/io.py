@@ -187,18 +187,41 @@ def _fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
+def data_files_of(model_path: Path) -> set[Path]:
+    """The external data files an existing model reads; empty if it is absent or unreadable."""
+    if not model_path.is_file():
+        return set()
+    try:
+        proto = onnx.load(os.fspath(model_path), load_external_data=False)
+        return check_external_data(proto, model_path)
+    except Exception:  # an unreadable old output has no data we could safely delete
+        return set()
+
+
+def _free_data_name(output: Path) -> str:
+    """``<name>_data``, or ``<stem>.<k><suffix>_data`` while that is taken by an older write."""
+    name = data_file_name(output)
+    counter = 0
+    while (output.parent / name).exists():
+        counter += 1
+        name = data_file_name(output.with_name(f"{output.stem}.{counter}{output.suffix}"))
+    return name
+
+
 def save_model_atomically(
     model: ir.Model,
     output: Path,
     *,
     external_data: bool | None = None,
     validate: Callable[[Path], None] | None = None,
+    protected: frozenset[Path] = frozenset(),
 ) -> Path:
     """Write ``model`` to ``output`` all or nothing.
 
     With ``external_data=None`` the weights go to one ``<name>_data`` file beside the model when
     they would pass 2 GB; ``True`` forces that, ``False`` forbids it. ``validate`` is called on the
-    written temporary file before it replaces anything.
+    written temporary file before it replaces anything. Data files of a replaced output are
+    removed afterwards, except those in ``protected`` (the inputs).
     """
     output = Path(output)
     folder = output.parent
@@ -217,7 +240,8 @@ def save_model_atomically(
             f"{folder} has {free / 2**20:.0f} MiB free; the merged model needs about "
             f"{payload / 2**20:.0f} MiB; free some space or choose another output"
         )
-    data_name = data_file_name(output) if external_data else None
+    old_data = data_files_of(output) - set(protected)
+    data_name = _free_data_name(output) if external_data else None
     if data_name is None:
         # Weights mapped from the inputs' data files must be copied in, not referenced.
         ir.external_data.load_to_model(model)
@@ -233,11 +257,15 @@ def save_model_atomically(
             _fsync(path)
         if validate is not None:
             validate(tmp_model)
-        # The data file first: a model file never points at data that is not in place yet.
+        # The data file first, under a name no existing model reads: until the model file is
+        # replaced, the previous output still reads its own, untouched data.
         for path in written:
             os.replace(path, folder / path.name)
         _fsync_dir(folder)
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
+    for stale in old_data - data_files_of(output):
+        with contextlib.suppress(OSError):
+            stale.unlink()
     logger.info("wrote %s", output)
     return output

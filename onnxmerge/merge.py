@@ -15,7 +15,7 @@ from pathlib import Path
 import onnx
 import onnx_ir as ir
 
-from onnxmerge import compat, contract, dedup, io, roles, splice
+from onnxmerge import compat, contract, dedup, io, roles, splice, tied_head
 from onnxmerge.errors import (
     ExportFolderError,
     InvalidMergedModelError,
@@ -130,17 +130,18 @@ def merge_seq2seq_with_report(
     spliced = splice.splice(parts, models)
     step("deduplicating")
     report = dedup.store_once(spliced.model)
+    tied_head.gemm_for_transposed_weights(spliced.model)
     compat.check_same_checkpoint(parts, origins, report.shared, force=force)
     _add_metadata(spliced, export_dir)
     step("saving and checking")
-    io.save_model_atomically(
-        spliced.model, output, external_data=external_data, validate=validate_merged_file
+    inputs_read = frozenset(
+        f.resolve() for p in chosen.values() for f in (p, *data_files[p])
     )
-    written_data = output.parent / io.data_file_name(output)
-    output_bytes = output.stat().st_size
-    if external_data or (external_data is None and written_data.exists()
-                         and _references(output, written_data)):
-        output_bytes += written_data.stat().st_size
+    io.save_model_atomically(
+        spliced.model, output, external_data=external_data, validate=validate_merged_file,
+        protected=inputs_read,
+    )
+    output_bytes = io.file_bytes(output, io.data_files_of(output))
     inputs = tuple(
         InputFile(path, role.value, io.file_bytes(path, data_files[path]))
         for role, path in chosen.items()
@@ -165,19 +166,11 @@ def merge_seq2seq_with_report(
     return result
 
 
-def _references(model_path: Path, data_path: Path) -> bool:
-    proto = onnx.load(os.fspath(model_path), load_external_data=False)
-    return data_path.resolve() in io.check_external_data(proto, model_path)
-
-
 def load_export(
     export_dir: Path, output: Path
 ) -> tuple[dict[Role, Path], dict[Path, ir.Model], dict[Path, set[Path]]]:
     """Load every model of the folder, judge its role, keep the ones the merge needs."""
-    candidates = sorted(
-        p for p in export_dir.glob("*.onnx")
-        if p.is_file() and not (output.exists() and p.resolve() == output.resolve())
-    )
+    candidates = sorted(p for p in export_dir.glob("*.onnx") if p.is_file())
     if not candidates:
         raise ExportFolderError(
             f"{export_dir} holds no .onnx file; export the model first, e.g. `optimum-cli export "
@@ -187,9 +180,12 @@ def load_export(
     data_files: dict[Path, set[Path]] = {}
     judged: dict[Path, roles.Judgement] = {}
     for path in candidates:
-        models[path], data_files[path] = io.load_model(path)
-        judged[path] = roles.judge(models[path])
-        logger.debug("%s: %s (%s)", path.name, judged[path].role, judged[path].reason)
+        model, files = io.load_model(path)
+        judgement = roles.judge(model)
+        if judgement.role == Role.MERGED_MODEL and output.exists() and path.samefile(output):
+            continue  # the previous result of this merge, about to be replaced
+        models[path], data_files[path], judged[path] = model, files, judgement
+        logger.debug("%s: %s (%s)", path.name, judgement.role, judgement.reason)
     chosen = roles.assign_roles(judged)
     if Role.MERGED_MODEL in chosen:
         raise InvalidMergedModelError(

@@ -79,7 +79,7 @@ def test_invalid_config_json(tmp_path):
     _assert_untouched(folder, before)
 
 
-# ------------------------------------------------------------------ files that do not belong together
+# ------------------------------------------------------------------ files that do not fit
 
 
 def test_decoders_from_different_checkpoints(tmp_path):
@@ -102,11 +102,6 @@ def test_decoders_from_different_checkpoints(tmp_path):
     assert tm.max_abs_diff(cached, tm.run_merged(path, inputs, use_cache=True)) <= 1e-6
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "compat.check_same_checkpoint skips the encoder check when any shared tensor crosses the "
-    "encoder/decoder boundary, however small: the 8-byte int64 Unsqueeze axes [-1] that every "
-    "file holds is enough, so an encoder from another checkpoint merges silently"
-))
 def test_encoder_from_another_checkpoint(tmp_path):
     folder = tm.write_export(tmp_path / "export", encoder_seed=5)
     with pytest.raises(IncompatibleModelsError) as caught:
@@ -188,15 +183,7 @@ def test_decoder_with_past_lacking_a_present_output(tmp_path):
 
 
 @pytest.mark.parametrize("output", [
-    pytest.param(tm.ENCODER, marks=pytest.mark.xfail(strict=True, reason=(
-        "merge._load_export drops the output from the candidates before _check_output runs: "
-        "an input given as output is reported as a missing file (ExportFolderError)"))),
-    pytest.param(tm.DECODER, marks=pytest.mark.xfail(strict=True, reason=(
-        "merge._load_export drops the output from the candidates before _check_output runs: "
-        "an input given as output is reported as a missing file (ExportFolderError)"))),
-    pytest.param(tm.DECODER_WITH_PAST, marks=pytest.mark.xfail(strict=True, reason=(
-        "merge._load_export drops the output from the candidates, the folder then merges "
-        "without past, and overwrite=True replaces decoder_with_past_model.onnx: input lost"))),
+    tm.ENCODER, tm.DECODER, tm.DECODER_WITH_PAST,
 ])
 def test_an_input_model_is_never_the_output(tmp_path, output):
     folder = tm.write_export(tmp_path / "export")

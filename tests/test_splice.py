@@ -167,11 +167,6 @@ def test_folder_with_all_four_files_uses_the_separate_decoders(tmp_path):
     ]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "io.save_model_atomically calls ir.save(external_data=None) on a model whose tensors are "
-    "still ExternalTensors of the sources: the written file points at encoder_model.onnx_data "
-    "etc. relative to the temporary folder, and the checker refuses it"
-))
 def test_external_data_sources_merge_into_one_self_contained_file(tmp_path):
     folder = tm.write_export(tmp_path / "export", external_data=True)
     assert (folder / (tm.ENCODER + "_data")).exists()
@@ -260,7 +255,8 @@ def test_output_is_byte_identical_across_runs_and_hash_seeds(tmp_path):
     folder = tm.write_export(tmp_path / "export", head="tied", out_proj_as_constant=True)
     in_process = _sha(merge_seq2seq(folder, tmp_path / "a.onnx"))
     assert _sha(merge_seq2seq(folder, tmp_path / "b.onnx")) == in_process
-    code = "import sys; from onnxmerge import merge_seq2seq; merge_seq2seq(sys.argv[1], sys.argv[2])"
+    code = ("import sys; from onnxmerge import merge_seq2seq; "
+            "merge_seq2seq(sys.argv[1], sys.argv[2])")
     for seed in ("0", "123"):
         out = tmp_path / f"seed{seed}.onnx"
         subprocess.run(

@@ -148,7 +148,8 @@ def _decoder_body(*, past: bool, presents: bool, head: str, p: str) -> str:
                 lines.append(_kv(p + "x", weight, f"new.{layer}.{kind}", p))
                 lines.append(
                     f"\n  {q(p + new)} = Concat<axis = 2>("
-                    f"{q(f'past_key_values.{layer}.decoder.{kind}')}, {q(p + f'new.{layer}.{kind}')})"
+                    f"{q(f'past_key_values.{layer}.decoder.{kind}')}, "
+                    f"{q(p + f'new.{layer}.{kind}')})"
                 )
             elif presents:
                 lines.append(_kv(p + "x", weight, new, p))
@@ -211,7 +212,8 @@ def _past_inputs() -> list[str]:
     inputs = []
     for layer in range(LAYERS):
         for part in ("decoder", "encoder"):
-            length = "past_decoder_sequence_length" if part == "decoder" else "encoder_sequence_length"
+            length = ("past_decoder_sequence_length" if part == "decoder"
+                      else "encoder_sequence_length")
             for kind in ("key", "value"):
                 inputs.append(_cache_type(layer, part, kind, "past_key_values", length))
     return inputs
@@ -311,7 +313,9 @@ def make_merged_decoder(weights: dict[str, np.ndarray], *, head: str = "copy",
     )
     inputs = [i for i in no_past.graph.input]
     inputs += [i for i in with_past.graph.input if i.name.startswith("past_key_values.")]
-    inputs.append(onnx.helper.make_tensor_value_info("use_cache_branch", onnx.TensorProto.BOOL, [1]))
+    inputs.append(
+        onnx.helper.make_tensor_value_info("use_cache_branch", onnx.TensorProto.BOOL, [1])
+    )
     initializers = {t.name: t for t in no_past.graph.initializer}
     for t in with_past.graph.initializer:
         initializers.setdefault(t.name, t)
@@ -338,6 +342,7 @@ def constant_for(model: onnx.ModelProto, name: str) -> onnx.ModelProto:
 
 
 def save(model: onnx.ModelProto, path: Path, *, external_data: bool = False) -> Path:
+    """Save as optimum does: with external data, tensors of 1 KiB or more go to ``<name>_data``."""
     path = Path(path)
     if external_data:
         onnx.save(model, os.fspath(path), save_as_external_data=True, all_tensors_to_one_file=True,
@@ -367,7 +372,8 @@ def write_export(
     ``layout``: ``with_past`` (encoder, decoder, decoder with past), ``no_past`` (encoder and a
     decoder without presents), ``merged_only`` (encoder and decoder_model_merged), ``all`` (the
     four files optimum writes). ``encoder_seed``/``with_past_seed`` give that file weights of
-    another checkpoint. ``opsets``/``ir_versions``/``names`` are keyed by the conventional file name.
+    another checkpoint. ``opsets``/``ir_versions``/``names`` are keyed by the conventional file
+    name.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}")

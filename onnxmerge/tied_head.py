@@ -1,0 +1,93 @@
+"""Read a tied LM head straight from the embedding, with no transposed copy in memory.
+
+After deduplication a tied head is ``MatMul(hidden, Transpose(embedding))``. onnxruntime folds the
+Transpose into a second, transposed copy of the embedding at load time (122 MB for opus-mt-fr-en).
+``Gemm(transB=1)`` reads the embedding as it is stored, so this pass rewrites each such MatMul into
+Reshape -> Gemm(transB=1) -> Reshape, which computes the same numbers.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import onnx_ir as ir
+
+logger = logging.getLogger(__name__)
+
+
+def _transposed_initializer(value: ir.Value | None, main: ir.Graph) -> ir.Value | None:
+    """The 2-D main-graph initializer that ``value`` is the plain transpose of, if any."""
+    if value is None:
+        return None
+    node = value.producer()
+    if node is None or node.op_type != "Transpose" or node.domain not in ("", "ai.onnx"):
+        return None
+    source = node.inputs[0]
+    if source is None or not source.is_initializer() or source.graph is not main:
+        return None
+    if source.shape is None or len(source.shape) != 2:
+        return None
+    perm = node.attributes.get("perm")
+    if perm is not None and list(perm.value) != [1, 0]:
+        return None
+    return source
+
+
+def _const(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
+    value = ir.Value(name=name, type=ir.TensorType(ir.DataType.INT64),
+                     shape=ir.Shape(array.shape), const_value=ir.tensor(array, name=name))
+    if name not in graph.initializers:
+        graph.register_initializer(value)
+    return graph.initializers[name]
+
+
+def gemm_for_transposed_weights(model: ir.Model) -> int:
+    """Rewrite ``MatMul(x, Transpose(W))`` with a main-graph initializer W; return how many."""
+    main = model.graph
+    rewritten = 0
+    for node in list(ir.traversal.RecursiveGraphIterator(main)):
+        if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx"):
+            continue
+        weight = _transposed_initializer(node.inputs[1], main)
+        hidden = node.inputs[0]
+        if weight is None or hidden is None:
+            continue
+        out_features, in_features = weight.shape
+        graph = node.graph
+        prefix = f"{node.name or node.outputs[0].name}/gemm"
+        flat_shape = _const(main, "onnxmerge.flatten_to_2d", np.array([-1, in_features], np.int64))
+        rows = ir.Value(name=f"{prefix}/rows")
+        reshape_in = ir.Node("", "Reshape", [hidden, flat_shape], outputs=[rows],
+                             name=f"{prefix}/reshape_in")
+        product = ir.Value(name=f"{prefix}/product")
+        gemm = ir.Node("", "Gemm", [rows, weight], attributes=[ir.AttrInt64("transB", 1)],
+                       outputs=[product], name=f"{prefix}/gemm")
+        hidden_shape = ir.Value(name=f"{prefix}/hidden_shape")
+        shape = ir.Node("", "Shape", [hidden], attributes=[ir.AttrInt64("end", -1)],
+                        outputs=[hidden_shape], name=f"{prefix}/shape")
+        columns = _const(main, f"onnxmerge.columns_{out_features}",
+                         np.array([out_features], np.int64))
+        out_shape = ir.Value(name=f"{prefix}/out_shape")
+        concat = ir.Node("", "Concat", [hidden_shape, columns], attributes=[ir.AttrInt64("axis", 0)],
+                         outputs=[out_shape], name=f"{prefix}/concat")
+        output = node.outputs[0]
+        result = ir.Value(name=f"{prefix}/out", type=output.type, shape=output.shape)
+        reshape_out = ir.Node("", "Reshape", [product, out_shape], outputs=[result],
+                              name=f"{prefix}/reshape_out")
+        graph.insert_before(node, [reshape_in, gemm, shape, concat, reshape_out])
+        is_output = output in graph.outputs
+        if is_output:
+            graph.outputs[graph.outputs.index(output)] = result
+        ir.convenience.replace_all_uses_with(output, result)
+        transpose = node.inputs[1].producer()
+        graph.remove(node, safe=True)
+        if is_output:
+            name, output.name = output.name, None
+            result.name = name
+        if not transpose.outputs[0].uses() and transpose.outputs[0] not in transpose.graph.outputs:
+            transpose.graph.remove(transpose, safe=True)
+        rewritten += 1
+    if rewritten:
+        logger.debug("read %d transposed weights through Gemm(transB=1)", rewritten)
+    return rewritten

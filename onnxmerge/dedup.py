@@ -88,19 +88,51 @@ def _digest(array: np.ndarray, *, transposed: bool = False) -> bytes:
     return hasher.digest()
 
 
-def _equal(a: np.ndarray, b: np.ndarray, *, transpose_a: bool = False) -> bool:
-    """Byte equality of ``a`` (or ``a.T``) and ``b``, in bounded memory."""
-    if transpose_a:
-        return all(
-            np.array_equal(_byte_view(rows), _byte_view(b[start : start + len(rows)]))
-            for start, rows in _transposed_slices(a)
-        )
-    a_bytes, b_bytes = _byte_view(a), _byte_view(b)
-    if a_bytes.size != b_bytes.size:
+def _stored_chunks(tensor: ir.TensorProtocol) -> Iterator[bytes | memoryview]:
+    """A tensor's stored bytes in slices of ``_CHUNK_BYTES``; read from disk when external.
+
+    Reading, rather than mapping, keeps weights out of the process's resident memory.
+    """
+    if isinstance(tensor, ir.ExternalTensor):
+        remaining = tensor.length if tensor.length is not None else tensor.nbytes
+        with open(tensor.path, "rb") as f:
+            f.seek(tensor.offset or 0)
+            while remaining > 0:
+                chunk = f.read(min(remaining, _CHUNK_BYTES))
+                if not chunk:
+                    raise OSError(f"{tensor.path} ends inside tensor {tensor.name!r}")
+                remaining -= len(chunk)
+                yield chunk
+        return
+    data = memoryview(tensor.tobytes())
+    for start in range(0, len(data), _CHUNK_BYTES):
+        yield data[start : start + _CHUNK_BYTES]
+
+
+def _stored_digest(tensor: ir.TensorProtocol) -> bytes:
+    hasher = hashlib.sha256()
+    for chunk in _stored_chunks(tensor):
+        hasher.update(chunk)
+    return hasher.digest()
+
+
+def _stored_equal(a: ir.TensorProtocol, b: ir.TensorProtocol) -> bool:
+    if a.nbytes != b.nbytes:
         return False
+    return all(x == y for x, y in zip(_stored_chunks(a), _stored_chunks(b), strict=True))
+
+
+def _release(*tensors: ir.TensorProtocol) -> None:
+    for tensor in tensors:
+        if isinstance(tensor, ir.ExternalTensor):
+            tensor.release()
+
+
+def _equal_transposed(a: np.ndarray, b: np.ndarray) -> bool:
+    """Byte equality of ``a.T`` and ``b``, in bounded memory."""
     return all(
-        np.array_equal(a_bytes[start : start + _CHUNK_BYTES], b_bytes[start : start + _CHUNK_BYTES])
-        for start in range(0, a_bytes.size, _CHUNK_BYTES)
+        np.array_equal(_byte_view(rows), _byte_view(b[start : start + len(rows)]))
+        for start, rows in _transposed_slices(a)
     )
 
 
@@ -154,17 +186,11 @@ def deduplicate_initializers(graph: ir.Graph) -> list[SharedTensor]:
     Keys are (dtype, shape, sha256); every match is confirmed byte by byte.
     """
     shared: list[SharedTensor] = []
-    arrays: dict[str, np.ndarray] = {}
     digests: dict[str, bytes] = {}
-
-    def array_of(value: ir.Value) -> np.ndarray | None:
-        if value.name not in arrays:
-            arrays[value.name] = _array(value.const_value)
-        return arrays[value.name]
 
     def digest_of(value: ir.Value) -> bytes:
         if value.name not in digests:
-            digests[value.name] = _digest(array_of(value))
+            digests[value.name] = _stored_digest(value.const_value)
         return digests[value.name]
 
     candidates = [
@@ -180,7 +206,7 @@ def deduplicate_initializers(graph: ir.Graph) -> list[SharedTensor]:
         if (
             first is not None
             and _is_removable(graph, value)
-            and _equal(array_of(first), array_of(value))
+            and _stored_equal(first.const_value, tensor)
         ):
             ir.convenience.replace_all_uses_with(value, first)
             graph.initializers.pop(value.name)
@@ -190,35 +216,37 @@ def deduplicate_initializers(graph: ir.Graph) -> list[SharedTensor]:
         survivors.append(value)
 
     # Transposed copies: only 2-D tensors whose transposed shape also occurs are hashed again.
+    def transposable(value: ir.Value) -> bool:
+        tensor = value.const_value
+        return (len(tensor.shape) == 2 and tensor.nbytes >= MIN_SHARED_BYTES
+                and tensor.dtype.bitwidth >= 8)
+
     shapes = {
-        (v.const_value.dtype, tuple(v.const_value.shape))
-        for v in survivors
-        if len(v.const_value.shape) == 2 and v.const_value.nbytes >= MIN_SHARED_BYTES
+        (v.const_value.dtype, tuple(v.const_value.shape)) for v in survivors if transposable(v)
     }
     transposed_of: dict[tuple, ir.Value] = {}
     transposes: dict[str, ir.Value] = {}
     for value in survivors:
+        if not transposable(value):
+            continue
         tensor = value.const_value
         shape = tuple(tensor.shape)
-        if len(shape) != 2 or tensor.nbytes < MIN_SHARED_BYTES:
-            continue
         key = (tensor.dtype, shape, digest_of(value))
         source = transposed_of.get(key)
-        if (
-            source is not None
-            and _is_removable(graph, value)
-            and _equal(array_of(source), array_of(value), transpose_a=True)
-        ):
-            if source.name not in transposes:
-                transposes[source.name] = _transpose_node(graph, source)
-            ir.convenience.replace_all_uses_with(value, transposes[source.name])
-            graph.initializers.pop(value.name)
-            shared.append(SharedTensor(source.name, value.name, tensor.nbytes, True))
-            continue
+        if source is not None and _is_removable(graph, value):
+            same = _equal_transposed(_array(source.const_value), _array(tensor))
+            _release(source.const_value, tensor)
+            if same:
+                if source.name not in transposes:
+                    transposes[source.name] = _transpose_node(graph, source)
+                ir.convenience.replace_all_uses_with(value, transposes[source.name])
+                graph.initializers.pop(value.name)
+                shared.append(SharedTensor(source.name, value.name, tensor.nbytes, True))
+                continue
         flipped = (tensor.dtype, shape[::-1])
         if flipped in shapes:
-            array = array_of(value)
-            transposed_key = (*flipped, _digest(array, transposed=True))
+            transposed_key = (*flipped, _digest(_array(tensor), transposed=True))
+            _release(tensor)
             transposed_of.setdefault(transposed_key, value)
     shared = _resolve_chains(shared)
     for item in shared:

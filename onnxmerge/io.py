@@ -20,6 +20,7 @@ from pathlib import Path
 import onnx
 import onnx_ir as ir
 
+from onnxmerge import _wire
 from onnxmerge.errors import OnnxMergeError, RefusedOutputError, UnsafeExternalDataError
 
 logger = logging.getLogger(__name__)
@@ -142,12 +143,13 @@ def load_model(path: Path) -> tuple[ir.Model, set[Path]]:
     """
     path = Path(path)
     try:
-        proto = onnx.load(os.fspath(path), load_external_data=False)
+        # Large weights stay in the file, memory-mapped on demand, never parsed into memory.
+        proto = _wire.load_skeleton(path)
     except FileNotFoundError:
         raise
     except Exception as e:  # protobuf raises several unrelated types on a corrupt file
         raise OnnxMergeError(f"{path} is not a readable ONNX model: {e}") from e
-    data_files = check_external_data(proto, path)
+    data_files = check_external_data(proto, path) - {path.resolve()}
     model = ir.serde.deserialize_model(proto)
     ir.external_data.set_base_dir(model.graph, path.parent.resolve())
     logger.debug("loaded %s (%d external data files)", path, len(data_files))
@@ -173,6 +175,13 @@ def data_file_name(output: Path) -> str:
     return output.name + "_data" if output.suffix == ".onnx" else output.name + ".data"
 
 
+def _release_mapped_weights(model: ir.Model) -> None:
+    """Unmap input files the save touched, so their pages leave the resident set."""
+    for value in model.graph.initializers.values():
+        if isinstance(value.const_value, ir.ExternalTensor):
+            value.const_value.release()
+
+
 def _fsync(path: Path) -> None:
     with open(path, "rb") as f:
         os.fsync(f.fileno())
@@ -192,8 +201,8 @@ def data_files_of(model_path: Path) -> set[Path]:
     if not model_path.is_file():
         return set()
     try:
-        proto = onnx.load(os.fspath(model_path), load_external_data=False)
-        return check_external_data(proto, model_path)
+        proto = _wire.load_skeleton(model_path)
+        return check_external_data(proto, model_path) - {model_path.resolve()}
     except Exception:  # an unreadable old output has no data we could safely delete
         return set()
 
@@ -242,21 +251,30 @@ def save_model_atomically(
         )
     old_data = data_files_of(output) - set(protected)
     data_name = _free_data_name(output) if external_data else None
-    if data_name is None:
-        # Weights mapped from the inputs' data files must be copied in, not referenced.
-        ir.external_data.load_to_model(model)
     tmp_dir = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".tmp", dir=folder))
     try:
         tmp_model = tmp_dir / output.name
-        # Tensors under 1 KiB stay inline, as in optimum's own exports.
-        ir.save(model, tmp_model, external_data=data_name, size_threshold_bytes=1024)
+        # Weights are streamed to a data file first (tensors under 1 KiB stay inline, as in
+        # optimum's exports); a single-file output then copies them in, slice by slice. No step
+        # holds the serialised model in memory.
+        staging = data_name or data_file_name(output)
+        ir.save(model, tmp_model, external_data=staging, size_threshold_bytes=1024)
+        _release_mapped_weights(model)
+        if validate is not None:
+            # Checked with its weights still in the data file: the checker then reads only the
+            # graph, not every weight.
+            validate(tmp_model)
         written = [tmp_model]
-        if data_name is not None and (tmp_dir / data_name).exists():
-            written.insert(0, tmp_dir / data_name)
+        if data_name is not None:
+            if (tmp_dir / data_name).exists():
+                written.insert(0, tmp_dir / data_name)
+        elif (tmp_dir / staging).exists():
+            single = tmp_dir / f"{output.name}.single"
+            _wire.inline_external_data(tmp_model, tmp_dir / staging, single)
+            os.replace(single, tmp_model)
+            (tmp_dir / staging).unlink()
         for path in written:
             _fsync(path)
-        if validate is not None:
-            validate(tmp_model)
         # The data file first, under a name no existing model reads: until the model file is
         # replaced, the previous output still reads its own, untouched data.
         for path in written:

@@ -1,0 +1,214 @@
+"""Protobuf wire-level access to ONNX files, so weights never pass through a parsed message.
+
+``onnx.load`` parses a whole file into memory, and serialising builds the whole file once more;
+for a 300 MB model that is well over a gigabyte at the peak. Here the weights stay on disk:
+
+- :func:`load_skeleton` parses only the structure of a model. Each large ``raw_data`` of a
+  main-graph initializer becomes an external-data reference into the file itself, which onnx-ir
+  then memory-maps.
+- :func:`inline_external_data` writes a model whose initializers live in a data file as one
+  self-contained file, copying the weights through in slices.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import onnx
+
+# Field numbers of onnx.proto.
+_MODEL_GRAPH = 7
+_GRAPH_INITIALIZER = 5
+_TENSOR_RAW_DATA = 9
+_TENSOR_EXTERNAL_DATA = 13
+_TENSOR_DATA_LOCATION = 14
+_ENTRY_KEY, _ENTRY_VALUE = 1, 2
+_LEN, _VARINT, _I64, _I32 = 2, 0, 1, 5
+_COPY_CHUNK = 16 * 2**20
+
+
+class WireFormatError(ValueError):
+    """The bytes are not a well-formed protobuf message."""
+
+
+def _varint(buf, pos: int, end: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        if pos >= end:
+            raise WireFormatError("truncated varint")
+        byte = buf[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return result, pos
+        shift += 7
+        if shift > 63:
+            raise WireFormatError("varint longer than 10 bytes")
+
+
+def _encode_varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def _key(field: int, wire_type: int) -> bytes:
+    return _encode_varint(field << 3 | wire_type)
+
+
+def _fields(buf, start: int, end: int) -> Iterator[tuple[int, int, int, int, int]]:
+    """(field, wire type, field start, value start, value end) of each field in buf[start:end]."""
+    pos = start
+    while pos < end:
+        field_start = pos
+        key, pos = _varint(buf, pos, end)
+        field, wire_type = key >> 3, key & 7
+        if wire_type == _VARINT:
+            _, value_end = _varint(buf, pos, end)
+            value_start = pos
+        elif wire_type == _LEN:
+            length, value_start = _varint(buf, pos, end)
+            value_end = value_start + length
+        elif wire_type == _I64:
+            value_start, value_end = pos, pos + 8
+        elif wire_type == _I32:
+            value_start, value_end = pos, pos + 4
+        else:
+            raise WireFormatError(f"unsupported wire type {wire_type}")
+        if value_end > end:
+            raise WireFormatError("field runs past the end of its message")
+        yield field, wire_type, field_start, value_start, value_end
+        pos = value_end
+
+
+def _length_delimited(field: int, payload: bytes) -> bytes:
+    return _key(field, _LEN) + _encode_varint(len(payload)) + payload
+
+
+def _entry(key: str, value: str) -> bytes:
+    body = _length_delimited(_ENTRY_KEY, key.encode()) + _length_delimited(
+        _ENTRY_VALUE, value.encode()
+    )
+    return _length_delimited(_TENSOR_EXTERNAL_DATA, body)
+
+
+def _externalised_tensor(buf, start: int, end: int, location: str, min_bytes: int) -> bytes:
+    raw = None
+    kept = bytearray()
+    for field, wire_type, field_start, value_start, value_end in _fields(buf, start, end):
+        if field == _TENSOR_RAW_DATA and wire_type == _LEN:
+            raw = (value_start, value_end)
+        else:
+            if field in (_TENSOR_EXTERNAL_DATA, _TENSOR_DATA_LOCATION):
+                return bytes(buf[start:end])  # already external: leave it alone
+            kept += buf[field_start:value_end]
+    if raw is None or raw[1] - raw[0] < min_bytes:
+        return bytes(buf[start:end])
+    kept += _entry("location", location)
+    kept += _entry("offset", str(raw[0]))
+    kept += _entry("length", str(raw[1] - raw[0]))
+    kept += _key(_TENSOR_DATA_LOCATION, _VARINT) + _encode_varint(onnx.TensorProto.EXTERNAL)
+    return bytes(kept)
+
+
+def load_skeleton(path: str | os.PathLike, min_bytes: int = 1024) -> onnx.ModelProto:
+    """Parse a model with its large initializers left in the file as external references."""
+    path = Path(path)
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            raise WireFormatError("empty file")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            model = bytearray()
+            for field, wire_type, field_start, value_start, value_end in _fields(buf, 0, size):
+                if field != _MODEL_GRAPH or wire_type != _LEN:
+                    model += buf[field_start:value_end]
+                    continue
+                graph = bytearray()
+                for g_field, g_type, g_start, g_value, g_end in _fields(buf, value_start, value_end):
+                    if g_field == _GRAPH_INITIALIZER and g_type == _LEN:
+                        tensor = _externalised_tensor(buf, g_value, g_end, path.name, min_bytes)
+                        graph += _length_delimited(_GRAPH_INITIALIZER, tensor)
+                    else:
+                        graph += buf[g_start:g_end]
+                model += _length_delimited(_MODEL_GRAPH, bytes(graph))
+    proto = onnx.ModelProto()
+    proto.ParseFromString(bytes(model))
+    return proto
+
+
+def _external_location(buf, start: int, end: int) -> tuple[bytes, str, int, int] | None:
+    """The tensor's fields other than its external reference, and where its data lies."""
+    kept = bytearray()
+    entries: dict[str, str] = {}
+    external = False
+    for field, wire_type, field_start, value_start, value_end in _fields(buf, start, end):
+        if field == _TENSOR_EXTERNAL_DATA and wire_type == _LEN:
+            key = value = ""
+            for e_field, _, _, e_start, e_end in _fields(buf, value_start, value_end):
+                text = bytes(buf[e_start:e_end]).decode()
+                if e_field == _ENTRY_KEY:
+                    key = text
+                elif e_field == _ENTRY_VALUE:
+                    value = text
+            entries[key] = value
+        elif field == _TENSOR_DATA_LOCATION:
+            value, _ = _varint(buf, value_start, value_end)
+            external = value == onnx.TensorProto.EXTERNAL
+        else:
+            kept += buf[field_start:value_end]
+    if not external or "location" not in entries:
+        return None
+    return bytes(kept), entries["location"], int(entries.get("offset", 0)), int(entries["length"])
+
+
+def inline_external_data(model_path: Path, data_path: Path, output: Path) -> None:
+    """Write ``model_path`` with every initializer stored in ``data_path`` copied inline."""
+    with open(model_path, "rb") as f:
+        skeleton = f.read()
+    end = len(skeleton)
+    # Plan the output as byte strings and (offset, length) slices of the data file.
+    top: list[bytes | tuple[int, int]] = []
+    for field, wire_type, field_start, value_start, value_end in _fields(skeleton, 0, end):
+        if field != _MODEL_GRAPH or wire_type != _LEN:
+            top.append(skeleton[field_start:value_end])
+            continue
+        graph: list[bytes | tuple[int, int]] = []
+        for g_field, g_type, g_start, g_value, g_end in _fields(skeleton, value_start, value_end):
+            found = None
+            if g_field == _GRAPH_INITIALIZER and g_type == _LEN:
+                found = _external_location(skeleton, g_value, g_end)
+            if found is None or found[1] != data_path.name:
+                graph.append(skeleton[g_start:g_end])
+                continue
+            fields, _, offset, length = found
+            raw_header = _key(_TENSOR_RAW_DATA, _LEN) + _encode_varint(length)
+            tensor_length = len(fields) + len(raw_header) + length
+            graph.append(_key(_GRAPH_INITIALIZER, _LEN) + _encode_varint(tensor_length) + fields
+                         + raw_header)
+            graph.append((offset, length))
+        graph_length = sum(len(p) if isinstance(p, bytes) else p[1] for p in graph)
+        top.append(_key(_MODEL_GRAPH, _LEN) + _encode_varint(graph_length))
+        top.extend(graph)
+    with open(data_path, "rb") as data, open(output, "wb") as out:
+        for piece in top:
+            if isinstance(piece, bytes):
+                out.write(piece)
+                continue
+            offset, length = piece
+            data.seek(offset)
+            while length:
+                chunk = data.read(min(length, _COPY_CHUNK))
+                if not chunk:
+                    raise WireFormatError(f"{data_path} ends before offset {offset + length}")
+                out.write(chunk)
+                length -= len(chunk)

@@ -17,6 +17,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import numpy as np
 import onnx
 import onnx_ir as ir
 
@@ -83,9 +84,13 @@ def _resolve_location(model_path: Path, location: str, tensor_name: str) -> Path
             f"{where} refers to external data {location!r} outside the model's folder"
         )
     candidate = folder.joinpath(*parts)
-    # Links may point anywhere; accept one only if its target is still inside the folder.
+    # Links may point anywhere; accept one only if its target is still inside the folder, or in
+    # the blob store of the Hugging Face cache the folder is a snapshot of.
     resolved = candidate.resolve()
-    if not resolved.is_relative_to(folder):
+    blobs = hf_cache_blobs(folder)
+    if not resolved.is_relative_to(folder) and not (
+        blobs is not None and candidate.is_symlink() and resolved.is_relative_to(blobs)
+    ):
         raise UnsafeExternalDataError(
             f"{where} refers to {location!r}, which resolves to {resolved}, outside the "
             f"model's folder {folder}; copy the data file into the folder"
@@ -98,20 +103,41 @@ def _resolve_location(model_path: Path, location: str, tensor_name: str) -> Path
         ) from None
     if not stat.S_ISREG(info.st_mode):
         raise UnsafeExternalDataError(f"{where}: external data {location!r} is not a regular file")
+    if info.st_nlink > 1:
+        # A hard link can smuggle any file of the same file system into the folder.
+        raise UnsafeExternalDataError(
+            f"{where}: external data {location!r} has {info.st_nlink} hard links; copy it "
+            "(cp, not cp -l or ln) so the folder holds its own file"
+        )
     return resolved
 
 
-def check_external_data(model: onnx.ModelProto, model_path: Path) -> set[Path]:
+def hf_cache_blobs(folder: Path) -> Path | None:
+    """``<repo>/blobs`` when ``folder`` lies in ``<repo>/snapshots/<revision>/`` of a Hugging Face
+    cache (``models--org--name``), where every file is a link into ``blobs``; else None."""
+    parts = folder.parts
+    for index in range(len(parts) - 2, 0, -1):
+        if parts[index] != "snapshots":
+            continue
+        repo = Path(*parts[:index])
+        if repo.name.startswith(("models--", "datasets--", "spaces--")) and (repo / "blobs").is_dir():
+            return (repo / "blobs").resolve()
+        return None
+    return None
+
+
+def check_external_data(model: onnx.ModelProto, model_path: Path) -> dict[str, Path]:
     """Refuse any external-data reference that could read outside the folder or past a file.
 
-    Returns the data files the model reads.
+    Returns each location the model names, resolved to the file it reads.
     """
-    files: set[Path] = set()
+    files: dict[str, Path] = {}
     for tensor in _iter_tensor_protos(model.graph):
         if tensor.data_location != onnx.TensorProto.EXTERNAL:
             continue
         entries = {entry.key: entry.value for entry in tensor.external_data}
-        data_file = _resolve_location(model_path, entries.get("location", ""), tensor.name)
+        location = entries.get("location", "")
+        data_file = files.get(location) or _resolve_location(model_path, location, tensor.name)
         where = f"tensor {tensor.name!r} of {model_path}"
         try:
             offset = int(entries.get("offset", "0"))
@@ -132,7 +158,7 @@ def check_external_data(model: onnx.ModelProto, model_path: Path) -> set[Path]:
                 f"{where} declares {length} bytes of external data but its shape "
                 f"{list(tensor.dims)} and type need {expected}"
             )
-        files.add(data_file)
+        files[location] = data_file
     return files
 
 
@@ -149,11 +175,30 @@ def load_model(path: Path) -> tuple[ir.Model, set[Path]]:
         raise
     except Exception as e:  # protobuf raises several unrelated types on a corrupt file
         raise OnnxMergeError(f"{path} is not a readable ONNX model: {e}") from e
-    data_files = check_external_data(proto, path) - {path.resolve()}
+    locations = check_external_data(proto, path)
     model = ir.serde.deserialize_model(proto)
     ir.external_data.set_base_dir(model.graph, path.parent.resolve())
+    _pin_external_tensors(model, locations)
+    data_files = set(locations.values()) - {path.resolve()}
     logger.debug("loaded %s (%d external data files)", path, len(data_files))
     return model, data_files
+
+
+def _pin_external_tensors(model: ir.Model, locations: dict[str, Path]) -> None:
+    """Point external tensors at the files :func:`check_external_data` approved, by full path.
+
+    The checks are done; reading by the approved path keeps a later change of links from
+    redirecting a read, and lets the documented Hugging Face cache layout load.
+    """
+    for value in model.graph.initializers.values():
+        tensor = value.const_value
+        if not isinstance(tensor, ir.ExternalTensor) or tensor.location not in locations:
+            continue
+        value.const_value = ir.ExternalTensor(
+            os.fspath(locations[tensor.location]), tensor.offset, tensor.length, tensor.dtype,
+            shape=tensor.shape, name=tensor.name, doc_string=tensor.doc_string,
+            metadata_props=dict(tensor.metadata_props), base_dir="",
+        )
 
 
 def file_bytes(path: Path, data_files: set[Path] | None = None) -> int:
@@ -173,6 +218,15 @@ def tensor_bytes(model: ir.Model) -> int:
 
 def data_file_name(output: Path) -> str:
     return output.name + "_data" if output.suffix == ".onnx" else output.name + ".data"
+
+
+def _load_small_external_tensors(model: ir.Model, below: int) -> None:
+    """Bring tensors the save keeps inline into memory, so none refers to an input's file."""
+    for value in model.graph.initializers.values():
+        tensor = value.const_value
+        if isinstance(tensor, ir.ExternalTensor) and tensor.nbytes < below:
+            value.const_value = ir.Tensor(np.array(tensor.numpy()), name=tensor.name)
+            tensor.release()
 
 
 def _release_mapped_weights(model: ir.Model) -> None:
@@ -202,7 +256,7 @@ def data_files_of(model_path: Path) -> set[Path]:
         return set()
     try:
         proto = _wire.load_skeleton(model_path)
-        return check_external_data(proto, model_path) - {model_path.resolve()}
+        return set(check_external_data(proto, model_path).values()) - {model_path.resolve()}
     except Exception:  # an unreadable old output has no data we could safely delete
         return set()
 
@@ -258,6 +312,7 @@ def save_model_atomically(
         # optimum's exports); a single-file output then copies them in, slice by slice. No step
         # holds the serialised model in memory.
         staging = data_name or data_file_name(output)
+        _load_small_external_tensors(model, 1024)
         ir.save(model, tmp_model, external_data=staging, size_threshold_bytes=1024)
         _release_mapped_weights(model)
         if validate is not None:

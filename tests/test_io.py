@@ -116,6 +116,42 @@ def test_symlink_leading_outside_is_refused(tmp_path):
         io.load_model(path)
 
 
+def _hf_snapshot(tmp_path: Path, repo_name: str = "models--org--name") -> tuple[Path, Path]:
+    """A Hugging Face cache repo: snapshots/<rev>/ holds links into blobs/."""
+    repo = tmp_path / "hub" / repo_name
+    blobs, snapshot = repo / "blobs", repo / "snapshots" / "0123abc"
+    blobs.mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    (blobs / "f00d").write_bytes(WEIGHT.tobytes())
+    (snapshot / "model.onnx_data").symlink_to(Path("..") / ".." / "blobs" / "f00d")
+    return repo, snapshot
+
+
+def test_hugging_face_cache_links_into_its_blobs_load(tmp_path):
+    repo, snapshot = _hf_snapshot(tmp_path)
+    path = _external_model(snapshot, "model.onnx_data", write_data=False)
+    model, data_files = io.load_model(path)
+    assert data_files == {(repo / "blobs" / "f00d").resolve()}
+    np.testing.assert_array_equal(model.graph.initializers["w"].const_value.numpy(), WEIGHT)
+
+
+def test_links_into_blobs_are_accepted_only_inside_a_cache_repo(tmp_path):
+    _, snapshot = _hf_snapshot(tmp_path, repo_name="not-a-cache-repo")
+    path = _external_model(snapshot, "model.onnx_data", write_data=False)
+    with pytest.raises(UnsafeExternalDataError, match="outside"):
+        io.load_model(path)
+
+
+def test_hard_linked_data_file_is_refused(tmp_path):
+    (tmp_path / "secret.bin").write_bytes(WEIGHT.tobytes())
+    folder = tmp_path / "m"
+    folder.mkdir()
+    os.link(tmp_path / "secret.bin", folder / "weights.bin")
+    path = _external_model(folder, "weights.bin", write_data=False)
+    with pytest.raises(UnsafeExternalDataError, match="hard links"):
+        io.load_model(path)
+
+
 @pytest.mark.parametrize(("offset", "length", "match"), [
     (0, 2 * WEIGHT.nbytes, "truncated"),
     (512, WEIGHT.nbytes, "truncated"),

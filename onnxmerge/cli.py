@@ -93,6 +93,20 @@ class _Steps:
         self.current = None
 
 
+def _with_checkpoint(result, source: Path):
+    """The result, with the checkpoint of the model folder it was exported from when known."""
+    import dataclasses
+
+    from onnxmerge.merge import CHECKPOINT_NAMES
+
+    if result.checkpoint_bytes is not None or not source.is_dir():
+        return result
+    found = next((source / n for n in CHECKPOINT_NAMES if (source / n).is_file()), None)
+    if found is None:
+        return result
+    return dataclasses.replace(result, checkpoint_bytes=found.stat().st_size)
+
+
 def _merge_summary(result) -> str:
     rows = [(f.path.name, f.role, _human(f.bytes)) for f in result.inputs]
     rows.append(("total read", "", _human(result.input_bytes)))
@@ -232,6 +246,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         _export(args.model, output, args.task)
         _copy_tokenizer(Path(args.model), output)
         result = merge_seq2seq_with_report(output, overwrite=args.overwrite, progress=steps)
+        result = _with_checkpoint(result, Path(args.model))
     finally:
         steps.finish()
     _emit(args, _result_json(result), lambda: _merge_summary(result))
@@ -266,6 +281,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             _export(os.fspath(DEMO_MODEL_DIR), export_dir, "text2text-generation-with-past")
             _copy_tokenizer(DEMO_MODEL_DIR, export_dir)
         result = merge_seq2seq_with_report(export_dir, overwrite=True, progress=steps)
+        result = _with_checkpoint(result, DEMO_MODEL_DIR)
         steps("translating")
         model = Seq2SeqModel(result.path)
         translations = model.translate(list(DEMO_SENTENCES))

@@ -9,18 +9,21 @@ import os
 import sys
 import tempfile
 import time
+import traceback
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
 
 from onnxmerge import __version__
-from onnxmerge.errors import OnnxMergeError
+from onnxmerge.errors import OnnxMergeError, RefusedOutputError
 
 EXIT_OK = 0
 EXIT_MISMATCH = 1
 EXIT_USAGE = 2
 EXIT_ERROR = 3
 EXIT_MISSING_DEPENDENCY = 4
+EXIT_INTERNAL = 5
 EXIT_INTERRUPTED = 130
 
 
@@ -143,6 +146,11 @@ def _result_json(result) -> dict:
 def cmd_merge(args: argparse.Namespace) -> int:
     from onnxmerge.merge import merge_seq2seq_with_report
 
+    if args.generation:
+        raise OnnxMergeError(
+            "--generation is not available yet: the in-graph decoding loop is not part of "
+            "this release"
+        )
     steps = _Steps(quiet=args.json)
     try:
         result = merge_seq2seq_with_report(
@@ -151,11 +159,6 @@ def cmd_merge(args: argparse.Namespace) -> int:
         )
     finally:
         steps.finish()
-    if args.generation:
-        raise OnnxMergeError(
-            "--generation is not available yet: the in-graph decoding loop is not part of "
-            "this release"
-        )
     _emit(args, _result_json(result), lambda: _merge_summary(result))
     return EXIT_OK
 
@@ -185,8 +188,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     found = inspect_model(args.file)
 
     def text() -> str:
-        io_rows = [("input", t.name, t.type, list(t.shape)) for t in found.inputs]
-        io_rows += [("output", t.name, t.type, list(t.shape)) for t in found.outputs]
+        io_rows = [("input", t.name, t.type, _shape(t.shape)) for t in found.inputs]
+        io_rows += [("output", t.name, t.type, _shape(t.shape)) for t in found.outputs]
         if len(io_rows) > 16 and not args.all:
             hidden = [r for r in io_rows if ".1." in r[1] or any(f".{i}." in r[1] for i in range(2, 99))]
             io_rows = [r for r in io_rows if r not in hidden]
@@ -205,6 +208,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
     _emit(args, _jsonable(found), text)
     return EXIT_OK
+
+
+def _shape(dims) -> str:
+    return "[" + ", ".join(map(str, dims)) + "]"
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -232,20 +239,32 @@ def _export(model: str, output: Path, task: str) -> None:
     _need("optimum.exporters.onnx", "export")
     from optimum.exporters.onnx import main_export
 
-    logging.getLogger("optimum").setLevel(logging.ERROR)
-    main_export(model, output=output, task=task)
+    verbose = logging.getLogger().isEnabledFor(logging.INFO)
+    if not verbose:
+        for name in ("optimum", "transformers"):
+            logging.getLogger(name).setLevel(logging.ERROR)
+    with warnings.catch_warnings():
+        if not verbose:
+            warnings.simplefilter("ignore")  # torch's TracerWarnings say nothing to a user
+        main_export(model, output=output, task=task)
 
 
 def cmd_export(args: argparse.Namespace) -> int:
     from onnxmerge.merge import merge_seq2seq_with_report
 
     output = Path(args.output) if args.output else Path(Path(args.model).name + "-onnx")
+    if output.exists() and not args.overwrite and (not output.is_dir() or any(output.iterdir())):
+        # optimum would replace the files already there before the merge could refuse.
+        raise RefusedOutputError(
+            f"{output} exists and is not empty; pass --overwrite to export into it again, "
+            "or choose another folder with -o"
+        )
     steps = _Steps(quiet=args.json)
     try:
         steps(f"exporting {args.model} with optimum")
         _export(args.model, output, args.task)
         _copy_tokenizer(Path(args.model), output)
-        result = merge_seq2seq_with_report(output, overwrite=args.overwrite, progress=steps)
+        result = merge_seq2seq_with_report(output, overwrite=True, progress=steps)
         result = _with_checkpoint(result, Path(args.model))
     finally:
         steps.finish()
@@ -323,14 +342,19 @@ def build_parser() -> argparse.ArgumentParser:
         description="Merge an optimum seq2seq ONNX export into one file with every tensor stored "
         "once, check it, inspect it and generate with it.",
         epilog="Exit codes: 0 success, 1 verification mismatch, 2 usage error, 3 refused input or "
-        "output (the message says why), 4 missing optional dependency.",
+        "output (the message says why), 4 missing optional dependency, 5 internal error.",
     )
     parser.add_argument("--version", action="version", version=f"onnxmerge {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log details; show tracebacks")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
+    # SUPPRESS: a -v given before the command is not reset by the command's own default.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                        help="log details; show tracebacks")
+
     def add(name: str, handler, help_: str) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help_, description=help_)
+        p = sub.add_parser(name, help=help_, description=help_, parents=[common])
         p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
         p.set_defaults(handler=handler)
         return p
@@ -383,22 +407,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         return args.handler(args)
-    except OnnxMergeError as e:
-        if args.verbose:
-            raise
-        print(f"onnxmerge: error: {e}", file=sys.stderr)
-        return EXIT_ERROR
-    except _Missing as e:
-        print(f"onnxmerge: error: {e}", file=sys.stderr)
-        return EXIT_MISSING_DEPENDENCY
-    except FileNotFoundError as e:
-        if args.verbose:
-            raise
-        print(f"onnxmerge: error: {e.filename or e}: no such file", file=sys.stderr)
-        return EXIT_ERROR
     except KeyboardInterrupt:
         print("onnxmerge: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # The reader left early (`onnxmerge inspect m.onnx --json | head`): not a failure.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
+    except Exception as e:
+        code, message = _failure(e)
+        if args.verbose:
+            traceback.print_exc()
+        print(f"onnxmerge: error: {message}", file=sys.stderr)
+        return code
+
+
+def _failure(e: Exception) -> tuple[int, str]:
+    """The exit code and the one-line message for an exception that ends a command."""
+    if isinstance(e, _Missing):
+        return EXIT_MISSING_DEPENDENCY, str(e)
+    if isinstance(e, OnnxMergeError):
+        return EXIT_ERROR, str(e)
+    if isinstance(e, FileNotFoundError):
+        return EXIT_ERROR, f"{e.filename or e}: no such file"
+    # Anything else is a bug; it must not exit 1, which means "verify found a mismatch".
+    return EXIT_INTERNAL, f"{type(e).__name__}: {e} (rerun with -v for the traceback and report it)"
 
 
 if __name__ == "__main__":

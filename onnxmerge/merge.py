@@ -167,9 +167,13 @@ def merge_seq2seq_with_report(
 
 
 def load_export(
-    export_dir: Path, output: Path
+    export_dir: Path, output: Path, *, ignore_merged: bool = False
 ) -> tuple[dict[Role, Path], dict[Path, ir.Model], dict[Path, set[Path]]]:
-    """Load every model of the folder, judge its role, keep the ones the merge needs."""
+    """Load every model of the folder, judge its role, keep the ones the merge needs.
+
+    ``ignore_merged`` skips merged models found in the folder instead of refusing them (for
+    ``verify``, which only reads the originals).
+    """
     candidates = sorted(p for p in export_dir.glob("*.onnx") if p.is_file())
     if not candidates:
         raise ExportFolderError(
@@ -182,15 +186,17 @@ def load_export(
     for path in candidates:
         model, files = io.load_model(path)
         judgement = roles.judge(model)
-        if judgement.role == Role.MERGED_MODEL and output.exists() and path.samefile(output):
+        if judgement.role == Role.MERGED_MODEL and (
+            ignore_merged or (output.exists() and path.samefile(output))
+        ):
             continue  # the previous result of this merge, about to be replaced
         models[path], data_files[path], judged[path] = model, files, judgement
         logger.debug("%s: %s (%s)", path.name, judgement.role, judgement.reason)
     chosen = roles.assign_roles(judged)
     if Role.MERGED_MODEL in chosen:
         raise InvalidMergedModelError(
-            f"{chosen[Role.MERGED_MODEL]} is already a merged model; merge the export folder "
-            "it came from, or use it as it is"
+            f"{chosen[Role.MERGED_MODEL]} is already a merged model; move it out of "
+            f"{export_dir} or write over it (-o {chosen[Role.MERGED_MODEL]} --overwrite)"
         )
     missing = []
     if Role.ENCODER not in chosen:

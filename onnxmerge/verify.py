@@ -127,7 +127,7 @@ def verify(
     if contract.META_FORMAT_VERSION not in meta:
         raise InvalidMergedModelError(f"{merged} is not a model written by onnxmerge")
     config = json.loads(meta.get(contract.META_CONFIG, "{}"))
-    chosen, _, _ = load_export(export_dir, merged)
+    chosen, _, _ = load_export(export_dir, merged, ignore_merged=True)
     feeds = sample_encoder_inputs(model, config, batch=batch, length=encoder_length, rng=rng)
     vocab = model.get_outputs()[0].shape[-1]
     vocab = vocab if isinstance(vocab, int) else int(config.get("vocab_size", 100))

@@ -1,0 +1,477 @@
+"""The ``onnxmerge`` command run as a user runs it, in its own process: exit codes and output."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import onnxmerge
+from onnxmerge import cli
+from onnxmerge.demo import DEMO_MODEL_DIR, DEMO_SENTENCES, english_number, french_number
+
+pytest.importorskip("onnxruntime")
+
+EXIT_OK, EXIT_MISMATCH, EXIT_USAGE, EXIT_ERROR, EXIT_MISSING = 0, 1, 2, 3, 4
+ERROR_PREFIX = "onnxmerge: error: "
+SOURCE_IDS = ["5", "17", "42", "9", "2"]  # ordinary tokens of the tiny Marian, then its eos
+
+
+def run(*args: object, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "onnxmerge", *map(str, args)],
+        capture_output=True, text=True, cwd=cwd, timeout=600,
+    )
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess[str], code: int, *fragments: str):
+    """Exit ``code``, no traceback, and exactly one error line that holds every fragment."""
+    assert result.returncode == code, result.stderr
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith(ERROR_PREFIX)]
+    assert len(errors) == 1, result.stderr
+    for fragment in fragments:
+        assert fragment in errors[0]
+
+
+def copy_export(source: Path, dest: Path) -> Path:
+    shutil.copytree(source, dest)
+    return dest
+
+
+# ---------------------------------------------------------------------------------------------
+# fixtures
+
+
+@pytest.fixture(scope="module")
+def marian(tiny_export):
+    """The cached tiny Marian export; never written to (merges go to copies)."""
+    return tiny_export("marian")
+
+
+@pytest.fixture(scope="module")
+def merged(marian, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """A copy of the tiny Marian export merged by ``onnxmerge merge``, with that run's result."""
+    folder = copy_export(marian.onnx_dir, tmp_path_factory.mktemp("merged") / "export")
+    return folder, run("merge", folder)
+
+
+@pytest.fixture(scope="module")
+def merged_model(merged) -> Path:
+    folder, result = merged
+    assert result.returncode == EXIT_OK, result.stderr
+    return folder / "model.onnx"
+
+
+@pytest.fixture(scope="module")
+def tampered_model(merged_model, tmp_path_factory) -> Path:
+    """The merged model with its largest tensor (the shared embedding) shifted by 0.5."""
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(os.fspath(merged_model))
+    largest = max(model.graph.initializer, key=lambda t: numpy_helper.to_array(t).size)
+    shifted = numpy_helper.to_array(largest) + np.float32(0.5)
+    largest.CopyFrom(numpy_helper.from_array(shifted.astype(np.float32), largest.name))
+    path = tmp_path_factory.mktemp("tampered") / "model.onnx"
+    onnx.save(model, os.fspath(path))
+    return path
+
+
+def _demo_export_key() -> str:
+    digest = hashlib.sha256()
+    for path in sorted(DEMO_MODEL_DIR.iterdir()):
+        digest.update(path.name.encode() + path.read_bytes())
+    for name in ("torch", "transformers", "optimum", "optimum-onnx", "onnx"):
+        try:
+            digest.update(f"{name}={importlib.metadata.version(name)}".encode())
+        except importlib.metadata.PackageNotFoundError:
+            digest.update(f"{name}=absent".encode())
+    return digest.hexdigest()[:16]
+
+
+@pytest.fixture(scope="session")
+def demo_export() -> Path:
+    """An optimum export of the shipped demo model, with its tokenizer, cached on disk."""
+    pytest.importorskip("optimum.exporters.onnx", reason="exporting the demo model needs optimum")
+    from tests.models import cache_root
+
+    entry = cache_root() / f"demo--{_demo_export_key()}"
+    if entry.is_dir():
+        return entry
+    from optimum.exporters.onnx import main_export
+
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".demo.", dir=entry.parent))
+    try:
+        main_export(
+            os.fspath(DEMO_MODEL_DIR), output=staging, task="text2text-generation-with-past",
+            do_validation=False,
+        )
+        for path in DEMO_MODEL_DIR.iterdir():
+            if path.name.startswith(("tokenizer", "special_tokens")):
+                shutil.copy2(path, staging / path.name)
+        try:
+            os.replace(staging, entry)
+        except OSError:
+            if not entry.is_dir():  # another process cached the same export first
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return entry
+
+
+@pytest.fixture(scope="module")
+def demo_model(demo_export, tmp_path_factory) -> Path:
+    from onnxmerge import merge_seq2seq
+
+    folder = copy_export(demo_export, tmp_path_factory.mktemp("demo") / "export")
+    return merge_seq2seq(folder)
+
+
+# ---------------------------------------------------------------------------------------------
+# merge
+
+
+def test_merge_prints_the_files_read_and_written_with_their_sizes(merged) -> None:
+    folder, result = merged
+    assert result.returncode == EXIT_OK, result.stderr
+    out = result.stdout
+    assert out.splitlines()[0].split() == ["file", "role", "size"]
+    for name, role in (
+        ("encoder_model.onnx", "encoder"),
+        ("decoder_model.onnx", "decoder"),
+        ("decoder_with_past_model.onnx", "decoder_with_past"),
+    ):
+        size = cli._human((folder / name).stat().st_size)
+        assert f"{name}" in out and f"{role}" in out and size in out
+    merged_line = next(line for line in out.splitlines() if line.startswith("model.onnx"))
+    assert merged_line.split()[1] == "merged"
+    assert merged_line.endswith(cli._human((folder / "model.onnx").stat().st_size))
+    assert f"wrote {folder / 'model.onnx'}" in out
+    assert "saved " in out
+    assert "loading ..." in result.stderr  # progress goes to stderr, not into the table
+
+
+def test_merge_json_reports_the_byte_counts_of_the_files(marian, tmp_path) -> None:
+    folder = copy_export(marian.onnx_dir, tmp_path / "export")
+    result = run("merge", folder, "--json")
+    assert result.returncode == EXIT_OK, result.stderr
+    report = json.loads(result.stdout)  # stdout is the JSON document and nothing else
+    output = folder / "model.onnx"
+    assert Path(report["path"]) == output
+    assert report["layout"] == "with_past"
+    assert report["output_bytes"] == output.stat().st_size
+    assert {Path(f["path"]).name: f["role"] for f in report["inputs"]} == {
+        "encoder_model.onnx": "encoder",
+        "decoder_model.onnx": "decoder",
+        "decoder_with_past_model.onnx": "decoder_with_past",
+    }
+    for f in report["inputs"]:
+        assert f["bytes"] == Path(f["path"]).stat().st_size
+    assert report["input_bytes"] == sum(f["bytes"] for f in report["inputs"])
+    assert report["bytes_saved"] == report["input_bytes"] - report["output_bytes"] > 0
+    assert report["tensors_out"] < report["tensors_in"]
+    assert report["shared"]
+    assert {"kept", "removed", "nbytes", "transposed"} <= set(report["shared"][0])
+    assert result.stderr == ""  # no progress lines in JSON mode
+
+
+def test_merge_refuses_to_replace_its_output_without_overwrite(merged_model) -> None:
+    before = merged_model.read_bytes()
+    refused = run("merge", merged_model.parent)
+    assert_one_line_error(refused, EXIT_ERROR, str(merged_model), "--overwrite")
+    assert refused.stdout == ""
+    assert merged_model.read_bytes() == before
+    replaced = run("merge", merged_model.parent, "--overwrite")
+    assert replaced.returncode == EXIT_OK, replaced.stderr
+    assert merged_model.read_bytes() == before  # merging is deterministic
+
+
+def test_merge_refuses_an_earlier_merged_model_as_input(merged_model) -> None:
+    second = merged_model.with_name("second.onnx")
+    result = run("merge", merged_model.parent, "-o", second)
+    assert_one_line_error(result, EXIT_ERROR, str(merged_model), "already a merged model")
+    assert not second.exists()
+
+
+def test_merge_refuses_a_missing_folder(tmp_path) -> None:
+    result = run("merge", tmp_path / "absent")
+    assert_one_line_error(result, EXIT_ERROR, str(tmp_path / "absent"), "not a folder")
+
+
+def test_merge_refuses_a_folder_without_onnx_files(tmp_path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    result = run("merge", tmp_path)
+    assert_one_line_error(result, EXIT_ERROR, "no .onnx file", "optimum-cli export onnx")
+
+
+def test_merge_external_data_writes_the_weights_beside_the_model(marian, tmp_path) -> None:
+    folder = copy_export(marian.onnx_dir, tmp_path / "export")
+    output = tmp_path / "out" / "model.onnx"
+    result = run("merge", folder, "-o", output, "--external-data", "--json")
+    assert result.returncode == EXIT_OK, result.stderr
+    data = output.with_name("model.onnx_data")
+    assert data.is_file() and data.stat().st_size > 0
+    assert json.loads(result.stdout)["output_bytes"] == output.stat().st_size + data.stat().st_size
+    verified = run("verify", output, "--against", folder)
+    assert verified.returncode == EXIT_OK, verified.stdout + verified.stderr
+
+
+def test_merge_with_the_unreleased_generation_flag_writes_nothing(marian, tmp_path) -> None:
+    folder = copy_export(marian.onnx_dir, tmp_path / "export")
+    result = run("merge", folder, "--generation", "greedy")
+    assert result.returncode in (EXIT_USAGE, EXIT_ERROR)
+    assert not (folder / "model.onnx").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# verify
+
+
+def test_verify_compares_both_steps_and_says_ok(merged_model) -> None:
+    result = run("verify", merged_model)
+    assert result.returncode == EXIT_OK, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].split() == ["step", "output", "shape", "max", "|diff|"]
+    steps = {(line.split()[0], line.split()[1]) for line in lines[2:] if line.strip()}
+    assert {("first", "logits"), ("cached", "logits"), ("first", "present.1.encoder.value"),
+            ("cached", "present.1.decoder.value")} <= steps
+    assert lines[-1].startswith("OK: max |diff| ")
+    assert lines[-1].endswith(f"against {merged_model.parent}")
+
+
+def test_verify_json_lists_every_output_diff(merged_model) -> None:
+    result = run("verify", merged_model, "--json")
+    assert result.returncode == EXIT_OK, result.stderr
+    report = json.loads(result.stdout)
+    assert report["ok"] is True
+    assert report["tolerance"] == 1e-4
+    assert 0 <= report["max_abs_diff"] <= 1e-4
+    # 2 layers: logits + 8 present tensors on the first step, logits + 4 decoder ones cached.
+    assert len(report["diffs"]) == 9 + 5
+    assert {"step", "name", "shape", "max_abs_diff"} == set(report["diffs"][0])
+
+
+def test_verify_finds_a_tampered_tensor_and_exits_1(tampered_model, marian) -> None:
+    result = run("verify", tampered_model, "--against", marian.onnx_dir)
+    assert result.returncode == EXIT_MISMATCH, result.stderr
+    assert result.stdout.splitlines()[-1].startswith("MISMATCH: max |diff| ")
+    as_json = run("verify", tampered_model, "--against", marian.onnx_dir, "--json")
+    report = json.loads(as_json.stdout)
+    assert report["ok"] is False and report["max_abs_diff"] > 1e-2
+
+
+def test_verify_a_copy_against_a_folder_that_holds_a_merged_model(merged_model, tmp_path) -> None:
+    copy = tmp_path / "copy.onnx"
+    shutil.copy2(merged_model, copy)
+    result = run("verify", copy, "--against", merged_model.parent)
+    assert result.returncode == EXIT_OK, result.stderr
+
+
+def test_verify_away_from_the_export_folder_needs_against(tampered_model) -> None:
+    result = run("verify", tampered_model)
+    assert_one_line_error(result, EXIT_ERROR, "encoder_model.onnx")
+
+
+def test_verify_refuses_a_model_onnxmerge_did_not_write(marian) -> None:
+    result = run("verify", marian.onnx_dir / "encoder_model.onnx")
+    assert_one_line_error(result, EXIT_ERROR, "not a model written by onnxmerge")
+
+
+# ---------------------------------------------------------------------------------------------
+# inspect
+
+
+def test_inspect_shows_the_contract_metadata_and_sizes(merged_model) -> None:
+    result = run("inspect", merged_model)
+    assert result.returncode == EXIT_OK, result.stderr
+    out = result.stdout
+    assert out.splitlines()[0].startswith(f"{merged_model}: merged seq2seq model, ")
+    rows = {tuple(line.split()[:2]) for line in out.splitlines() if line.strip()}
+    for row in (("input", "input_ids"), ("input", "attention_mask"), ("input", "decoder_input_ids"),
+                ("input", "past_key_values.0.encoder.key"), ("input", "use_cache_branch"),
+                ("output", "logits"), ("output", "present.0.decoder.value"),
+                ("onnxmerge.format_version", "1"), ("onnxmerge.layout", "with_past")):
+        assert row in rows, row
+    assert "past_key_values.1.decoder.key" not in out  # later layers fold into one line
+    assert "more cache tensors (--all shows them)" in out
+    parts = {row[0] for row in rows}
+    assert {"embedding", "encoder", "decoder", "head"} <= parts
+
+
+def test_inspect_all_lists_every_cache_tensor(merged_model) -> None:
+    out = run("inspect", merged_model, "--all").stdout
+    assert "past_key_values.1.decoder.key" in out and "present.1.encoder.value" in out
+    assert "--all shows them" not in out
+
+
+def test_inspect_json_matches_the_file(merged_model) -> None:
+    import onnx
+    from onnx import numpy_helper
+
+    result = run("inspect", merged_model, "--json")
+    assert result.returncode == EXIT_OK, result.stderr
+    found = json.loads(result.stdout)
+    model = onnx.load(os.fspath(merged_model))
+    assert [i["name"] for i in found["inputs"]] == [i.name for i in model.graph.input]
+    assert [o["name"] for o in found["outputs"]] == [o.name for o in model.graph.output]
+    assert found["file_bytes"] == merged_model.stat().st_size
+    assert found["initializers"] == len(model.graph.initializer)
+    assert sum(found["bytes_by_part"].values()) == sum(
+        numpy_helper.to_array(t).nbytes for t in model.graph.initializer
+    )
+    assert found["metadata"]["onnxmerge.format_version"] == "1"
+    encoder_inputs = json.loads(found["metadata"]["onnxmerge.encoder_inputs"])
+    assert encoder_inputs == ["input_ids", "attention_mask"]
+    assert {"name", "type", "shape"} == set(found["inputs"][0])
+
+
+def test_inspect_refuses_a_file_that_is_not_onnx(marian) -> None:
+    result = run("inspect", marian.onnx_dir / "config.json")
+    assert_one_line_error(result, EXIT_ERROR, "config.json")
+
+
+# ---------------------------------------------------------------------------------------------
+# generate
+
+
+def test_generate_ids_gives_the_runtime_tokens(merged_model) -> None:
+    from onnxmerge.runtime import Seq2SeqModel
+
+    ids = np.array([[int(i) for i in SOURCE_IDS]], dtype=np.int64)
+    expected = Seq2SeqModel(merged_model).generate(
+        input_ids=ids, attention_mask=np.ones_like(ids), max_new_tokens=6
+    ).tolist()
+    text = run("generate", merged_model, "--ids", *SOURCE_IDS, "--max-new-tokens", "6")
+    assert text.returncode == EXIT_OK, text.stderr
+    assert [[int(t) for t in line.split()] for line in text.stdout.splitlines()] == expected
+    as_json = run("generate", merged_model, "--ids", *SOURCE_IDS, "--max-new-tokens", "6", "--json")
+    assert json.loads(as_json.stdout) == {"sequences": expected}
+    assert len(expected[0]) <= 1 + 6
+
+
+def test_generate_refuses_ids_outside_the_vocabulary(merged_model) -> None:
+    result = run("generate", merged_model, "--ids", "100000", "2")
+    assert_one_line_error(result, EXIT_ERROR, "100000")
+
+
+def test_generate_text_without_a_tokenizer_says_so(merged_model) -> None:
+    result = run("generate", merged_model, "--text", "bonjour")
+    assert_one_line_error(result, EXIT_ERROR, "tokenizer")
+
+
+def test_generate_needs_ids_or_text(merged_model) -> None:
+    result = run("generate", merged_model)
+    assert result.returncode == EXIT_USAGE
+    assert "--ids" in result.stderr and "--text" in result.stderr
+
+
+def test_generate_text_translates_with_the_demo_model(demo_model) -> None:
+    numbers = (243, 1984)
+    sources = [french_number(n) for n in numbers]
+    result = run("generate", demo_model, "--text", *sources, "--json")
+    assert result.returncode == EXIT_OK, result.stderr
+    assert json.loads(result.stdout) == {
+        "inputs": sources, "outputs": [english_number(n) for n in numbers]
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# export and demo (each runs optimum once)
+
+
+def test_export_writes_the_onnx_files_and_the_merged_model(marian, tmp_path) -> None:
+    output = tmp_path / "marian-onnx"
+    result = run("export", marian.pytorch_dir, "-o", output, "--json")
+    assert result.returncode == EXIT_OK, result.stderr
+    for name in ("encoder_model.onnx", "decoder_model.onnx", "decoder_with_past_model.onnx",
+                 "model.onnx"):
+        assert (output / name).is_file(), name
+    report = json.loads(result.stdout)
+    assert Path(report["path"]) == output / "model.onnx"
+    assert report["output_bytes"] == (output / "model.onnx").stat().st_size
+
+
+def test_export_refuses_a_used_output_folder_before_exporting(marian, tmp_path) -> None:
+    output = tmp_path / "used"
+    output.mkdir()
+    (output / "model.onnx").write_bytes(b"not replaced")
+    result = run("export", marian.pytorch_dir, "-o", output)
+    assert_one_line_error(result, EXIT_ERROR, "--overwrite")
+    assert sorted(p.name for p in output.iterdir()) == ["model.onnx"]
+    assert (output / "model.onnx").read_bytes() == b"not replaced"
+
+
+def test_demo_exports_merges_and_translates(tmp_path) -> None:
+    pytest.importorskip("optimum.exporters.onnx", reason="the demo exports with optimum")
+    work = tmp_path / "demo"
+    result = run("demo", "--dir", work)
+    assert result.returncode == EXIT_OK, result.stderr
+    assert (work / "export" / "model.onnx").is_file()
+    out = result.stdout
+    assert f"wrote {work / 'export' / 'model.onnx'}" in out
+    assert "Generating with the single file model.onnx:" in out
+    table = out.split("Generating with the single file model.onnx:")[1].strip().splitlines()
+    assert table[0].split() == ["French", "English", "(generated)"]
+    english = {french_number(n): english_number(n) for n in range(10000)}
+    rows = table[2:]
+    assert len(rows) == len(DEMO_SENTENCES)
+    for source, row in zip(DEMO_SENTENCES, rows, strict=True):
+        assert row.startswith(source)
+        assert row[len(source):].strip() == english[source]
+
+
+# ---------------------------------------------------------------------------------------------
+# the command itself
+
+
+def test_version() -> None:
+    result = run("--version")
+    assert result.returncode == EXIT_OK
+    assert result.stdout.strip() == f"onnxmerge {onnxmerge.__version__}"
+
+
+def test_no_arguments_is_a_usage_error() -> None:
+    result = run()
+    assert result.returncode == EXIT_USAGE
+    assert "usage: onnxmerge" in result.stderr
+
+
+def test_unknown_command_is_a_usage_error() -> None:
+    result = run("squash", "x")
+    assert result.returncode == EXIT_USAGE
+    assert "invalid choice: 'squash'" in result.stderr
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_verbose_shows_the_traceback_and_keeps_the_exit_code(tmp_path, where) -> None:
+    command = ["merge", tmp_path / "absent"]
+    result = run(*(["-v", *command] if where == "before" else [*command, "-v"]))
+    assert result.returncode == EXIT_ERROR, result.stderr
+    assert "Traceback (most recent call last)" in result.stderr
+    assert "ExportFolderError" in result.stderr
+
+
+def test_missing_optional_dependency_exits_4(merged_model) -> None:
+    # Hide onnxruntime from the dependency check only, as if it were not installed.
+    code = (
+        "import importlib.util as u, sys; real = u.find_spec; "
+        "u.find_spec = lambda name, package=None: None if name == 'onnxruntime' "
+        "else real(name, package); "
+        "from onnxmerge.cli import main; sys.exit(main(sys.argv[1:]))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, "verify", os.fspath(merged_model)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert_one_line_error(result, EXIT_MISSING, "onnxruntime", "pip install 'onnxmerge[runtime]'")

@@ -146,11 +146,6 @@ def _result_json(result) -> dict:
 def cmd_merge(args: argparse.Namespace) -> int:
     from onnxmerge.merge import merge_seq2seq_with_report
 
-    if args.generation:
-        raise OnnxMergeError(
-            "--generation is not available yet: the in-graph decoding loop is not part of "
-            "this release"
-        )
     steps = _Steps(quiet=args.json)
     try:
         result = merge_seq2seq_with_report(
@@ -159,7 +154,22 @@ def cmd_merge(args: argparse.Namespace) -> int:
         )
     finally:
         steps.finish()
-    _emit(args, _result_json(result), lambda: _merge_summary(result))
+    data = _result_json(result)
+    summary = _merge_summary(result)
+    if args.generation:
+        from onnxmerge.generator import build_generator
+
+        steps(f"building the {args.generation} decoding loop")
+        try:
+            generator = build_generator(result.path, search=args.generation,
+                                        num_beams=args.num_beams)
+        finally:
+            steps.finish()
+        data["generator"] = {"path": generator, "bytes": generator.stat().st_size,
+                             "search": args.generation}
+        summary += (f"\nwrote {generator} ({_human(generator.stat().st_size)}): "
+                    f"{args.generation} search inside the graph, token ids in, token ids out")
+    _emit(args, data, lambda: summary)
     return EXIT_OK
 
 
@@ -367,7 +377,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="store weights in OUTPUT_data beside the model (automatic past 2 GB)")
     p.add_argument("--force", action="store_true",
                    help="merge even if the files look like they come from different checkpoints")
-    p.add_argument("--generation", choices=("greedy", "beam"), help=argparse.SUPPRESS)
+    p.add_argument("--generation", choices=("greedy", "beam"),
+                   help="also write generator.onnx: the whole decoding loop inside one graph")
+    p.add_argument("--num-beams", type=int, default=4, help="beams for --generation beam")
 
     p = add("verify", cmd_verify, "compare a merged model with the files it came from")
     p.add_argument("file", help="merged model")

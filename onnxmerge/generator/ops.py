@@ -1,0 +1,146 @@
+"""A small node builder over onnx-ir: each call appends one standard (ai.onnx) node.
+
+Constants become ``Constant`` nodes, never initializers, so the generator's initializers stay
+exactly those of the merged model. Every value and node gets a unique name under one prefix.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+
+PREFIX = "generator"
+
+
+class Names:
+    """Unique names for everything the generator adds, shared by all builders of one model."""
+
+    def __init__(self, prefix: str = PREFIX):
+        self.prefix = prefix
+        self._counter: Iterator[int] = itertools.count()
+
+    def __call__(self, hint: str) -> str:
+        return f"{self.prefix}/{hint}_{next(self._counter)}"
+
+
+class Ops:
+    """Appends nodes to ``self.nodes``; the caller places them in a graph."""
+
+    def __init__(self, names: Names):
+        self.names = names
+        self.nodes: list[ir.Node] = []
+
+    def op(self, op_type: str, *inputs: ir.Value | None, **attributes: Any) -> ir.Value:
+        return self.op_multi(op_type, inputs, 1, **attributes)[0]
+
+    def op_multi(
+        self, op_type: str, inputs: Sequence[ir.Value | None], num_outputs: int, **attributes: Any
+    ) -> list[ir.Value]:
+        hint = op_type.lower()
+        outputs = [ir.Value(name=self.names(hint)) for _ in range(num_outputs)]
+        node = ir.Node(
+            "", op_type, list(inputs), ir.convenience.convert_attributes(attributes),
+            outputs=outputs, name=self.names(op_type),
+        )
+        self.nodes.append(node)
+        return outputs
+
+    # -- constants ----------------------------------------------------------------------------
+
+    def const(self, value: Any, dtype: Any = None) -> ir.Value:
+        array = np.asarray(value, dtype=dtype)
+        out = self.op("Constant", value=ir.tensor(array))
+        out.type = ir.TensorType(ir.DataType.from_numpy(array.dtype))
+        out.shape = ir.Shape(array.shape)
+        return out
+
+    def i64(self, value: Any) -> ir.Value:
+        return self.const(value, np.int64)
+
+    def f32(self, value: Any) -> ir.Value:
+        return self.const(value, np.float32)
+
+    # -- shorthands -----------------------------------------------------------------------------
+
+    def dim(self, value: ir.Value, axis: int) -> ir.Value:
+        """``value.shape[axis]`` as an int64 scalar."""
+        bounds = {"start": axis} if axis == -1 else {"start": axis, "end": axis + 1}
+        shape = self.op("Shape", value, **bounds)
+        out = self.op("Squeeze", shape, self.i64([0]))
+        out.type = ir.TensorType(ir.DataType.INT64)
+        out.shape = ir.Shape([])
+        return out
+
+    def unsqueeze(self, value: ir.Value, *axes: int) -> ir.Value:
+        return self.op("Unsqueeze", value, self.i64(list(axes)))
+
+    def squeeze(self, value: ir.Value, *axes: int) -> ir.Value:
+        return self.op("Squeeze", value, self.i64(list(axes)))
+
+    def vector(self, *scalars: ir.Value) -> ir.Value:
+        """A 1-D int64 tensor from int64 scalars (or 1-D pieces)."""
+        parts = [s if _is_vector(s) else self.unsqueeze(s, 0) for s in scalars]
+        return parts[0] if len(parts) == 1 else self.op("Concat", *parts, axis=0)
+
+    def slice(self, value: ir.Value, start: Any, end: Any, axis: int) -> ir.Value:
+        return self.op(
+            "Slice", value, self._index(start), self._index(end), self.i64([axis])
+        )
+
+    def _index(self, value: Any) -> ir.Value:
+        if isinstance(value, ir.Value):
+            return value if _is_vector(value) else self.unsqueeze(value, 0)
+        return self.i64([value])
+
+    def any(self, flags: ir.Value, axis: int | None = None, keepdims: bool = False) -> ir.Value:
+        """Logical OR over ``axis`` (all axes when None) of a bool tensor."""
+        as_int = self.op("Cast", flags, to=ir.DataType.INT64)
+        axes = [self.i64([axis])] if axis is not None else []
+        reduced = self.op("ReduceMax", as_int, *axes, keepdims=int(keepdims))
+        return self.op("Cast", reduced, to=ir.DataType.BOOL)
+
+    def all(self, flags: ir.Value, axis: int | None = None, keepdims: bool = False) -> ir.Value:
+        as_int = self.op("Cast", flags, to=ir.DataType.INT64)
+        axes = [self.i64([axis])] if axis is not None else []
+        reduced = self.op("ReduceMin", as_int, *axes, keepdims=int(keepdims))
+        return self.op("Cast", reduced, to=ir.DataType.BOOL)
+
+    def isin(self, tokens: ir.Value, choices: Sequence[int]) -> ir.Value:
+        """Elementwise ``tokens in choices`` (bool, the shape of ``tokens``)."""
+        found = self.op("Equal", self.unsqueeze(tokens, -1), self.i64(list(choices)))
+        return self.any(found, axis=-1)
+
+    def bool_to_float(self, flags: ir.Value) -> ir.Value:
+        return self.op("Cast", flags, to=ir.DataType.FLOAT)
+
+
+def _is_vector(value: ir.Value) -> bool:
+    return value.shape is not None and len(value.shape) == 1
+
+
+def subgraph(
+    names: Names,
+    name: str,
+    inputs: Sequence[ir.Value],
+    build: Callable[[Ops], Sequence[ir.Value]],
+) -> ir.Graph:
+    """A graph (a Loop body or an If branch) whose nodes ``build`` appends."""
+    ops = Ops(names)
+    outputs = list(build(ops))
+    final = []
+    for value in outputs:
+        # A graph output must be produced inside the graph, and each only once.
+        if value.producer() not in ops.nodes or value in final:
+            value = ops.op("Identity", value)
+        final.append(value)
+    return ir.Graph(list(inputs), final, nodes=ops.nodes, name=names(name))
+
+
+def typed_input(names: Names, hint: str, dtype: ir.DataType, rank: int | None) -> ir.Value:
+    """A graph input with an element type and a rank but no fixed dims."""
+    shape = None if rank is None else ir.Shape([None] * rank)
+    return ir.Value(name=names(hint), type=ir.TensorType(dtype), shape=shape)

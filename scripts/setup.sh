@@ -12,3 +12,8 @@ python3 -m venv .venv
 .venv/bin/python -m pip install --quiet --upgrade pip
 .venv/bin/python -m pip install --quiet "torch==2.13.0"
 .venv/bin/python -m pip install --quiet -e ".[${extras}]"
+# The Node.js client test runs the generator in onnxruntime-node; its post-install step only
+# fetches GPU libraries, so it is skipped.
+if [ "${1:-}" = "test" ] && command -v npm >/dev/null; then
+  (cd tests/js && npm ci --ignore-scripts --no-audit --no-fund --silent)
+fi

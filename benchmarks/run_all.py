@@ -1,0 +1,204 @@
+"""Reproduce every figure in the docs: run each benchmark, then write docs/benchmarks.md and charts.
+
+    python benchmarks/run_all.py            # the full runs (about 30 minutes on 2 cores)
+    python benchmarks/run_all.py --quick    # tiny models, to check the pipeline (the test suite)
+    python benchmarks/run_all.py --render   # only re-render docs from benchmarks/out/*.json
+
+Each benchmark runs in its own process and writes JSON under the output folder; rendering reads
+only those files, so the docs always show numbers that one command produced.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+OUT = REPO_ROOT / "benchmarks" / "out"
+DOCS = REPO_ROOT / "docs"
+
+
+def _benchmarks(out: Path, quick: bool) -> dict[str, list[str]]:
+    q = ["--quick"] if quick else []
+    return {
+        "merge": ["bench_merge.py", *q, "--out", str(out / "merge.json")],
+        "sizes": ["bench_sizes.py", "--out", str(out / "sizes.json"),
+                  *(["--archs", "marian", "t5"] if quick else [])],
+        "generate": ["bench_generate.py", str(out / "generate.json"), *q],
+        "generator": ["bench_generator.py", *q, "--out", str(out / "generator.json")],
+    }
+
+
+def run(out: Path, quick: bool, only: list[str] | None) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    for name, argv in _benchmarks(out, quick).items():
+        if only and name not in only:
+            continue
+        started = time.perf_counter()
+        print(f"== {name}: {' '.join(argv)}", flush=True)
+        subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / argv[0]), *argv[1:]],
+                       check=True, cwd=REPO_ROOT)
+        print(f"== {name}: {time.perf_counter() - started:.0f} s", flush=True)
+
+
+def _load(out: Path, name: str) -> dict | None:
+    path = out / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:.1f} MB"
+
+
+def _chart_sizes(merge: dict, img: Path) -> str | None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    variants = merge["variants"]
+    layouts = list(next(iter(variants.values()))["layouts"])
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    width = 0.8 / len(variants)
+    for i, (variant, data) in enumerate(variants.items()):
+        values = [data["layouts"][name]["bytes"] / 1e6 for name in layouts]
+        bars = ax.barh([y + i * width for y in range(len(layouts))], values, height=width,
+                       label=f"optimum export, LM head {'tied' if variant == 'tied' else 'copied'}")
+        ax.bar_label(bars, fmt="%.0f", padding=3, fontsize=8)
+    checkpoint = next(iter(variants.values()))["checkpoint_bytes"] / 1e6
+    ax.axvline(checkpoint, color="black", linestyle="--", linewidth=1)
+    ax.text(checkpoint, len(layouts) - 0.45, " model.safetensors", fontsize=8)
+    ax.set_yticks([y + width / 2 for y in range(len(layouts))], layouts)
+    ax.invert_yaxis()
+    ax.set_xlabel("MB on disk (opus-mt-fr-en shape)")
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    path = img / "sizes.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path.name
+
+
+def _chart_runtime(generate: dict, img: Path) -> str | None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = [("rss_after_load_mb", "memory after load (MB)"),
+            ("greedy_time", "greedy, 32 tokens (s)"), ("beam4_time", "4 beams, 32 tokens (s)")]
+    fig, axes = plt.subplots(1, len(keys), figsize=(9, 2.8))
+    for ax, (key, title) in zip(axes, keys):
+        values = [generate["optimum"][key], generate["ours"][key]]
+        bars = ax.bar(["optimum", "onnxmerge"], values, color=["#999999", "#1f77b4"])
+        ax.bar_label(bars, fmt="%.2f" if values[0] < 10 else "%.0f", fontsize=8)
+        ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    path = img / "runtime.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path.name
+
+
+def render(out: Path, docs: Path) -> Path:
+    img = docs / "img"
+    img.mkdir(parents=True, exist_ok=True)
+    lines = [
+        "# Benchmarks",
+        "",
+        "Reproduce every number and chart here with `python benchmarks/run_all.py` (written by it;",
+        "do not edit by hand). Models have the shapes of real checkpoints and seeded random weights;",
+        "each side runs in a fresh process, on the same inputs, in the same run. Ratios are",
+        "onnxmerge / optimum: below 1 is better.",
+        "",
+    ]
+    merge = _load(out, "merge")
+    if merge:
+        lines += ["## Bytes on disk (opus-mt-fr-en shape)", ""]
+        if chart := _chart_sizes(merge, img):
+            lines += [f"![bytes on disk per layout](img/{chart})", ""]
+        variants = merge["variants"]
+        lines += ["| layout | " + " | ".join(f"export with LM head {v}" for v in variants) + " |",
+                  "|---|" + "---:|" * len(variants)]
+        for name in next(iter(variants.values()))["layouts"]:
+            cells = [f"{_mb(d['layouts'][name]['bytes'])} ({d['layouts'][name]['ratio_to_safetensors']:.3f}x)"
+                     for d in variants.values()]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        checkpoint = next(iter(variants.values()))["checkpoint_bytes"]
+        lines += [f"| model.safetensors | " + " | ".join(_mb(checkpoint) for _ in variants) + " |",
+                  "", "## Merge time and memory", "",
+                  "onnxmerge merges encoder + decoder + decoder with past; optimum's "
+                  "`merge_decoders` merges only the two decoders (one file less).", "",
+                  "| export | tool | merge s | peak RSS MB | peak private MB |", "|---|---|---:|---:|---:|"]
+        for variant, data in variants.items():
+            tm = data["merge_time_memory"]
+            for tool, stats in tm.items():
+                if "median" not in stats:
+                    continue
+                m = stats["median"]
+                lines.append(f"| {variant} | {tool} | {m['call_s']:.1f} | "
+                             f"{m['peak_rss_bytes'] / 2**20:.0f} | {m['peak_private_bytes'] / 2**20:.0f} |")
+            ratios = tm.get("ratios_ours_over_optimum", {})
+            if ratios:
+                lines.append(f"| {variant} | **ratio** | **{ratios.get('call_s', float('nan')):.2f}x** | "
+                             f"**{ratios.get('peak_rss_bytes', float('nan')):.2f}x** | "
+                             f"**{ratios.get('peak_private_bytes', float('nan')):.2f}x** |")
+        lines.append("")
+    sizes = _load(out, "sizes")
+    if sizes:
+        lines += ["## Weights stored, per architecture", "",
+                  "Tensor bytes of each layout over the tensor bytes of the PyTorch checkpoint "
+                  "(tiny test models; 1.00x = every weight once).", ""]
+        from benchmarks.bench_sizes import markdown
+
+        lines += [markdown(sizes["rows"]), ""]
+    generate = _load(out, "generate")
+    if generate:
+        s = generate["setting"]
+        lines += ["## Generation against optimum's ORTModelForSeq2SeqLM", "",
+                  f"opus-mt-fr-en shape, batch {s['batch']}, {s['source_tokens']} source tokens, "
+                  f"{s['new_tokens']} new tokens; optimum runs encoder_model.onnx + "
+                  "decoder_model_merged.onnx.", ""]
+        if chart := _chart_runtime(generate, img):
+            lines += [f"![generation time and memory](img/{chart})", ""]
+        lines += ["| measure | optimum | onnxmerge | ratio |", "|---|---:|---:|---:|"]
+        for key, ratio in generate["ratios"].items():
+            lines.append(f"| {key} | {generate['optimum'][key]:.3f} | {generate['ours'][key]:.3f} "
+                         f"| **{ratio:.2f}x** |")
+        lines += ["", f"Same tokens: {generate.get('same_tokens')}.", ""]
+    generator = _load(out, "generator")
+    if generator:
+        lines += ["## The decoding loop inside the graph", "",
+                  "| batch | Python runtime tok/s | in-graph loop tok/s | file size vs merged |",
+                  "|---:|---:|---:|---:|"]
+        for r in generator["runs"]:
+            lines.append(f"| {r['batch']} | {r['python_runtime_tokens_per_s']:.1f} | "
+                         f"{r['in_graph_loop_tokens_per_s']:.1f} | +{r['generator_extra_bytes']} B |")
+        lines.append("")
+    target = docs / "benchmarks.md"
+    target.write_text("\n".join(lines))
+    return target
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny models; checks the pipeline")
+    parser.add_argument("--render", action="store_true", help="only render the docs from JSON")
+    parser.add_argument("--only", nargs="+", choices=["merge", "sizes", "generate", "generator"])
+    parser.add_argument("--out", type=Path, default=OUT, help="folder for the JSON results")
+    parser.add_argument("--docs", type=Path, default=DOCS, help="folder for benchmarks.md")
+    args = parser.parse_args(argv)
+    if str(REPO_ROOT) not in sys.path:
+        sys.path.insert(0, str(REPO_ROOT))
+    if not args.render:
+        run(args.out, args.quick, args.only)
+    print(f"wrote {render(args.out, args.docs)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

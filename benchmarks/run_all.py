@@ -70,8 +70,8 @@ def _chart_sizes(merge: dict, img: Path) -> str | None:
                        label=f"optimum export, LM head {'tied' if variant == 'tied' else 'copied'}")
         ax.bar_label(bars, fmt="%.0f", padding=3, fontsize=8)
     checkpoint = next(iter(variants.values()))["checkpoint_bytes"] / 1e6
-    ax.axvline(checkpoint, color="black", linestyle="--", linewidth=1)
-    ax.text(checkpoint, len(layouts) - 0.45, " model.safetensors", fontsize=8)
+    ax.axvline(checkpoint, color="black", linestyle="--", linewidth=1,
+               label="PyTorch model.safetensors")
     ax.set_yticks([y + width / 2 for y in range(len(layouts))], layouts)
     ax.invert_yaxis()
     ax.set_xlabel("MB on disk (opus-mt-fr-en shape)")

@@ -1,4 +1,4 @@
-"""``Seq2SeqModel``: generate with a merged model, token-identical to transformers' ``generate()``."""
+"""``Seq2SeqModel``: generate with a merged model, the tokens transformers' ``generate()`` gives."""
 
 from __future__ import annotations
 
@@ -111,7 +111,9 @@ class Seq2SeqModel:
             )
         missing = [n for n in names if n not in given and n != c.ATTENTION_MASK]
         if missing:
-            raise GenerationError(f"missing encoder inputs {missing}; the model takes {list(names)}")
+            raise GenerationError(
+                f"missing encoder inputs {missing}; the model takes {list(names)}"
+            )
         checked: dict[str, np.ndarray] = {}
         batch = None
         for name in names:
@@ -125,6 +127,13 @@ class Seq2SeqModel:
                 )
             spec = self._session.inputs[name]
             checked[name] = _cast(name, value, spec.dtype, len(spec.shape))
+            vocab = self.config.get("vocab_size")
+            if name == "input_ids" and isinstance(vocab, int) and checked[name].size:
+                outside = checked[name][(checked[name] < 0) | (checked[name] >= vocab)]
+                if outside.size:
+                    raise GenerationError(
+                        f"input_ids holds {int(outside[0])}, outside the vocabulary 0..{vocab - 1}"
+                    )
             rows = value.shape[0]
             if batch is not None and rows != batch:
                 raise GenerationError(
@@ -169,7 +178,9 @@ class Seq2SeqModel:
                 f"decoder_input_ids has {ids.shape[0]} rows but the encoder inputs have {batch}"
             )
         if ids.shape[1] == 0:
-            raise GenerationError("decoder_input_ids is empty; omit it to start from the start token")
+            raise GenerationError(
+                "decoder_input_ids is empty; omit it to start from the start token"
+            )
         if self.model_type != "whisper" and bool((ids[:, 0] != start).all()):
             ids = np.concatenate([np.full((batch, 1), start, dtype=np.int64), ids], axis=1)
         return ids
@@ -264,9 +275,7 @@ class Seq2SeqModel:
         # The prompt's length decides max_length; resolve the start token first.
         start = resolve_settings(self.config, self.generation_config, overrides, 1)
         prompt = self._prompt(decoder_input_ids, batch, start.decoder_start_token_id)
-        settings = resolve_settings(
-            self.config, self.generation_config, overrides, prompt.shape[1]
-        )
+        settings = resolve_settings(self.config, self.generation_config, overrides, prompt.shape[1])
         self._default_attention_mask(inputs, settings.pad_token_id, settings.eos_token_id)
         encoder_ids = inputs.get("input_ids")
         processors = build_processors(
@@ -290,7 +299,7 @@ class Seq2SeqModel:
         encoder_inputs: Mapping[str, np.ndarray],
         decoder_input_ids: np.ndarray,
     ) -> StepOutput:
-        """Run the encoder and the decoder on a prompt. ``logits``: ``[rows, prompt_len, vocab]``."""
+        """Run encoder and decoder on a prompt; ``logits`` is ``[rows, prompt_len, vocab]``."""
         inputs = self._check_encoder_inputs(dict(encoder_inputs))
         batch = next(iter(inputs.values())).shape[0]
         ids = _cast(c.DECODER_INPUT_IDS, np.asarray(decoder_input_ids), np.int64, 2)
@@ -332,7 +341,7 @@ class Seq2SeqModel:
         tokenizer: Any | None = None,
         **generate_kwargs: Any,
     ) -> list[str] | str:
-        """Tokenize ``texts``, generate, decode. See :class:`onnxmerge.runtime.text.TextGenerator`."""
+        """Tokenize ``texts``, generate, decode; see :class:`onnxmerge.runtime.TextGenerator`."""
         from onnxmerge.runtime.text import TextGenerator
 
         if tokenizer is None and self._tokenizer is None:
@@ -350,14 +359,14 @@ class Seq2SeqModel:
 def _cast(name: str, value: np.ndarray, dtype: type, rank: int) -> np.ndarray:
     """``value`` as a contiguous array of ``dtype``; refuse a wrong kind of number or rank."""
     if value.ndim != rank:
-        raise GenerationError(
-            f"{name} must have {rank} dimensions, got shape {tuple(value.shape)}"
-        )
+        raise GenerationError(f"{name} must have {rank} dimensions, got shape {tuple(value.shape)}")
     want_int = np.issubdtype(dtype, np.integer)
     if want_int and not np.issubdtype(value.dtype, np.integer):
         raise GenerationError(f"{name} must hold integers (int64), got {value.dtype}")
     if not want_int and not np.issubdtype(value.dtype, np.floating):
-        raise GenerationError(f"{name} must hold floats ({np.dtype(dtype).name}), got {value.dtype}")
+        raise GenerationError(
+            f"{name} must hold floats ({np.dtype(dtype).name}), got {value.dtype}"
+        )
     return np.ascontiguousarray(value, dtype=dtype)
 
 

@@ -34,7 +34,7 @@ def _valid_tokens(tokens: np.ndarray, vocab: int) -> np.ndarray:
 
 
 class RepetitionPenalty:
-    """Divide positive (multiply negative) scores of tokens already in the sequence by ``penalty``."""
+    """Divide positive (multiply negative) scores of tokens already in the row by ``penalty``."""
 
     def __init__(self, penalty: float):
         if not penalty > 0:
@@ -96,7 +96,7 @@ class EncoderRepetitionPenalty:
 
 
 class EncoderNoRepeatNGram:
-    """Ban tokens that would repeat an n-gram of the encoder's ``input_ids`` (of the row's input)."""
+    """Ban tokens that would repeat an n-gram of the row's encoder ``input_ids``."""
 
     def __init__(self, ngram_size: int, encoder_input_ids: np.ndarray):
         if ngram_size <= 0:
@@ -216,7 +216,7 @@ class SuppressTokens:
 
 
 class SuppressTokensAtBegin:
-    """Set the scores of ``tokens`` to -inf on the step where the sequence is ``begin_index`` long."""
+    """Set the scores of ``tokens`` to -inf when the sequence is ``begin_index`` long."""
 
     def __init__(self, tokens: Iterable[int], begin_index: int):
         self.tokens = _token_array(tokens)

@@ -34,7 +34,7 @@ def _finished_by_eos(tokens: np.ndarray, eos: np.ndarray | None) -> np.ndarray:
 
 
 def sample_tokens(probs: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    """One draw per row from ``probs`` (rows need not be normalized); zero-probability never wins."""
+    """One draw per row from ``probs`` (rows need not sum to 1); zero probability never wins."""
     cumulative = np.cumsum(probs.astype(np.float64), axis=1)
     draws = rng.random(probs.shape[0]) * cumulative[:, -1]
     chosen = (cumulative <= draws[:, None]).sum(axis=1)

@@ -126,7 +126,8 @@ def resolve_settings(
     for key, off in UNSUPPORTED_OFF_VALUES.items():
         if key in values and values[key] not in off:
             raise GenerationError(
-                f"the model's generation config sets {key}={values[key]!r}, which this runtime does "
+                f"the model's generation config sets {key}={values[key]!r}, which this runtime "
+                "does "
                 "not implement; pass a supported configuration or use transformers for this model"
             )
     given = {k: v for k, v in overrides.items() if v is not None}
@@ -208,7 +209,8 @@ def validate_settings(s: GenerationSettings) -> None:
         )
     if s.prompt_length >= s.max_length:
         raise GenerationError(
-            f"decoder_input_ids are {s.prompt_length} tokens long but max_length is {s.max_length}; "
+            f"decoder_input_ids are {s.prompt_length} tokens long but max_length is "
+            f"{s.max_length}; "
             "raise max_length or set max_new_tokens"
         )
     if s.max_new_tokens is not None and s.max_new_tokens < 1:

@@ -13,6 +13,9 @@ if TYPE_CHECKING:
     from onnxmerge.runtime.model import Seq2SeqModel
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
 class TextGenerator:
     """Tokenize, generate, decode.
 
@@ -22,10 +25,19 @@ class TextGenerator:
 
     def __init__(self, model: Seq2SeqModel, tokenizer: Any | None = None):
         self.model = model
-        self.tokenizer = tokenizer if tokenizer is not None else self.load_tokenizer(model.path.parent)
+        self.tokenizer = (
+            tokenizer if tokenizer is not None else self.load_tokenizer(model.path.parent)
+        )
 
     @staticmethod
     def load_tokenizer(folder: str | os.PathLike) -> Any:
+        folder = Path(folder)
+        # Checked before importing transformers (seconds) and before its own, less clear errors.
+        if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+            raise GenerationError(
+                f"no tokenizer beside the model in {folder} (none of {', '.join(TOKENIZER_FILES)}); "
+                "save one there (tokenizer.save_pretrained), or give token ids (--ids)"
+            )
         try:
             from transformers import AutoTokenizer
         except ImportError as error:
@@ -36,14 +48,14 @@ class TextGenerator:
         folder = Path(folder)
         try:
             return AutoTokenizer.from_pretrained(str(folder))
-        except (OSError, ValueError) as error:
+        except (OSError, ValueError, TypeError, AssertionError) as error:
             raise GenerationError(
                 f"no tokenizer could be loaded from {folder}: {error}. Save one there "
                 "(tokenizer.save_pretrained) or pass tokenizer="
             ) from error
 
     def __call__(self, texts: str | Sequence[str], **generate_kwargs: Any) -> list[str] | str:
-        """Generate from ``texts``; a single string gives a string (per returned sequence: a list)."""
+        """Generate from ``texts``: a string per text, or a list per text with several sequences."""
         single = isinstance(texts, str)
         batch = [texts] if single else list(texts)
         if not batch:

@@ -1,0 +1,113 @@
+"""Seq2SeqModel refuses bad files, inputs and settings with errors that say what to do."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from onnxmerge.errors import GenerationError, InvalidMergedModelError, OnnxMergeError
+
+pytest.importorskip("onnxruntime")
+
+
+@pytest.fixture(scope="module")
+def marian(tiny_export, tmp_path_factory):
+    import onnxmerge
+    from tests import models as zoo
+
+    export = tiny_export("marian")
+    out = onnxmerge.merge_seq2seq(export.onnx_dir, tmp_path_factory.mktemp("errors") / "m.onnx")
+    return onnxmerge.Seq2SeqModel(out), zoo.sample_encoder_inputs(export, batch=2, seq=5), export
+
+
+def test_a_file_that_is_not_merged_is_refused(marian):
+    from onnxmerge import Seq2SeqModel
+
+    _, _, export = marian
+    with pytest.raises(InvalidMergedModelError, match="merge_seq2seq"):
+        Seq2SeqModel(export.onnx_dir / "encoder_model.onnx")
+    with pytest.raises(InvalidMergedModelError, match="not a file"):
+        Seq2SeqModel(export.onnx_dir / "missing.onnx")
+
+
+def test_a_file_onnxruntime_cannot_read_is_refused(tmp_path):
+    from onnxmerge import Seq2SeqModel
+
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"not an onnx model")
+    with pytest.raises(InvalidMergedModelError, match="bad.onnx"):
+        Seq2SeqModel(bad)
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (lambda x: {**x, "input_ids": x["input_ids"].astype(np.float32)}, "integers"),
+        (lambda x: {**x, "input_ids": x["input_ids"][0]}, "2 dimensions"),
+        (lambda x: {**x, "input_ids": x["input_ids"].tolist()}, "numpy array"),
+        (lambda x: {"attention_mask": x["attention_mask"]}, "missing encoder inputs"),
+        (lambda x: {**x, "token_type_ids": x["input_ids"]}, "unknown inputs"),
+        (lambda x: {**x, "attention_mask": x["attention_mask"][:1]}, "batch size"),
+        (lambda x: {}, "no encoder inputs"),
+    ],
+)
+def test_bad_inputs(marian, change, match):
+    model, inputs, _ = marian
+    with pytest.raises(GenerationError, match=match):
+        model.generate(**change(inputs))
+
+
+@pytest.mark.parametrize(
+    ("settings", "match"),
+    [
+        ({"num_beams": 0}, "num_beams"),
+        ({"num_beams": 2, "num_return_sequences": 3}, "num_return_sequences"),
+        ({"num_return_sequences": 2}, "greedy"),
+        ({"max_length": 1}, "max_length"),
+        ({"max_new_tokens": 0}, "max_new_tokens"),
+        ({"early_stopping": "sometimes", "num_beams": 2}, "early_stopping"),
+        ({"do_sample": True, "temperature": 0.0}, "temperature"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"bad_words_ids": [[]]}, "bad_words_ids"),
+    ],
+)
+def test_bad_settings(marian, settings, match):
+    model, inputs, _ = marian
+    with pytest.raises(GenerationError, match=match):
+        model.generate(**inputs, **settings)
+
+
+def test_bad_decoder_input_ids(marian):
+    model, inputs, _ = marian
+    with pytest.raises(GenerationError, match="rows"):
+        model.generate(**inputs, decoder_input_ids=np.zeros((3, 1), dtype=np.int64))
+    with pytest.raises(GenerationError, match="integers"):
+        model.generate(**inputs, decoder_input_ids=np.zeros((2, 1), dtype=np.float32))
+
+
+def test_step_api_errors(marian):
+    model, inputs, _ = marian
+    step = model.first_step(inputs, np.zeros((2, 1), dtype=np.int64))
+    with pytest.raises(GenerationError, match="rows"):
+        model.next_step(np.zeros((3, 1), dtype=np.int64), step.cache)
+    with pytest.raises(GenerationError, match="cache"):
+        model.next_step(np.zeros((2, 1), dtype=np.int64), None)
+    with pytest.raises(GenerationError, match="reorder"):
+        step.cache.reorder([0, 5])
+
+
+def test_unsupported_generation_config_is_refused(marian):
+    model, inputs, _ = marian
+    model.generation_config = {**model.generation_config, "typical_p": 0.5}
+    try:
+        with pytest.raises(GenerationError, match="typical_p"):
+            model.generate(**inputs)
+    finally:
+        model.generation_config = {
+            k: v for k, v in model.generation_config.items() if k != "typical_p"
+        }
+
+
+def test_errors_share_the_base_class():
+    assert issubclass(GenerationError, OnnxMergeError)
+    assert issubclass(GenerationError, ValueError)

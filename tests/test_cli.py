@@ -227,11 +227,18 @@ def test_merge_external_data_writes_the_weights_beside_the_model(marian, tmp_pat
     assert verified.returncode == EXIT_OK, verified.stdout + verified.stderr
 
 
-def test_merge_with_the_unreleased_generation_flag_writes_nothing(marian, tmp_path) -> None:
+def test_merge_with_generation_writes_the_loop_model(marian, tmp_path) -> None:
+    import onnx
+
     folder = copy_export(marian.onnx_dir, tmp_path / "export")
-    result = run("merge", folder, "--generation", "greedy")
-    assert result.returncode in (EXIT_USAGE, EXIT_ERROR)
-    assert not (folder / "model.onnx").exists()
+    result = run("merge", folder, "--generation", "greedy", "--json")
+    assert result.returncode == EXIT_OK, result.stderr
+    report = json.loads(result.stdout)
+    generator = Path(report["generator"]["path"])
+    assert generator == folder / "generator.onnx" and generator.exists()
+    model = onnx.load(generator, load_external_data=False)
+    assert [o.name for o in model.graph.output][0] == "sequences"
+    assert {op.domain for op in model.opset_import} <= {"", "ai.onnx"}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import shutil
 import stat
 import tempfile
@@ -55,17 +56,24 @@ def _iter_tensor_protos(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
                 yield from _iter_tensor_protos(sub)
 
 
-def _expected_nbytes(tensor: onnx.TensorProto) -> int | None:
+def _expected_nbytes(tensor: onnx.TensorProto, where: str) -> int:
+    """Bytes the tensor's dims and type need; refuses types that cannot live in a data file."""
     count = 1
     for dim in tensor.dims:
         count *= dim
     try:
         dtype = ir.DataType(tensor.data_type)
     except ValueError:
-        return None
-    if dtype == ir.DataType.STRING:
-        return None
+        dtype = None
+    if dtype is None or dtype in (ir.DataType.UNDEFINED, ir.DataType.STRING):
+        raise UnsafeExternalDataError(
+            f"{where} has external data of type {tensor.data_type}, which has no fixed size; "
+            "the model is corrupt or uses a type onnxmerge cannot check"
+        )
     return (count * dtype.bitwidth + 7) // 8
+
+
+_DRIVE = re.compile(r"^[A-Za-z]:")
 
 
 def _resolve_location(model_path: Path, location: str, tensor_name: str) -> Path:
@@ -73,7 +81,7 @@ def _resolve_location(model_path: Path, location: str, tensor_name: str) -> Path
     where = f"tensor {tensor_name!r} of {model_path}"
     if not location:
         raise UnsafeExternalDataError(f"{where} has external data with an empty location")
-    if os.path.isabs(location) or location.startswith(("/", "\\")) or ":" in location:
+    if os.path.isabs(location) or location.startswith(("/", "\\")) or _DRIVE.match(location):
         raise UnsafeExternalDataError(
             f"{where} refers to external data by absolute path {location!r}; only paths "
             "relative to the model's folder are accepted"
@@ -86,10 +94,14 @@ def _resolve_location(model_path: Path, location: str, tensor_name: str) -> Path
     candidate = folder.joinpath(*parts)
     # Links may point anywhere; accept one only if its target is still inside the folder, or in
     # the blob store of the Hugging Face cache the folder is a snapshot of.
-    resolved = candidate.resolve()
+    try:
+        resolved = candidate.resolve(strict=False)
+        is_link = candidate.is_symlink()
+    except (OSError, RuntimeError, ValueError) as e:  # loops, NUL bytes, names too long
+        raise UnsafeExternalDataError(f"{where}: external data {location!r} cannot be resolved: {e}") from e
     blobs = hf_cache_blobs(folder)
     if not resolved.is_relative_to(folder) and not (
-        blobs is not None and candidate.is_symlink() and resolved.is_relative_to(blobs)
+        blobs is not None and is_link and resolved.is_relative_to(blobs)
     ):
         raise UnsafeExternalDataError(
             f"{where} refers to {location!r}, which resolves to {resolved}, outside the "
@@ -101,6 +113,8 @@ def _resolve_location(model_path: Path, location: str, tensor_name: str) -> Path
         raise UnsafeExternalDataError(
             f"{where} refers to external data file {location!r}, which does not exist in {folder}"
         ) from None
+    except OSError as e:
+        raise UnsafeExternalDataError(f"{where}: external data {location!r}: {e}") from e
     if not stat.S_ISREG(info.st_mode):
         raise UnsafeExternalDataError(f"{where}: external data {location!r} is not a regular file")
     if info.st_nlink > 1:
@@ -137,23 +151,28 @@ def check_external_data(model: onnx.ModelProto, model_path: Path) -> dict[str, P
             continue
         entries = {entry.key: entry.value for entry in tensor.external_data}
         location = entries.get("location", "")
-        data_file = files.get(location) or _resolve_location(model_path, location, tensor.name)
         where = f"tensor {tensor.name!r} of {model_path}"
+        if location == model_path.name:
+            # Weights inside the model file itself (as load_skeleton leaves them): the file the
+            # caller chose to open, whatever its name or links.
+            data_file = model_path.resolve()
+        else:
+            data_file = files.get(location) or _resolve_location(model_path, location, tensor.name)
         try:
             offset = int(entries.get("offset", "0"))
             length = int(entries["length"]) if "length" in entries else None
         except ValueError:
             raise UnsafeExternalDataError(f"{where} has a non-numeric offset or length") from None
         size = data_file.stat().st_size
-        expected = _expected_nbytes(tensor)
+        expected = _expected_nbytes(tensor, where)
         if length is None:
-            length = expected if expected is not None else size - offset
+            length = expected
         if offset < 0 or length < 0 or offset + length > size:
             raise UnsafeExternalDataError(
                 f"{where} reads bytes {offset}..{offset + length} of {data_file.name}, "
                 f"which has {size} bytes; the data file is truncated or the model is corrupt"
             )
-        if expected is not None and length != expected:
+        if length != expected:
             raise UnsafeExternalDataError(
                 f"{where} declares {length} bytes of external data but its shape "
                 f"{list(tensor.dims)} and type need {expected}"
@@ -175,13 +194,48 @@ def load_model(path: Path) -> tuple[ir.Model, set[Path]]:
         raise
     except Exception as e:  # protobuf raises several unrelated types on a corrupt file
         raise OnnxMergeError(f"{path} is not a readable ONNX model: {e}") from e
+    _refuse_sparse(proto.graph, path)
     locations = check_external_data(proto, path)
-    model = ir.serde.deserialize_model(proto)
+    try:
+        model = ir.serde.deserialize_model(proto)
+    except Exception as e:  # a corrupt file can parse as protobuf yet not be a valid model
+        raise OnnxMergeError(f"{path} is not a valid ONNX model: {e}") from e
     ir.external_data.set_base_dir(model.graph, path.parent.resolve())
     _pin_external_tensors(model, locations)
     data_files = set(locations.values()) - {path.resolve()}
     logger.debug("loaded %s (%d external data files)", path, len(data_files))
     return model, data_files
+
+
+def _refuse_sparse(graph: onnx.GraphProto, path: Path) -> None:
+    """Sparse tensors would be lost on the way through onnx-ir; say so instead."""
+    graphs = [graph]
+    while graphs:
+        current = graphs.pop()
+        sparse = len(current.sparse_initializer) > 0
+        for node in current.node:
+            for attr in node.attribute:
+                sparse |= attr.HasField("sparse_tensor") or len(attr.sparse_tensors) > 0
+                if attr.HasField("g"):
+                    graphs.append(attr.g)
+                graphs.extend(attr.graphs)
+        if sparse:
+            raise OnnxMergeError(
+                f"{path} holds sparse tensors, which onnxmerge does not merge; export the model "
+                "with dense weights"
+            )
+
+
+def _pinned(tensor: ir.TensorProtocol, locations: dict[str, Path]) -> ir.TensorProtocol:
+    if not isinstance(tensor, ir.ExternalTensor) or tensor.location not in locations:
+        return tensor
+    if tensor.size == 0:
+        return ir.Tensor(np.zeros(tensor.shape.numpy(), tensor.dtype.numpy()), name=tensor.name)
+    return ir.ExternalTensor(
+        os.fspath(locations[tensor.location]), tensor.offset, tensor.length, tensor.dtype,
+        shape=tensor.shape, name=tensor.name, doc_string=tensor.doc_string,
+        metadata_props=dict(tensor.metadata_props), base_dir="",
+    )
 
 
 def _pin_external_tensors(model: ir.Model, locations: dict[str, Path]) -> None:
@@ -190,15 +244,19 @@ def _pin_external_tensors(model: ir.Model, locations: dict[str, Path]) -> None:
     The checks are done; reading by the approved path keeps a later change of links from
     redirecting a read, and lets the documented Hugging Face cache layout load.
     """
-    for value in model.graph.initializers.values():
-        tensor = value.const_value
-        if not isinstance(tensor, ir.ExternalTensor) or tensor.location not in locations:
-            continue
-        value.const_value = ir.ExternalTensor(
-            os.fspath(locations[tensor.location]), tensor.offset, tensor.length, tensor.dtype,
-            shape=tensor.shape, name=tensor.name, doc_string=tensor.doc_string,
-            metadata_props=dict(tensor.metadata_props), base_dir="",
-        )
+    for graph in (model.graph, *model.graph.subgraphs()):
+        for value in graph.initializers.values():
+            if value.const_value is not None:
+                value.const_value = _pinned(value.const_value, locations)
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        for name, attr in list(node.attributes.items()):
+            if attr.type == ir.AttributeType.TENSOR:
+                pinned = _pinned(attr.value, locations)
+                if pinned is not attr.value:
+                    node.attributes[name] = ir.AttrTensor(name, pinned)
+            elif attr.type == ir.AttributeType.TENSORS:
+                tensors = [_pinned(t, locations) for t in attr.value]
+                node.attributes[name] = ir.AttrTensors(name, tensors)
 
 
 def file_bytes(path: Path, data_files: set[Path] | None = None) -> int:
@@ -261,6 +319,32 @@ def data_files_of(model_path: Path) -> set[Path]:
         return set()
 
 
+def _data_links_of(model_path: Path) -> set[Path]:
+    """The data files an existing model reads, as the paths inside its folder (links unresolved).
+
+    Cleaning up removes these entries, never what a link points to: in a Hugging Face snapshot
+    that is a blob other revisions share.
+    """
+    if not model_path.is_file():
+        return set()
+    try:
+        locations = check_external_data(_wire.load_skeleton(model_path), model_path)
+    except Exception:  # an unreadable old output has no data we could safely delete
+        return set()
+    folder = model_path.parent
+    return {
+        folder.joinpath(*Path(location).parts) for location in locations
+        if location != model_path.name
+    }
+
+
+def _resolved(path: Path) -> Path:
+    try:
+        return path.resolve()
+    except (OSError, RuntimeError):
+        return path
+
+
 def _free_data_name(output: Path) -> str:
     """``<name>_data``, or ``<stem>.<k><suffix>_data`` while that is taken by an older write."""
     name = data_file_name(output)
@@ -303,7 +387,9 @@ def save_model_atomically(
             f"{folder} has {free / 2**20:.0f} MiB free; the merged model needs about "
             f"{payload / 2**20:.0f} MiB; free some space or choose another output"
         )
-    old_data = data_files_of(output) - set(protected)
+    old_data = {
+        link for link in _data_links_of(output) if _resolved(link) not in set(protected)
+    }
     data_name = _free_data_name(output) if external_data else None
     tmp_dir = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".tmp", dir=folder))
     try:
@@ -337,7 +423,7 @@ def save_model_atomically(
         _fsync_dir(folder)
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
-    for stale in old_data - data_files_of(output):
+    for stale in old_data - _data_links_of(output):
         with contextlib.suppress(OSError):
             stale.unlink()
     logger.info("wrote %s", output)

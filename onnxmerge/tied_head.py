@@ -42,16 +42,24 @@ def _const(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
     return graph.initializers[name]
 
 
+# onnxruntime's float16 Gemm and MatMul round differently; float and double agree exactly.
+_EXACT_DTYPES = frozenset({ir.DataType.FLOAT, ir.DataType.DOUBLE})
+# Slice with inputs, which the rewrite uses, arrived in opset 10.
+_MIN_OPSET = 10
+
+
 def gemm_for_transposed_weights(model: ir.Model) -> int:
     """Rewrite ``MatMul(x, Transpose(W))`` with a main-graph initializer W; return how many."""
     main = model.graph
+    if model.opset_imports.get("", model.opset_imports.get("ai.onnx", 0)) < _MIN_OPSET:
+        return 0
     rewritten = 0
     for node in list(ir.traversal.RecursiveGraphIterator(main)):
         if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx"):
             continue
         weight = _transposed_initializer(node.inputs[1], main)
         hidden = node.inputs[0]
-        if weight is None or hidden is None:
+        if weight is None or hidden is None or weight.dtype not in _EXACT_DTYPES:
             continue
         out_features, in_features = weight.shape
         graph = node.graph
@@ -63,9 +71,16 @@ def gemm_for_transposed_weights(model: ir.Model) -> int:
         product = ir.Value(name=f"{prefix}/product")
         gemm = ir.Node("", "Gemm", [rows, weight], attributes=[ir.AttrInt64("transB", 1)],
                        outputs=[product], name=f"{prefix}/gemm")
+        full_shape = ir.Value(name=f"{prefix}/full_shape")
+        shape = ir.Node("", "Shape", [hidden], outputs=[full_shape], name=f"{prefix}/shape")
+        # Slice rather than Shape(end=-1), which needs opset 15.
         hidden_shape = ir.Value(name=f"{prefix}/hidden_shape")
-        shape = ir.Node("", "Shape", [hidden], attributes=[ir.AttrInt64("end", -1)],
-                        outputs=[hidden_shape], name=f"{prefix}/shape")
+        leading = ir.Node(
+            "", "Slice",
+            [full_shape, _const(main, "onnxmerge.zero", np.array([0], np.int64)),
+             _const(main, "onnxmerge.minus_one", np.array([-1], np.int64))],
+            outputs=[hidden_shape], name=f"{prefix}/leading_dims",
+        )
         columns = _const(main, f"onnxmerge.columns_{out_features}",
                          np.array([out_features], np.int64))
         out_shape = ir.Value(name=f"{prefix}/out_shape")
@@ -75,7 +90,7 @@ def gemm_for_transposed_weights(model: ir.Model) -> int:
         result = ir.Value(name=f"{prefix}/out", type=output.type, shape=output.shape)
         reshape_out = ir.Node("", "Reshape", [product, out_shape], outputs=[result],
                               name=f"{prefix}/reshape_out")
-        graph.insert_before(node, [reshape_in, gemm, shape, concat, reshape_out])
+        graph.insert_before(node, [reshape_in, gemm, shape, leading, concat, reshape_out])
         is_output = output in graph.outputs
         if is_output:
             graph.outputs[graph.outputs.index(output)] = result

@@ -328,10 +328,6 @@ def test_store_once_stores_no_more_bytes_than_before(spec, seed):
     assert after <= before + 64 * len(spec.tensors)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "tied_head rewrites MatMul(x, Transpose(W)) into Gemm(transB=1) for any dtype; onnxruntime's "
-    "float16 Gemm rounds differently from its float16 MatMul (max abs diff 2e-3 on a 16x32 "
-    "head), so a float16 export's logits change"))
 @pytest.mark.parametrize("scope", ["main", "outer_then", "inner_else"])
 def test_tied_head_on_float16_is_exact(scope):
     head = (np.random.default_rng(0).standard_normal((16, 32)) * 0.3).astype(np.float16)
@@ -418,10 +414,6 @@ def test_merging_twice_writes_the_same_bytes(options):
             assert data_after == [before["model.onnx_data"]]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "tied_head.gemm_for_transposed_weights emits Shape(end=-1), an attribute of Shape-15; an "
-    "export with --opset 13 or 14 then fails the checker ('Unrecognized attribute: end for "
-    "operator Shape') and the merge raises InvalidMergedModelError"))
 @pytest.mark.parametrize("opset", [13, 14])
 @pytest.mark.parametrize("head", ["copy", "tied"])
 def test_merge_of_an_export_below_opset_15_with_a_tied_head(tmp_path, opset, head):

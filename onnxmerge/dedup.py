@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import mmap
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -122,18 +123,83 @@ def _stored_equal(a: ir.TensorProtocol, b: ir.TensorProtocol) -> bool:
     return all(x == y for x, y in zip(_stored_chunks(a), _stored_chunks(b), strict=True))
 
 
-def _release(*tensors: ir.TensorProtocol) -> None:
-    for tensor in tensors:
-        if isinstance(tensor, ir.ExternalTensor):
-            tensor.release()
+class _Mapped:
+    """A 2-D tensor as an array; external tensors mapped privately so their pages can be dropped.
+
+    Pages of a mapping count as resident memory until dropped; :meth:`drop` hands them back to
+    the page cache after each slice, so a 1 GB embedding never stays mapped in full.
+    """
+
+    def __init__(self, tensor: ir.TensorProtocol):
+        self._map: mmap.mmap | None = None
+        if isinstance(tensor, ir.ExternalTensor) and tensor.size:
+            with open(tensor.path, "rb") as f:
+                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            dtype = np.dtype(tensor.dtype.numpy()).newbyteorder("<")
+            self.array = np.frombuffer(
+                self._map, dtype=dtype, count=tensor.size, offset=tensor.offset or 0
+            ).reshape(tuple(tensor.shape))
+        else:
+            self.array = _array(tensor)
+
+    def drop(self) -> None:
+        if self._map is not None and hasattr(mmap, "MADV_DONTNEED"):
+            self._map.madvise(mmap.MADV_DONTNEED)
 
 
-def _equal_transposed(a: np.ndarray, b: np.ndarray) -> bool:
-    """Byte equality of ``a.T`` and ``b``, in bounded memory."""
-    return all(
-        np.array_equal(_byte_view(rows), _byte_view(b[start : start + len(rows)]))
-        for start, rows in _transposed_slices(a)
-    )
+def _row_blocks(rows: int, row_bytes: int, budget: int = _CHUNK_BYTES) -> Iterator[tuple[int, int]]:
+    step = max(1, budget // max(1, row_bytes))
+    for start in range(0, rows, step):
+        yield start, min(rows, start + step)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser on uint64 arrays (wrapping arithmetic)."""
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def _frame_hash(tensor: ir.TensorProtocol, *, transposed: bool) -> int:
+    """A hash of a 2-D tensor's elements by position, read in its own row order.
+
+    With ``transposed`` the positions are those of the transpose, so ``A.T == B`` gives
+    ``_frame_hash(A, transposed=True) == _frame_hash(B, transposed=False)``, and neither side is
+    ever read column-wise. It is a sum over elements: order-free, so it streams. Matches are
+    always confirmed byte by byte.
+    """
+    mapped = _Mapped(tensor)
+    array = mapped.array
+    rows, cols = array.shape
+    unsigned = np.dtype(f"u{array.dtype.itemsize}")
+    total = np.uint64(0)
+    with np.errstate(over="ignore"):
+        # Hashing widens each element to several uint64 temporaries: smaller slices.
+        for start, end in _row_blocks(rows, cols * 8, _CHUNK_BYTES // 16):
+            bits = array[start:end].view(unsigned).astype(np.uint64)
+            r = np.arange(start, end, dtype=np.uint64)[:, None]
+            c = np.arange(cols, dtype=np.uint64)[None, :]
+            position = c * np.uint64(rows) + r if transposed else r * np.uint64(cols) + c
+            total += _mix(_mix(position) ^ bits).sum(dtype=np.uint64)
+            mapped.drop()
+    return int(total)
+
+
+def _equal_transposed(a: ir.TensorProtocol, b: ir.TensorProtocol) -> bool:
+    """Byte equality of ``a.T`` and ``b``, a block of ``a``'s rows at a time."""
+    mapped_a, mapped_b = _Mapped(a), _Mapped(b)
+    left, right = mapped_a.array, mapped_b.array
+    rows, cols = left.shape
+    unsigned = np.dtype(f"u{left.dtype.itemsize}")
+    for start, end in _row_blocks(rows, cols * left.itemsize):
+        same = np.array_equal(left[start:end].view(unsigned),
+                              right[:, start:end].view(unsigned).T)
+        mapped_a.drop()
+        mapped_b.drop()
+        if not same:
+            return False
+    return True
 
 
 def _is_removable(graph: ir.Graph, value: ir.Value) -> bool:
@@ -219,7 +285,7 @@ def deduplicate_initializers(graph: ir.Graph) -> list[SharedTensor]:
     def transposable(value: ir.Value) -> bool:
         tensor = value.const_value
         return (len(tensor.shape) == 2 and tensor.nbytes >= MIN_SHARED_BYTES
-                and tensor.dtype.bitwidth >= 8)
+                and tensor.dtype.bitwidth in (8, 16, 32, 64))
 
     shapes = {
         (v.const_value.dtype, tuple(v.const_value.shape)) for v in survivors if transposable(v)
@@ -231,23 +297,22 @@ def deduplicate_initializers(graph: ir.Graph) -> list[SharedTensor]:
             continue
         tensor = value.const_value
         shape = tuple(tensor.shape)
-        key = (tensor.dtype, shape, digest_of(value))
-        source = transposed_of.get(key)
-        if source is not None and _is_removable(graph, value):
-            same = _equal_transposed(_array(source.const_value), _array(tensor))
-            _release(source.const_value, tensor)
-            if same:
-                if source.name not in transposes:
-                    transposes[source.name] = _transpose_node(graph, source)
-                ir.convenience.replace_all_uses_with(value, transposes[source.name])
-                graph.initializers.pop(value.name)
-                shared.append(SharedTensor(source.name, value.name, tensor.nbytes, True))
-                continue
         flipped = (tensor.dtype, shape[::-1])
-        if flipped in shapes:
-            transposed_key = (*flipped, _digest(_array(tensor), transposed=True))
-            _release(tensor)
-            transposed_of.setdefault(transposed_key, value)
+        if flipped not in shapes:
+            continue
+        source = transposed_of.get((tensor.dtype, shape, _frame_hash(tensor, transposed=False)))
+        if (
+            source is not None
+            and _is_removable(graph, value)
+            and _equal_transposed(source.const_value, tensor)
+        ):
+            if source.name not in transposes:
+                transposes[source.name] = _transpose_node(graph, source)
+            ir.convenience.replace_all_uses_with(value, transposes[source.name])
+            graph.initializers.pop(value.name)
+            shared.append(SharedTensor(source.name, value.name, tensor.nbytes, True))
+            continue
+        transposed_of.setdefault((*flipped, _frame_hash(tensor, transposed=True)), value)
     shared = _resolve_chains(shared)
     for item in shared:
         logger.debug(

@@ -116,3 +116,24 @@ def read_contract(
         config=json.loads(metadata.get(META_CONFIG, "{}")),
         generation_config=json.loads(metadata.get(META_GENERATION_CONFIG, "{}")),
     )
+
+
+def check_written_model(path, what: str = "merged model") -> None:
+    """Run the ONNX checker with full shape inference on a written file, before it is published.
+
+    Raises:
+        InvalidMergedModelError: the checker refused it; the message says nothing was written.
+    """
+    import os
+
+    import onnx
+
+    from onnxmerge.errors import InvalidMergedModelError
+
+    try:
+        onnx.checker.check_model(os.fspath(path), full_check=True)
+    except Exception as e:  # the checker raises several types
+        raise InvalidMergedModelError(
+            f"the {what} failed the ONNX checker ({e}); nothing was written. Please report this "
+            "with the export folder's config.json"
+        ) from e

@@ -138,7 +138,7 @@ def merge_seq2seq_with_report(
         f.resolve() for p in chosen.values() for f in (p, *data_files[p])
     )
     io.save_model_atomically(
-        spliced.model, output, external_data=external_data, validate=validate_merged_file,
+        spliced.model, output, external_data=external_data, validate=contract.check_written_model,
         protected=inputs_read,
     )
     output_bytes = io.file_bytes(output, io.data_files_of(output))
@@ -270,17 +270,6 @@ def _add_metadata(spliced: splice.SplicedModel, export_dir: Path) -> None:
         text = _read_json(export_dir / name)
         if text is not None:
             meta[key] = text
-
-
-def validate_merged_file(path: Path) -> None:
-    """Check a written file with the ONNX checker (full shape inference) before it is published."""
-    try:
-        onnx.checker.check_model(os.fspath(path), full_check=True)
-    except Exception as e:  # the checker raises several types
-        raise InvalidMergedModelError(
-            f"the merged model failed the ONNX checker ({e}); nothing was written. Please "
-            "report this with the export folder's config.json"
-        ) from e
 
 
 __all__ = ["merge_seq2seq", "merge_seq2seq_with_report", "MergeResult", "InputFile", "OnnxMergeError"]

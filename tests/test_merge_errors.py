@@ -18,7 +18,7 @@ from onnxmerge import (
     RefusedOutputError,
     merge_seq2seq,
 )
-from onnxmerge import merge as merge_module
+from onnxmerge import contract as contract_module
 from tests import textmodels as tm
 
 
@@ -237,7 +237,7 @@ def test_failed_validation_leaves_no_output_and_no_temporary_files(tmp_path, mon
         assert path.exists()  # the file is checked where it was written, before it is published
         raise InvalidMergedModelError("refused by the test")
 
-    monkeypatch.setattr(merge_module, "validate_merged_file", refuse)
+    monkeypatch.setattr(contract_module, "check_written_model", refuse)
     with pytest.raises(InvalidMergedModelError, match="refused by the test"):
         merge_seq2seq(folder)
     _assert_untouched(folder, before)
@@ -250,7 +250,7 @@ def test_failed_validation_keeps_the_previous_output(tmp_path, monkeypatch):
     def refuse(path: Path) -> None:
         raise InvalidMergedModelError("refused by the test")
 
-    monkeypatch.setattr(merge_module, "validate_merged_file", refuse)
+    monkeypatch.setattr(contract_module, "check_written_model", refuse)
     with pytest.raises(InvalidMergedModelError):
         merge_seq2seq(folder, overwrite=True)
     assert (folder / "model.onnx").read_bytes() == previous

@@ -132,19 +132,11 @@ def _build_from_merged(
         {"version": GENERATOR_VERSION, "search": search_kind, "num_beams": beams}, sort_keys=True
     )
     io.save_model_atomically(
-        model, output, validate=_validate, protected=frozenset({merged.resolve(), *data_files})
+        model, output, validate=lambda p: contract.check_written_model(p, "generator model"),
+        protected=frozenset({merged.resolve(), *data_files})
     )
     logger.info("wrote the %s generator %s from %s", search_kind, output, merged)
     return output
-
-
-def _validate(path: Path) -> None:
-    try:
-        onnx.checker.check_model(os.fspath(path), full_check=True)
-    except Exception as e:  # the checker raises several types
-        raise InvalidMergedModelError(
-            f"the generator model failed the ONNX checker ({e}); nothing was written"
-        ) from e
 
 
 def _recursive_nodes(graph: ir.Graph) -> set[ir.Node]:

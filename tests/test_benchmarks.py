@@ -1,0 +1,36 @@
+"""The benchmark entry point, in its tiny mode, so the scripts behind docs/benchmarks.md cannot rot."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+pytest.importorskip("optimum.onnx")
+pytest.importorskip("matplotlib")
+
+
+def test_run_all_quick_writes_results_and_docs(tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "benchmarks" / "run_all.py"), "--quick",
+         "--out", str(tmp_path / "out"), "--docs", str(tmp_path / "docs")],
+        capture_output=True, text=True, timeout=900, cwd=REPO_ROOT,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    for name in ("merge", "sizes", "generate", "generator"):
+        assert json.loads((tmp_path / "out" / f"{name}.json").read_text())
+    merge = json.loads((tmp_path / "out" / "merge.json").read_text())
+    for variant in merge["variants"].values():
+        assert variant["ort_check"]["ok"]
+        layouts = variant["layouts"]
+        assert layouts["onnxmerge model.onnx"]["bytes"] < layouts["encoder+decoder_model_merged"]["bytes"]
+    generate = json.loads((tmp_path / "out" / "generate.json").read_text())
+    assert all(generate["same_tokens"].values())
+    page = (tmp_path / "docs" / "benchmarks.md").read_text()
+    assert "## Bytes on disk" in page and "## Generation" in page
+    assert (tmp_path / "docs" / "img" / "sizes.png").stat().st_size > 1000

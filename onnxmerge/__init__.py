@@ -7,6 +7,7 @@ from onnxmerge.errors import (
     GenerationError,
     IncompatibleModelsError,
     InvalidMergedModelError,
+    ModelNotFoundError,
     OnnxMergeError,
     RefusedOutputError,
     UnsafeExternalDataError,
@@ -22,6 +23,7 @@ __all__ = [
     "Seq2SeqModel",
     "OnnxMergeError",
     "ExportFolderError",
+    "ModelNotFoundError",
     "IncompatibleModelsError",
     "UnsafeExternalDataError",
     "RefusedOutputError",
@@ -34,9 +36,9 @@ def __getattr__(name: str):
     # The merge needs only onnx and onnx-ir; the runtime needs onnxruntime. Import lazily so that
     # each works without the other's dependencies.
     if name in ("merge_seq2seq", "merge_seq2seq_with_report", "MergeResult"):
-        from onnxmerge.merge import MergeResult, merge_seq2seq, merge_seq2seq_with_report
+        from onnxmerge import merge
 
-        return locals()[name]
+        return getattr(merge, name)
     if name == "Seq2SeqModel":
         from onnxmerge.runtime import Seq2SeqModel
 

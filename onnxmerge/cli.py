@@ -162,7 +162,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
         steps(f"building the {args.generation} decoding loop")
         try:
             generator = build_generator(result.path, search=args.generation,
-                                        num_beams=args.num_beams)
+                                        num_beams=args.num_beams, overwrite=args.overwrite)
         finally:
             steps.finish()
         data["generator"] = {"path": generator, "bytes": generator.stat().st_size,

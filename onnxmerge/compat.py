@@ -31,8 +31,13 @@ def check_same_checkpoint(
     shared: list[dedup.SharedTensor],
     *,
     force: bool = False,
+    config: dict | None = None,
 ) -> None:
-    """Refuse files that share too little to come from one checkpoint, listing every problem."""
+    """Refuse files that share too little to come from one checkpoint, listing every problem.
+
+    ``config`` is the export's config.json: a model that declares separate encoder and decoder
+    embeddings (Marian's ``share_encoder_decoder_embeddings: false``) shares none by design.
+    """
     role_of = {value.name: role for role, value in origin.values()}
     sources = {p.role: p.source for p in parts}
     problems: list[str] = []
@@ -63,7 +68,8 @@ def check_same_checkpoint(
         (role_of.get(s.kept) == Role.ENCODER) != (role_of.get(s.removed) == Role.ENCODER)
         for s in shared if s.nbytes >= dedup.MIN_SHARED_BYTES
     )
-    if not crossing:
+    separate = (config or {}).get("share_encoder_decoder_embeddings") is False
+    if not crossing and not separate:
         encoder_shapes = {_key(v) for v in large(Role.ENCODER) if len(v.const_value.shape) == 2}
         decoder_shapes = {
             _key(v) for role in decoder_roles for v in large(role) if len(v.const_value.shape) == 2

@@ -5,6 +5,7 @@ from __future__ import annotations
 __all__ = [
     "OnnxMergeError",
     "ExportFolderError",
+    "ModelNotFoundError",
     "IncompatibleModelsError",
     "UnsafeExternalDataError",
     "RefusedOutputError",
@@ -32,6 +33,10 @@ class IncompatibleModelsError(OnnxMergeError):
         if self.problems:
             message = message + "\n" + "\n".join(f"  - {p}" for p in self.problems)
         super().__init__(message)
+
+
+class ModelNotFoundError(OnnxMergeError, FileNotFoundError):
+    """A model file that was asked for does not exist."""
 
 
 class UnsafeExternalDataError(OnnxMergeError):

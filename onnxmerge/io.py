@@ -23,7 +23,12 @@ import onnx
 import onnx_ir as ir
 
 from onnxmerge import _wire
-from onnxmerge.errors import OnnxMergeError, RefusedOutputError, UnsafeExternalDataError
+from onnxmerge.errors import (
+    ModelNotFoundError,
+    OnnxMergeError,
+    RefusedOutputError,
+    UnsafeExternalDataError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -191,7 +196,7 @@ def load_model(path: Path) -> tuple[ir.Model, set[Path]]:
         # Large weights stay in the file, memory-mapped on demand, never parsed into memory.
         proto = _wire.load_skeleton(path)
     except FileNotFoundError:
-        raise
+        raise ModelNotFoundError(f"{path} does not exist") from None
     except Exception as e:  # protobuf raises several unrelated types on a corrupt file
         raise OnnxMergeError(f"{path} is not a readable ONNX model: {e}") from e
     _refuse_sparse(proto.graph, path)
@@ -308,34 +313,36 @@ def _fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
-def data_files_of(model_path: Path) -> set[Path]:
-    """The external data files an existing model reads; empty if it is absent or unreadable."""
+def _external_locations(model_path: Path) -> tuple[dict[str, Path], bool]:
+    """An existing model's external-data locations (its own file left out), and whether onnxmerge
+    wrote it; nothing if it is absent or unreadable."""
     if not model_path.is_file():
-        return set()
+        return {}, False
     try:
         proto = _wire.load_skeleton(model_path)
-        return set(check_external_data(proto, model_path).values()) - {model_path.resolve()}
+        locations = check_external_data(proto, model_path)
     except Exception:  # an unreadable old output has no data we could safely delete
-        return set()
+        return {}, False
+    ours = any(p.key.startswith("onnxmerge.") for p in proto.metadata_props)
+    locations.pop(model_path.name, None)
+    return locations, ours
 
 
-def _data_links_of(model_path: Path) -> set[Path]:
-    """The data files an existing model reads, as the paths inside its folder (links unresolved).
+def data_files_of(model_path: Path) -> set[Path]:
+    """The external data files an existing model reads, resolved."""
+    return set(_external_locations(model_path)[0].values())
 
-    Cleaning up removes these entries, never what a link points to: in a Hugging Face snapshot
-    that is a blob other revisions share.
+
+def _stale_data_links(model_path: Path) -> set[Path]:
+    """Data files of an output onnxmerge wrote, as entries of its folder (links unresolved).
+
+    Cleaning up removes these entries, never what a link points to (in a Hugging Face snapshot,
+    a blob other revisions share), and never the data of a model onnxmerge did not write.
     """
-    if not model_path.is_file():
+    locations, ours = _external_locations(model_path)
+    if not ours:
         return set()
-    try:
-        locations = check_external_data(_wire.load_skeleton(model_path), model_path)
-    except Exception:  # an unreadable old output has no data we could safely delete
-        return set()
-    folder = model_path.parent
-    return {
-        folder.joinpath(*Path(location).parts) for location in locations
-        if location != model_path.name
-    }
+    return {model_path.parent.joinpath(*Path(location).parts) for location in locations}
 
 
 def _resolved(path: Path) -> Path:
@@ -372,7 +379,10 @@ def save_model_atomically(
     """
     output = Path(output)
     folder = output.parent
-    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise RefusedOutputError(f"cannot create the output folder {folder}: {e}") from e
     payload = tensor_bytes(model)
     if external_data is None:
         external_data = payload > EXTERNAL_DATA_THRESHOLD
@@ -382,16 +392,22 @@ def save_model_atomically(
             "file can hold without external data; allow external data"
         )
     free = shutil.disk_usage(folder).free
-    if free < payload + 16 * 2**20:
+    # A single-file output holds its weights twice while it is built: staging data, then inline.
+    needed = payload * (1 if external_data else 2) + 16 * 2**20
+    if free < needed:
         raise RefusedOutputError(
             f"{folder} has {free / 2**20:.0f} MiB free; the merged model needs about "
-            f"{payload / 2**20:.0f} MiB; free some space or choose another output"
+            f"{needed / 2**20:.0f} MiB while it is written; free some space or choose another output"
         )
     old_data = {
-        link for link in _data_links_of(output) if _resolved(link) not in set(protected)
+        link for link in _stale_data_links(output) if _resolved(link) not in set(protected)
     }
     data_name = _free_data_name(output) if external_data else None
-    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".tmp", dir=folder))
+    try:
+        tmp_dir = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".tmp", dir=folder))
+    except OSError as e:
+        raise RefusedOutputError(f"cannot write in {folder}: {e}") from e
+    published: list[Path] = []
     try:
         tmp_model = tmp_dir / output.name
         # Weights are streamed to a data file first (tensors under 1 KiB stay inline, as in
@@ -420,10 +436,18 @@ def save_model_atomically(
         # replaced, the previous output still reads its own, untouched data.
         for path in written:
             os.replace(path, folder / path.name)
+            published.append(folder / path.name)
         _fsync_dir(folder)
+    except OSError as e:
+        # A data file already moved in is read by no model yet: take it back out.
+        for path in published:
+            if path != output:
+                with contextlib.suppress(OSError):
+                    path.unlink()
+        raise RefusedOutputError(f"writing {output} failed: {e}; nothing was replaced") from e
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
-    for stale in old_data - _data_links_of(output):
+    for stale in old_data - _stale_data_links(output):
         with contextlib.suppress(OSError):
             stale.unlink()
     logger.info("wrote %s", output)

@@ -12,14 +12,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import onnx
 import onnx_ir as ir
 
 from onnxmerge import compat, contract, dedup, io, roles, splice, tied_head
 from onnxmerge.errors import (
     ExportFolderError,
     InvalidMergedModelError,
-    OnnxMergeError,
     RefusedOutputError,
 )
 from onnxmerge.roles import Role
@@ -131,7 +129,11 @@ def merge_seq2seq_with_report(
     step("deduplicating")
     report = dedup.store_once(spliced.model)
     tied_head.gemm_for_transposed_weights(spliced.model)
-    compat.check_same_checkpoint(parts, origins, report.shared, force=force)
+    config_text = _read_json(export_dir / "config.json")
+    compat.check_same_checkpoint(
+        parts, origins, report.shared, force=force,
+        config=json.loads(config_text) if config_text else None,
+    )
     _add_metadata(spliced, export_dir)
     step("saving and checking")
     inputs_read = frozenset(
@@ -272,4 +274,4 @@ def _add_metadata(spliced: splice.SplicedModel, export_dir: Path) -> None:
             meta[key] = text
 
 
-__all__ = ["merge_seq2seq", "merge_seq2seq_with_report", "MergeResult", "InputFile", "OnnxMergeError"]
+__all__ = ["merge_seq2seq", "merge_seq2seq_with_report", "MergeResult", "InputFile"]

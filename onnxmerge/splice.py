@@ -73,14 +73,16 @@ def parts_of_file(model: ir.Model, role: Role, source: Path) -> list[Part]:
                 k: v for k, v in outputs.items()
                 if not (contract.is_present_name(k) and ".encoder." in k)
             }
-        parts.append(Part(part_role, source, branch, inputs, outputs))
+        # Other tools may keep initializers inside the branches; they move out like the rest.
+        parts.append(Part(part_role, source, branch, inputs, outputs,
+                          list(branch.initializers.values())))
     if {p.role for p in parts} != {Role.DECODER, Role.DECODER_WITH_PAST}:
         raise ExportFolderError(
             f"{source}: expected one branch with past and one without, found "
             f"{[p.role.value for p in parts]}"
         )
     parts.sort(key=lambda p: p.role != Role.DECODER)
-    parts[0].initializers = initializers
+    parts[0].initializers = initializers + parts[0].initializers
     return parts
 
 

@@ -64,7 +64,8 @@ def gemm_for_transposed_weights(model: ir.Model) -> int:
         out_features, in_features = weight.shape
         graph = node.graph
         prefix = f"{node.name or node.outputs[0].name}/gemm"
-        flat_shape = _const(main, "onnxmerge.flatten_to_2d", np.array([-1, in_features], np.int64))
+        flat_shape = _const(main, f"onnxmerge.flatten_to_2d_{in_features}",
+                            np.array([-1, in_features], np.int64))
         rows = ir.Value(name=f"{prefix}/rows")
         reshape_in = ir.Node("", "Reshape", [hidden, flat_shape], outputs=[rows],
                              name=f"{prefix}/reshape_in")

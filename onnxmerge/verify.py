@@ -122,7 +122,10 @@ def verify(
     if not merged.is_file():
         raise InvalidMergedModelError(f"{merged} does not exist")
     rng = np.random.default_rng(seed)
-    model = _session(merged, optimized)
+    try:
+        model = _session(merged, optimized)
+    except Exception as e:  # onnxruntime raises its own types for unreadable files
+        raise InvalidMergedModelError(f"onnxruntime cannot load {merged}: {e}") from e
     meta = model.get_modelmeta().custom_metadata_map
     if contract.META_FORMAT_VERSION not in meta:
         raise InvalidMergedModelError(f"{merged} is not a model written by onnxmerge")

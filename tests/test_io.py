@@ -334,7 +334,8 @@ def test_failure_inside_save_keeps_the_previous_output(previous_output, monkeypa
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(ir, "save", save_half_then_fail)
-    with pytest.raises(OSError, match="No space"):
+    # An OSError while writing is the output's problem: reported as a refused output.
+    with pytest.raises(RefusedOutputError, match="No space"):
         merge_seq2seq(folder, output, overwrite=True)
     assert output.read_bytes() == previous
     assert _temp_leftovers(output.parent) == []
@@ -348,7 +349,7 @@ def test_failing_replace_keeps_the_previous_output(previous_output, monkeypatch)
         raise OSError(5, "Input/output error")
 
     monkeypatch.setattr(io.os, "replace", fail)
-    with pytest.raises(OSError):
+    with pytest.raises(RefusedOutputError, match="Input/output error"):
         merge_seq2seq(folder, output, overwrite=True)
     assert output.read_bytes() == previous
     assert sorted(p.name for p in output.parent.iterdir()) == ["model.onnx"]
@@ -369,9 +370,11 @@ def test_failure_between_data_and_model_keeps_the_previous_output(tmp_path, monk
         return real_replace(src, dst, **kwargs)
 
     monkeypatch.setattr(io.os, "replace", fail_on_the_model)
-    with pytest.raises(OSError):
+    with pytest.raises(RefusedOutputError):
         merge_seq2seq(folder, output, overwrite=True, external_data=True)
     monkeypatch.undo()
     assert _temp_leftovers(output.parent) == []
+    # The new data file that was moved in first is taken back out: only the old pair is left.
+    assert sorted(p.name for p in output.parent.iterdir()) == ["model.onnx", "model.onnx_data"]
     after = tm.run_merged(output, inputs, use_cache=False)
     assert tm.max_abs_diff(before, after) == 0.0

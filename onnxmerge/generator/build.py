@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import onnx
 import onnx_ir as ir
 import onnx_ir.passes.common
 
@@ -50,7 +49,7 @@ def build_generator(
     search: str = "greedy",
     num_beams: int = 4,
     generation_config: Mapping[str, Any] | None = None,
-    overwrite: bool = True,
+    overwrite: bool = False,
 ) -> Path:
     """Write one ONNX model that generates token ids from encoder inputs; return its path.
 

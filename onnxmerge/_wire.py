@@ -134,7 +134,9 @@ def load_skeleton(path: str | os.PathLike, min_bytes: int = 1024) -> onnx.ModelP
                     model += buf[field_start:value_end]
                     continue
                 graph = bytearray()
-                for g_field, g_type, g_start, g_value, g_end in _fields(buf, value_start, value_end):
+                for g_field, g_type, g_start, g_value, g_end in _fields(
+                    buf, value_start, value_end
+                ):
                     if g_field == _GRAPH_INITIALIZER and g_type == _LEN:
                         tensor = _externalised_tensor(buf, g_value, g_end, path.name, min_bytes)
                         graph += _length_delimited(_GRAPH_INITIALIZER, tensor)
@@ -193,8 +195,9 @@ def inline_external_data(model_path: Path, data_path: Path, output: Path) -> Non
             fields, _, offset, length = found
             raw_header = _key(_TENSOR_RAW_DATA, _LEN) + _encode_varint(length)
             tensor_length = len(fields) + len(raw_header) + length
-            graph.append(_key(_GRAPH_INITIALIZER, _LEN) + _encode_varint(tensor_length) + fields
-                         + raw_header)
+            graph.append(
+                _key(_GRAPH_INITIALIZER, _LEN) + _encode_varint(tensor_length) + fields + raw_header
+            )
             graph.append((offset, length))
         graph_length = sum(len(p) if isinstance(p, bytes) else p[1] for p in graph)
         top.append(_key(_MODEL_GRAPH, _LEN) + _encode_varint(graph_length))

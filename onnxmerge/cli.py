@@ -50,12 +50,14 @@ def table(rows: Sequence[Sequence[object]], header: Sequence[str]) -> str:
     body = [[str(c) for c in row] for row in rows]
     cells = [[str(c) for c in header], *body]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    right = [all(_numeric(r[i]) or not r[i] for r in body) and any(r[i] for r in body)
-             for i in range(len(header))]
+    right = [
+        all(_numeric(r[i]) or not r[i] for r in body) and any(r[i] for r in body)
+        for i in range(len(header))
+    ]
 
     def line(row: list[str]) -> str:
         return "  ".join(
-            c.rjust(w) if r else c.ljust(w) for c, w, r in zip(row, widths, right)
+            c.rjust(w) if r else c.ljust(w) for c, w, r in zip(row, widths, right, strict=True)
         ).rstrip()
 
     rule = "  ".join("-" * w for w in widths)
@@ -100,11 +102,11 @@ def _with_checkpoint(result, source: Path):
     """The result, with the checkpoint of the model folder it was exported from when known."""
     import dataclasses
 
-    from onnxmerge.merge import CHECKPOINT_NAMES
+    from onnxmerge.merge import find_checkpoint
 
     if result.checkpoint_bytes is not None or not source.is_dir():
         return result
-    found = next((source / n for n in CHECKPOINT_NAMES if (source / n).is_file()), None)
+    found = find_checkpoint(source)
     if found is None:
         return result
     return dataclasses.replace(result, checkpoint_bytes=found.stat().st_size)
@@ -137,7 +139,8 @@ def _merge_summary(result) -> str:
 def _result_json(result) -> dict:
     data = _jsonable(result)
     data.update(
-        input_bytes=result.input_bytes, bytes_saved=result.bytes_saved,
+        input_bytes=result.input_bytes,
+        bytes_saved=result.bytes_saved,
         checkpoint_ratio=result.checkpoint_ratio,
     )
     return data
@@ -149,8 +152,12 @@ def cmd_merge(args: argparse.Namespace) -> int:
     steps = _Steps(quiet=args.json)
     try:
         result = merge_seq2seq_with_report(
-            args.dir, args.output, overwrite=args.overwrite,
-            external_data=True if args.external_data else None, force=args.force, progress=steps,
+            args.dir,
+            args.output,
+            overwrite=args.overwrite,
+            external_data=True if args.external_data else None,
+            force=args.force,
+            progress=steps,
         )
     finally:
         steps.finish()
@@ -161,14 +168,23 @@ def cmd_merge(args: argparse.Namespace) -> int:
 
         steps(f"building the {args.generation} decoding loop")
         try:
-            generator = build_generator(result.path, search=args.generation,
-                                        num_beams=args.num_beams, overwrite=args.overwrite)
+            generator = build_generator(
+                result.path,
+                search=args.generation,
+                num_beams=args.num_beams,
+                overwrite=args.overwrite,
+            )
         finally:
             steps.finish()
-        data["generator"] = {"path": generator, "bytes": generator.stat().st_size,
-                             "search": args.generation}
-        summary += (f"\nwrote {generator} ({_human(generator.stat().st_size)}): "
-                    f"{args.generation} search inside the graph, token ids in, token ids out")
+        data["generator"] = {
+            "path": generator,
+            "bytes": generator.stat().st_size,
+            "search": args.generation,
+        }
+        summary += (
+            f"\nwrote {generator} ({_human(generator.stat().st_size)}): "
+            f"{args.generation} search inside the graph, token ids in, token ids out"
+        )
     _emit(args, data, lambda: summary)
     return EXIT_OK
 
@@ -179,14 +195,17 @@ def cmd_verify(args: argparse.Namespace) -> int:
     _need("onnxruntime", "runtime")
     against = Path(args.against) if args.against else Path(args.file).parent
     report = verify(args.file, against, seed=args.seed, tolerance=args.tolerance)
-    rows = [(d.step, d.name, "x".join(map(str, d.shape)), f"{d.max_abs_diff:.3g}")
-            for d in report.diffs]
+    rows = [
+        (d.step, d.name, "x".join(map(str, d.shape)), f"{d.max_abs_diff:.3g}") for d in report.diffs
+    ]
 
     def text() -> str:
         verdict = "OK" if report.ok else "MISMATCH"
-        return (table(rows, ("step", "output", "shape", "max |diff|")) +
-                f"\n\n{verdict}: max |diff| {report.max_abs_diff:.3g} "
-                f"(tolerance {report.tolerance:g}) against {against}")
+        return (
+            table(rows, ("step", "output", "shape", "max |diff|"))
+            + f"\n\n{verdict}: max |diff| {report.max_abs_diff:.3g} "
+            f"(tolerance {report.tolerance:g}) against {against}"
+        )
 
     _emit(args, dict(_jsonable(report), ok=report.ok, max_abs_diff=report.max_abs_diff), text)
     return EXIT_OK if report.ok else EXIT_MISMATCH
@@ -201,20 +220,26 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         io_rows = [("input", t.name, t.type, _shape(t.shape)) for t in found.inputs]
         io_rows += [("output", t.name, t.type, _shape(t.shape)) for t in found.outputs]
         if len(io_rows) > 16 and not args.all:
-            hidden = [r for r in io_rows if ".1." in r[1] or any(f".{i}." in r[1] for i in range(2, 99))]
+            hidden = [
+                r for r in io_rows if ".1." in r[1] or any(f".{i}." in r[1] for i in range(2, 99))
+            ]
             io_rows = [r for r in io_rows if r not in hidden]
             io_rows.append(("", f"... {len(hidden)} more cache tensors (--all shows them)", "", ""))
         total = sum(found.bytes_by_part.values()) or 1
         parts = [(k, _human(v), f"{v / total:.0%}") for k, v in found.bytes_by_part.items()]
-        meta = [(k, (v[:60] + "...") if len(v) > 63 else v) for k, v in sorted(found.metadata.items())]
+        meta = [
+            (k, (v[:60] + "...") if len(v) > 63 else v) for k, v in sorted(found.metadata.items())
+        ]
         kind = "merged seq2seq model" if is_merged(found) else "ONNX model (not merged)"
-        return "\n\n".join([
-            f"{found.path}: {kind}, {_human(found.file_bytes)} on disk, "
-            f"{found.initializers} initializers",
-            table(io_rows, ("", "name", "type", "shape")),
-            table(parts, ("part", "bytes", "share")),
-            table(meta, ("metadata", "value")) if meta else "no metadata",
-        ])
+        return "\n\n".join(
+            [
+                f"{found.path}: {kind}, {_human(found.file_bytes)} on disk, "
+                f"{found.initializers} initializers",
+                table(io_rows, ("", "name", "type", "shape")),
+                table(parts, ("part", "bytes", "share")),
+                table(meta, ("metadata", "value")) if meta else "no metadata",
+            ]
+        )
 
     _emit(args, _jsonable(found), text)
     return EXIT_OK
@@ -231,17 +256,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from onnxmerge.runtime import Seq2SeqModel
 
     model = Seq2SeqModel(args.file)
-    options = {k: v for k, v in (("max_new_tokens", args.max_new_tokens),
-                                  ("num_beams", args.num_beams)) if v is not None}
+    options = {
+        k: v
+        for k, v in (("max_new_tokens", args.max_new_tokens), ("num_beams", args.num_beams))
+        if v is not None
+    }
     if args.text:
         texts = model.translate(args.text, **options)
-        _emit(args, {"inputs": args.text, "outputs": texts},
-              lambda: "\n".join(f"{s}\n  -> {t}" for s, t in zip(args.text, texts)))
+        _emit(
+            args,
+            {"inputs": args.text, "outputs": texts},
+            lambda: "\n".join(f"{s}\n  -> {t}" for s, t in zip(args.text, texts, strict=True)),
+        )
         return EXIT_OK
     ids = np.array([args.ids], dtype=np.int64)
     sequences = model.generate(input_ids=ids, attention_mask=np.ones_like(ids), **options)
-    _emit(args, {"sequences": sequences.tolist()},
-          lambda: "\n".join(" ".join(map(str, row)) for row in sequences.tolist()))
+    _emit(
+        args,
+        {"sequences": sequences.tolist()},
+        lambda: "\n".join(" ".join(map(str, row)) for row in sequences.tolist()),
+    )
     return EXIT_OK
 
 
@@ -288,8 +322,11 @@ def _copy_tokenizer(source: Path, export_dir: Path) -> None:
     if not source.is_dir():
         return
     for path in source.iterdir():
-        if (path.name.startswith(("tokenizer", "special_tokens", "vocab", "source.", "target."))
-                and path.is_file() and not (export_dir / path.name).exists()):
+        if (
+            path.name.startswith(("tokenizer", "special_tokens", "vocab", "source.", "target."))
+            and path.is_file()
+            and not (export_dir / path.name).exists()
+        ):
             shutil.copy2(path, export_dir / path.name)
 
 
@@ -316,17 +353,23 @@ def cmd_demo(args: argparse.Namespace) -> int:
         translations = model.translate(list(DEMO_SENTENCES))
     finally:
         steps.finish()
-    payload = dict(merge=_result_json(result),
-                   translations=[{"source": s, "output": t}
-                                 for s, t in zip(DEMO_SENTENCES, translations)])
+    payload = dict(
+        merge=_result_json(result),
+        translations=[
+            {"source": s, "output": t}
+            for s, t in zip(DEMO_SENTENCES, translations, strict=True)
+        ],
+    )
 
     def text() -> str:
-        rows = [(s, t) for s, t in zip(DEMO_SENTENCES, translations)]
-        return "\n\n".join([
-            _merge_summary(result),
-            f"Generating with the single file {result.path.name}:",
-            table(rows, ("French", "English (generated)")),
-        ])
+        rows = list(zip(DEMO_SENTENCES, translations, strict=True))
+        return "\n\n".join(
+            [
+                _merge_summary(result),
+                f"Generating with the single file {result.path.name}:",
+                table(rows, ("French", "English (generated)")),
+            ]
+        )
 
     _emit(args, payload, text)
     return EXIT_OK
@@ -360,8 +403,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     # SUPPRESS: a -v given before the command is not reset by the command's own default.
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
-                        help="log details; show tracebacks")
+    common.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="log details; show tracebacks",
+    )
 
     def add(name: str, handler, help_: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_, description=help_, parents=[common])
@@ -373,12 +421,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dir", help="folder written by optimum-cli export onnx")
     p.add_argument("-o", "--output", help="output file (default: DIR/model.onnx)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
-    p.add_argument("--external-data", action="store_true",
-                   help="store weights in OUTPUT_data beside the model (automatic past 2 GB)")
-    p.add_argument("--force", action="store_true",
-                   help="merge even if the files look like they come from different checkpoints")
-    p.add_argument("--generation", choices=("greedy", "beam"),
-                   help="also write generator.onnx: the whole decoding loop inside one graph")
+    p.add_argument(
+        "--external-data",
+        action="store_true",
+        help="store weights in OUTPUT_data beside the model (automatic past 2 GB)",
+    )
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="merge even if the files look like they come from different checkpoints",
+    )
+    p.add_argument(
+        "--generation",
+        choices=("greedy", "beam"),
+        help="also write generator.onnx: the whole decoding loop inside one graph",
+    )
     p.add_argument("--num-beams", type=int, default=4, help="beams for --generation beam")
 
     p = add("verify", cmd_verify, "compare a merged model with the files it came from")
@@ -395,11 +452,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file", help="merged model")
     group = p.add_mutually_exclusive_group(required=True)
     group.add_argument("--ids", type=int, nargs="+", help="source token ids")
-    group.add_argument("--text", nargs="+", help="source texts (needs a tokenizer beside the model)")
+    group.add_argument(
+        "--text", nargs="+", help="source texts (needs a tokenizer beside the model)"
+    )
     p.add_argument("--max-new-tokens", type=int)
     p.add_argument("--num-beams", type=int)
 
-    p = add("export", cmd_export, "export a local model folder (or hub id) with optimum, then merge")
+    p = add(
+        "export", cmd_export, "export a local model folder (or hub id) with optimum, then merge"
+    )
     p.add_argument("model", help="transformers model folder or hub id")
     p.add_argument("-o", "--output", help="export folder (default: ./<model>-onnx)")
     p.add_argument("--task", default="text2text-generation-with-past")

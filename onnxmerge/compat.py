@@ -44,15 +44,19 @@ def check_same_checkpoint(
 
     def large(role: Role) -> list[ir.Value]:
         return [
-            v for r, v in origin.values()
-            if r == role and v.const_value is not None and v.const_value.nbytes >= dedup.MIN_SHARED_BYTES
+            v
+            for r, v in origin.values()
+            if r == role
+            and v.const_value is not None
+            and v.const_value.nbytes >= dedup.MIN_SHARED_BYTES
         ]
 
     merged_decoder = sources.get(Role.DECODER) == sources.get(Role.DECODER_WITH_PAST)
     if Role.DECODER_WITH_PAST in sources and not merged_decoder:
         total = sum(v.const_value.nbytes for v in large(Role.DECODER_WITH_PAST))
         matched = sum(
-            s.nbytes for s in shared
+            s.nbytes
+            for s in shared
             if role_of.get(s.removed) == Role.DECODER_WITH_PAST
             and role_of.get(s.kept) in (Role.DECODER, Role.ENCODER)
         )
@@ -66,7 +70,8 @@ def check_same_checkpoint(
     # Only real weights count: every file holds the same small shape and axis constants.
     crossing = any(
         (role_of.get(s.kept) == Role.ENCODER) != (role_of.get(s.removed) == Role.ENCODER)
-        for s in shared if s.nbytes >= dedup.MIN_SHARED_BYTES
+        for s in shared
+        if s.nbytes >= dedup.MIN_SHARED_BYTES
     )
     separate = (config or {}).get("share_encoder_decoder_embeddings") is False
     if not crossing and not separate:

@@ -104,15 +104,15 @@ def read_contract(
         raise InvalidMergedModelError(
             f"the model lacks the {DECODER_INPUT_IDS!r} input or the {LOGITS!r} output"
         )
-    layers = {
-        parsed[1] for name in input_names if (parsed := parse_cache_name(name)) is not None
-    }
+    layers = {parsed[1] for name in input_names if (parsed := parse_cache_name(name)) is not None}
     try:
         encoder_inputs = tuple(json.loads(metadata.get(META_ENCODER_INPUTS, "[]")))
         config = json.loads(metadata.get(META_CONFIG, "{}"))
         generation_config = json.loads(metadata.get(META_GENERATION_CONFIG, "{}"))
     except ValueError as e:
-        raise InvalidMergedModelError(f"the model's onnxmerge metadata is not valid JSON: {e}") from e
+        raise InvalidMergedModelError(
+            f"the model's onnxmerge metadata is not valid JSON: {e}"
+        ) from e
     return ContractInfo(
         format_version=version,
         layout=metadata.get(META_LAYOUT, LAYOUT_WITH_PAST if layers else LAYOUT_WITHOUT_PAST),

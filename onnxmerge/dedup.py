@@ -22,8 +22,15 @@ MIN_SHARED_BYTES = 1024
 _CHUNK_BYTES = 64 * 2**20
 # Ops that must not be moved or merged even when all their inputs are constant.
 _IMPURE_OPS = frozenset(
-    {"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial",
-     "Bernoulli", "Dropout"}
+    {
+        "RandomNormal",
+        "RandomNormalLike",
+        "RandomUniform",
+        "RandomUniformLike",
+        "Multinomial",
+        "Bernoulli",
+        "Dropout",
+    }
 )
 
 
@@ -193,8 +200,7 @@ def _equal_transposed(a: ir.TensorProtocol, b: ir.TensorProtocol) -> bool:
     rows, cols = left.shape
     unsigned = np.dtype(f"u{left.dtype.itemsize}")
     for start, end in _row_blocks(rows, cols * left.itemsize):
-        same = np.array_equal(left[start:end].view(unsigned),
-                              right[:, start:end].view(unsigned).T)
+        same = np.array_equal(left[start:end].view(unsigned), right[:, start:end].view(unsigned).T)
         mapped_a.drop()
         mapped_b.drop()
         if not same:
@@ -235,7 +241,9 @@ def lift_large_constants(model: ir.Model, min_bytes: int = MIN_SHARED_BYTES) -> 
         if output in graph.outputs:
             continue
         initializer = ir.Value(
-            name=output.name, type=ir.TensorType(tensor.dtype), shape=ir.Shape(tensor.shape),
+            name=output.name,
+            type=ir.TensorType(tensor.dtype),
+            shape=ir.Shape(tensor.shape),
             const_value=tensor,
         )
         ir.convenience.replace_all_uses_with(output, initializer)
@@ -260,7 +268,8 @@ def deduplicate_initializers(graph: ir.Graph) -> list[SharedTensor]:
         return digests[value.name]
 
     candidates = [
-        v for v in graph.initializers.values()
+        v
+        for v in graph.initializers.values()
         if v.const_value is not None and v.const_value.dtype != ir.DataType.STRING
     ]
     kept: dict[tuple, ir.Value] = {}
@@ -284,8 +293,11 @@ def deduplicate_initializers(graph: ir.Graph) -> list[SharedTensor]:
     # Transposed copies: only 2-D tensors whose transposed shape also occurs are hashed again.
     def transposable(value: ir.Value) -> bool:
         tensor = value.const_value
-        return (len(tensor.shape) == 2 and tensor.nbytes >= MIN_SHARED_BYTES
-                and tensor.dtype.bitwidth in (8, 16, 32, 64))
+        return (
+            len(tensor.shape) == 2
+            and tensor.nbytes >= MIN_SHARED_BYTES
+            and tensor.dtype.bitwidth in (8, 16, 32, 64)
+        )
 
     shapes = {
         (v.const_value.dtype, tuple(v.const_value.shape)) for v in survivors if transposable(v)
@@ -316,8 +328,11 @@ def deduplicate_initializers(graph: ir.Graph) -> list[SharedTensor]:
     shared = _resolve_chains(shared)
     for item in shared:
         logger.debug(
-            "%s is %s%s (%d bytes)", item.removed, item.kept,
-            "^T" if item.transposed else "", item.nbytes,
+            "%s is %s%s (%d bytes)",
+            item.removed,
+            item.kept,
+            "^T" if item.transposed else "",
+            item.nbytes,
         )
     return shared
 
@@ -341,7 +356,11 @@ def _transpose_node(graph: ir.Graph, source: ir.Value) -> ir.Value:
     shape = list(source.shape)[::-1] if source.shape is not None else None
     output = _new_value(f"{source.name}.transposed", source, shape)
     node = ir.Node(
-        "", "Transpose", [source], attributes=[ir.AttrInt64s("perm", [1, 0])], outputs=[output],
+        "",
+        "Transpose",
+        [source],
+        attributes=[ir.AttrInt64s("perm", [1, 0])],
+        outputs=[output],
         name=f"{source.name}.transpose",
     )
     if len(graph) > 0:
@@ -354,16 +373,18 @@ def _transpose_node(graph: ir.Graph, source: ir.Value) -> ir.Value:
 def _constant_inputs_only(node: ir.Node, main: ir.Graph, constant: set[ir.Value]) -> bool:
     if node.op_type in _IMPURE_OPS or not node.inputs:
         return False
-    if any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for a in node.attributes.values()):
+    if any(
+        a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS)
+        for a in node.attributes.values()
+    ):
         return False
     return all(
-        v is None or v in constant or (v.is_initializer() and v.graph is main)
-        for v in node.inputs
+        v is None or v in constant or (v.is_initializer() and v.graph is main) for v in node.inputs
     )
 
 
 def hoist_constant_nodes(graph: ir.Graph) -> int:
-    """Move nodes of ``If``/``Loop`` branches that read only main-graph initializers to the main graph.
+    """Move branch nodes that read only main-graph initializers to the main graph.
 
     onnxruntime folds such nodes once per branch: a ``Transpose`` of the shared embedding in both
     decoders would be materialised twice. In the main graph it is folded once.
@@ -408,8 +429,14 @@ def merge_equal_constant_nodes(graph: ir.Graph) -> int:
     for node in list(graph):
         if not _constant_inputs_only(node, graph, constant):
             continue
-        key = (node.domain, node.op_type, node.overload, tuple(id(v) for v in node.inputs),
-               len(node.outputs), _attribute_key(node))
+        key = (
+            node.domain,
+            node.op_type,
+            node.overload,
+            tuple(id(v) for v in node.inputs),
+            len(node.outputs),
+            _attribute_key(node),
+        )
         first = seen.get(key)
         if first is None or any(o in graph.outputs for o in node.outputs):
             seen.setdefault(key, node)
@@ -434,8 +461,9 @@ def drop_initializer_aliases(graph: ir.Graph) -> int:
         source, alias = node.inputs[0], node.outputs[0]
         if source is None or not source.is_initializer() or alias.is_graph_output():
             continue
-        if any(use.node.graph is not graph and alias in use.node.graph.outputs
-               for use in alias.uses()):
+        if any(
+            use.node.graph is not graph and alias in use.node.graph.outputs for use in alias.uses()
+        ):
             continue
         ir.convenience.replace_all_uses_with(alias, source)
         graph.remove(node, safe=True)
@@ -445,8 +473,7 @@ def drop_initializer_aliases(graph: ir.Graph) -> int:
 
 def remove_unused_initializers(graph: ir.Graph) -> int:
     unused = [
-        name for name, v in graph.initializers.items()
-        if not v.uses() and v not in graph.outputs
+        name for name, v in graph.initializers.items() if not v.uses() and v not in graph.outputs
     ]
     for name in unused:
         graph.initializers.pop(name)
@@ -471,8 +498,10 @@ def find_duplicates(graph: ir.Graph, min_bytes: int = MIN_SHARED_BYTES) -> list[
     Reads only; a merged model should have none.
     """
     large = [
-        v for v in graph.initializers.values()
-        if v.const_value is not None and v.const_value.nbytes >= min_bytes
+        v
+        for v in graph.initializers.values()
+        if v.const_value is not None
+        and v.const_value.nbytes >= min_bytes
         and v.const_value.dtype != ir.DataType.STRING
     ]
     seen: dict[tuple, ir.Value] = {}
@@ -481,11 +510,17 @@ def find_duplicates(graph: ir.Graph, min_bytes: int = MIN_SHARED_BYTES) -> list[
         array = _array(value.const_value)
         keys = [((value.const_value.dtype, array.shape, _digest(array)), False)]
         if array.ndim == 2:
-            keys.append(((value.const_value.dtype, array.shape[::-1],
-                          _digest(array, transposed=True)), True))
+            keys.append(
+                (
+                    (value.const_value.dtype, array.shape[::-1], _digest(array, transposed=True)),
+                    True,
+                )
+            )
         for key, transposed in keys:
             other = seen.get(key)
             if other is not None and other is not value:
-                found.append(SharedTensor(other.name, value.name, value.const_value.nbytes, transposed))
+                found.append(
+                    SharedTensor(other.name, value.name, value.const_value.nbytes, transposed)
+                )
         seen.setdefault(keys[0][0], value)
     return found

@@ -54,7 +54,9 @@ def _part_of(value: ir.Value, logits_producers: set[ir.Node], encoder_nodes: set
 def _encoder_nodes(model: ir.Model) -> set[ir.Node]:
     """The nodes the encoder's output depends on: the encoder, wherever the splice put it."""
     outputs = [
-        out for node in ir.traversal.RecursiveGraphIterator(model.graph) for out in node.outputs
+        out
+        for node in ir.traversal.RecursiveGraphIterator(model.graph)
+        for out in node.outputs
         if out.name == contract.OPTIMUM_ENCODER_OUTPUT
     ]
     found: set[ir.Node] = set()
@@ -80,7 +82,9 @@ def _logits_producers(model: ir.Model) -> set[ir.Node]:
                 producers.add(node)
                 if node.op_type in ("MatMul", "Gemm"):
                     break
-                node = next((i.producer() for i in node.inputs if i is not None and i.producer()), None)
+                node = next(
+                    (i.producer() for i in node.inputs if i is not None and i.producer()), None
+                )
     return producers
 
 

@@ -103,7 +103,9 @@ def _resolve_location(model_path: Path, location: str, tensor_name: str) -> Path
         resolved = candidate.resolve(strict=False)
         is_link = candidate.is_symlink()
     except (OSError, RuntimeError, ValueError) as e:  # loops, NUL bytes, names too long
-        raise UnsafeExternalDataError(f"{where}: external data {location!r} cannot be resolved: {e}") from e
+        raise UnsafeExternalDataError(
+            f"{where}: external data {location!r} cannot be resolved: {e}"
+        ) from e
     blobs = hf_cache_blobs(folder)
     if not resolved.is_relative_to(folder) and not (
         blobs is not None and is_link and resolved.is_relative_to(blobs)
@@ -139,7 +141,10 @@ def hf_cache_blobs(folder: Path) -> Path | None:
         if parts[index] != "snapshots":
             continue
         repo = Path(*parts[:index])
-        if repo.name.startswith(("models--", "datasets--", "spaces--")) and (repo / "blobs").is_dir():
+        if (
+            repo.name.startswith(("models--", "datasets--", "spaces--"))
+            and (repo / "blobs").is_dir()
+        ):
             return (repo / "blobs").resolve()
         return None
     return None
@@ -237,9 +242,15 @@ def _pinned(tensor: ir.TensorProtocol, locations: dict[str, Path]) -> ir.TensorP
     if tensor.size == 0:
         return ir.Tensor(np.zeros(tensor.shape.numpy(), tensor.dtype.numpy()), name=tensor.name)
     return ir.ExternalTensor(
-        os.fspath(locations[tensor.location]), tensor.offset, tensor.length, tensor.dtype,
-        shape=tensor.shape, name=tensor.name, doc_string=tensor.doc_string,
-        metadata_props=dict(tensor.metadata_props), base_dir="",
+        os.fspath(locations[tensor.location]),
+        tensor.offset,
+        tensor.length,
+        tensor.dtype,
+        shape=tensor.shape,
+        name=tensor.name,
+        doc_string=tensor.doc_string,
+        metadata_props=dict(tensor.metadata_props),
+        base_dir="",
     )
 
 
@@ -397,11 +408,10 @@ def save_model_atomically(
     if free < needed:
         raise RefusedOutputError(
             f"{folder} has {free / 2**20:.0f} MiB free; the merged model needs about "
-            f"{needed / 2**20:.0f} MiB while it is written; free some space or choose another output"
+            f"{needed / 2**20:.0f} MiB while it is written; free some space or choose another "
+            "output"
         )
-    old_data = {
-        link for link in _stale_data_links(output) if _resolved(link) not in set(protected)
-    }
+    old_data = {link for link in _stale_data_links(output) if _resolved(link) not in set(protected)}
     data_name = _free_data_name(output) if external_data else None
     try:
         tmp_dir = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".tmp", dir=folder))

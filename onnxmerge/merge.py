@@ -109,7 +109,9 @@ def merge_seq2seq_with_report(
     """
     export_dir = Path(export_dir)
     if not export_dir.is_dir():
-        raise ExportFolderError(f"{export_dir} is not a folder; pass the folder optimum exported to")
+        raise ExportFolderError(
+            f"{export_dir} is not a folder; pass the folder optimum exported to"
+        )
     output = Path(output) if output is not None else export_dir / DEFAULT_OUTPUT_NAME
     step = progress or (lambda _: None)
     step("loading")
@@ -131,16 +133,20 @@ def merge_seq2seq_with_report(
     tied_head.gemm_for_transposed_weights(spliced.model)
     config_text = _read_json(export_dir / "config.json")
     compat.check_same_checkpoint(
-        parts, origins, report.shared, force=force,
+        parts,
+        origins,
+        report.shared,
+        force=force,
         config=json.loads(config_text) if config_text else None,
     )
     _add_metadata(spliced, export_dir)
     step("saving and checking")
-    inputs_read = frozenset(
-        f.resolve() for p in chosen.values() for f in (p, *data_files[p])
-    )
+    inputs_read = frozenset(f.resolve() for p in chosen.values() for f in (p, *data_files[p]))
     io.save_model_atomically(
-        spliced.model, output, external_data=external_data, validate=contract.check_written_model,
+        spliced.model,
+        output,
+        external_data=external_data,
+        validate=contract.check_written_model,
         protected=inputs_read,
     )
     output_bytes = io.file_bytes(output, io.data_files_of(output))
@@ -148,7 +154,7 @@ def merge_seq2seq_with_report(
         InputFile(path, role.value, io.file_bytes(path, data_files[path]))
         for role, path in chosen.items()
     )
-    checkpoint = next((export_dir / n for n in CHECKPOINT_NAMES if (export_dir / n).exists()), None)
+    checkpoint = find_checkpoint(export_dir)
     result = MergeResult(
         path=output,
         layout=spliced.layout,
@@ -162,10 +168,19 @@ def merge_seq2seq_with_report(
     )
     logger.info(
         "merged %d files (%d bytes) into %s (%d bytes); %d tensors shared, %d transposed",
-        len(inputs), result.input_bytes, output, output_bytes, len(result.shared),
+        len(inputs),
+        result.input_bytes,
+        output,
+        output_bytes,
+        len(result.shared),
         len(result.transposed),
     )
     return result
+
+
+def find_checkpoint(folder: Path) -> Path | None:
+    """The PyTorch checkpoint file in ``folder``, if there is one."""
+    return next((folder / n for n in CHECKPOINT_NAMES if (folder / n).is_file()), None)
 
 
 def load_export(
@@ -206,14 +221,17 @@ def load_export(
     if Role.DECODER not in chosen and Role.MERGED_DECODER not in chosen:
         missing.append(roles.CONVENTIONAL_NAMES[Role.DECODER])
     if missing:
-        found = ", ".join(f"{p.name} ({j.role.value if j.role else j.reason})"
-                          for p, j in judged.items())
+        found = ", ".join(
+            f"{p.name} ({j.role.value if j.role else j.reason})" for p, j in judged.items()
+        )
         raise ExportFolderError(
             f"{export_dir} lacks {' and '.join(missing)} (found: {found}); export with "
             "--task text2text-generation-with-past"
         )
-    if Role.DECODER in chosen and Role.MERGED_DECODER in chosen and (
-        Role.DECODER_WITH_PAST in chosen
+    if (
+        Role.DECODER in chosen
+        and Role.MERGED_DECODER in chosen
+        and (Role.DECODER_WITH_PAST in chosen)
     ):
         # The separate decoders hold the same graphs; the merged one adds nothing.
         del chosen[Role.MERGED_DECODER]
@@ -245,7 +263,9 @@ def _check_output(
                     f"the output {target} is the input {path}; choose another output path"
                 )
     if output.exists() and not overwrite:
-        raise RefusedOutputError(f"{output} exists; pass overwrite=True (--overwrite) to replace it")
+        raise RefusedOutputError(
+            f"{output} exists; pass overwrite=True (--overwrite) to replace it"
+        )
     if output.exists() and output.is_dir():
         raise RefusedOutputError(f"{output} is a folder; give a file path ending in .onnx")
 

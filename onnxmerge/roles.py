@@ -51,7 +51,9 @@ def judge(model: ir.Model) -> Judgement:
     if contract.LOGITS in outputs:
         if contract.USE_CACHE_BRANCH in inputs:
             if contract.DECODER_INPUT_IDS in inputs:
-                return Judgement(Role.MERGED_MODEL, "it takes decoder_input_ids and use_cache_branch")
+                return Judgement(
+                    Role.MERGED_MODEL, "it takes decoder_input_ids and use_cache_branch"
+                )
             return Judgement(Role.MERGED_DECODER, "it takes use_cache_branch and returns logits")
         if contract.DECODER_INPUT_IDS in inputs:
             return Judgement(Role.MERGED_MODEL, "it takes decoder_input_ids and returns logits")

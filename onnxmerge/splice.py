@@ -43,8 +43,11 @@ def parts_of_file(model: ir.Model, role: Role, source: Path) -> list[Part]:
     if role != Role.MERGED_DECODER:
         return [
             Part(
-                role, source, graph,
-                {v.name: v for v in graph.inputs}, {v.name: v for v in graph.outputs},
+                role,
+                source,
+                graph,
+                {v.name: v for v in graph.inputs},
+                {v.name: v for v in graph.outputs},
                 initializers,
             )
         ]
@@ -70,12 +73,14 @@ def parts_of_file(model: ir.Model, role: Role, source: Path) -> list[Part]:
         if reads_past:
             # Cached steps return empty encoder presents; the splice makes its own.
             outputs = {
-                k: v for k, v in outputs.items()
+                k: v
+                for k, v in outputs.items()
                 if not (contract.is_present_name(k) and ".encoder." in k)
             }
         # Other tools may keep initializers inside the branches; they move out like the rest.
-        parts.append(Part(part_role, source, branch, inputs, outputs,
-                          list(branch.initializers.values())))
+        parts.append(
+            Part(part_role, source, branch, inputs, outputs, list(branch.initializers.values()))
+        )
     if {p.role for p in parts} != {Role.DECODER, Role.DECODER_WITH_PAST}:
         raise ExportFolderError(
             f"{source}: expected one branch with past and one without, found "
@@ -152,9 +157,15 @@ def _branch(name: str, nodes: list[ir.Node], outputs: list[ir.Value]) -> ir.Grap
     final: list[ir.Value] = []
     for value in outputs:
         if not _produced_in(value, node_set) or value in final:
-            identity = ir.Node("", "Identity", [value], name=f"{name}/{value.name}/identity",
-                               outputs=[ir.Value(name=f"{name}/{value.name}.out", type=value.type,
-                                                 shape=value.shape)])
+            identity = ir.Node(
+                "",
+                "Identity",
+                [value],
+                name=f"{name}/{value.name}/identity",
+                outputs=[
+                    ir.Value(name=f"{name}/{value.name}.out", type=value.type, shape=value.shape)
+                ],
+            )
             nodes.append(identity)
             node_set.add(identity)
             value = identity.outputs[0]
@@ -170,8 +181,14 @@ def _empty_like(name: str, value: ir.Value) -> ir.Node:
         dims[0] = 0
     dtype = value.dtype if value.dtype is not None else ir.DataType.FLOAT
     empty = ir.tensor(np.zeros(dims, dtype=dtype.numpy()), name=name)
-    return ir.Node("", "Constant", [], attributes=[ir.AttrTensor("value", empty)], name=name,
-                   outputs=[ir.Value(name=name, type=value.type, shape=ir.Shape(dims))])
+    return ir.Node(
+        "",
+        "Constant",
+        [],
+        attributes=[ir.AttrTensor("value", empty)],
+        name=name,
+        outputs=[ir.Value(name=name, type=value.type, shape=ir.Shape(dims))],
+    )
 
 
 def _input_like(name: str, value: ir.Value) -> ir.Value:
@@ -228,13 +245,15 @@ def splice(parts: list[Part], models: dict[Path, ir.Model]) -> SplicedModel:
 
     # Main-graph inputs, in the contract's order.
     main_inputs: dict[str, ir.Value] = {
-        name: _placeholder_friendly_input(name, v) if with_past is not None
-        and name != contract.ATTENTION_MASK else _input_like(name, v)
+        name: _placeholder_friendly_input(name, v)
+        if with_past is not None and name != contract.ATTENTION_MASK
+        else _input_like(name, v)
         for name, v in encoder.inputs.items()
     }
     encoder_inputs = list(main_inputs)
     mask_name = (
-        contract.ATTENTION_MASK if contract.ATTENTION_MASK in main_inputs
+        contract.ATTENTION_MASK
+        if contract.ATTENTION_MASK in main_inputs
         else contract.OPTIMUM_ENCODER_ATTENTION_MASK
     )
     renames = {
@@ -276,7 +295,9 @@ def splice(parts: list[Part], models: dict[Path, ir.Model]) -> SplicedModel:
         raise IncompatibleModelsError("the encoder and decoders do not fit together:", problems)
     if with_past is not None:
         main_inputs[contract.USE_CACHE_BRANCH] = ir.Value(
-            name=contract.USE_CACHE_BRANCH, type=ir.TensorType(ir.DataType.BOOL), shape=ir.Shape([1])
+            name=contract.USE_CACHE_BRANCH,
+            type=ir.TensorType(ir.DataType.BOOL),
+            shape=ir.Shape([1]),
         )
     output_names = [
         n for n in decoder.outputs if with_past is not None or not contract.is_present_name(n)
@@ -284,7 +305,8 @@ def splice(parts: list[Part], models: dict[Path, ir.Model]) -> SplicedModel:
     if with_past is None and len(output_names) != len(decoder.outputs):
         logger.warning(
             "%s returns present key/values but no decoder with past was found: the merged "
-            "model will have no cache", decoder.source.name,
+            "model will have no cache",
+            decoder.source.name,
         )
 
     # Names: contract names are reserved; every part keeps its own where it is free.
@@ -347,10 +369,16 @@ def splice(parts: list[Part], models: dict[Path, ir.Model]) -> SplicedModel:
         then_branch = _branch("with_past", cached_nodes, cached_outputs)
         else_branch = _branch("no_past", first_step_nodes, first_step_outputs)
         if_node = ir.Node(
-            "", "If", [main_inputs[contract.USE_CACHE_BRANCH]],
-            attributes=[ir.AttrGraph("then_branch", then_branch),
-                        ir.AttrGraph("else_branch", else_branch)],
-            outputs=[_input_like(n, v) for n, v in zip(output_names, first_step_outputs, strict=True)],
+            "",
+            "If",
+            [main_inputs[contract.USE_CACHE_BRANCH]],
+            attributes=[
+                ir.AttrGraph("then_branch", then_branch),
+                ir.AttrGraph("else_branch", else_branch),
+            ],
+            outputs=[
+                _input_like(n, v) for n, v in zip(output_names, first_step_outputs, strict=True)
+            ],
             name="use_cache_branch",
         )
         main.append(if_node)
@@ -366,7 +394,10 @@ def splice(parts: list[Part], models: dict[Path, ir.Model]) -> SplicedModel:
                 )
             functions[key] = function
     model = ir.Model(
-        main, ir_version=ir_version, producer_name="onnxmerge", producer_version=__version__,
+        main,
+        ir_version=ir_version,
+        producer_name="onnxmerge",
+        producer_version=__version__,
         functions=list(functions.values()),
     )
     return SplicedModel(model, encoder_inputs, layout)

@@ -35,8 +35,12 @@ def _transposed_initializer(value: ir.Value | None, main: ir.Graph) -> ir.Value 
 
 
 def _const(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
-    value = ir.Value(name=name, type=ir.TensorType(ir.DataType.INT64),
-                     shape=ir.Shape(array.shape), const_value=ir.tensor(array, name=name))
+    value = ir.Value(
+        name=name,
+        type=ir.TensorType(ir.DataType.INT64),
+        shape=ir.Shape(array.shape),
+        const_value=ir.tensor(array, name=name),
+    )
     if name not in graph.initializers:
         graph.register_initializer(value)
     return graph.initializers[name]
@@ -64,33 +68,54 @@ def gemm_for_transposed_weights(model: ir.Model) -> int:
         out_features, in_features = weight.shape
         graph = node.graph
         prefix = f"{node.name or node.outputs[0].name}/gemm"
-        flat_shape = _const(main, f"onnxmerge.flatten_to_2d_{in_features}",
-                            np.array([-1, in_features], np.int64))
+        flat_shape = _const(
+            main, f"onnxmerge.flatten_to_2d_{in_features}", np.array([-1, in_features], np.int64)
+        )
         rows = ir.Value(name=f"{prefix}/rows")
-        reshape_in = ir.Node("", "Reshape", [hidden, flat_shape], outputs=[rows],
-                             name=f"{prefix}/reshape_in")
+        reshape_in = ir.Node(
+            "", "Reshape", [hidden, flat_shape], outputs=[rows], name=f"{prefix}/reshape_in"
+        )
         product = ir.Value(name=f"{prefix}/product")
-        gemm = ir.Node("", "Gemm", [rows, weight], attributes=[ir.AttrInt64("transB", 1)],
-                       outputs=[product], name=f"{prefix}/gemm")
+        gemm = ir.Node(
+            "",
+            "Gemm",
+            [rows, weight],
+            attributes=[ir.AttrInt64("transB", 1)],
+            outputs=[product],
+            name=f"{prefix}/gemm",
+        )
         full_shape = ir.Value(name=f"{prefix}/full_shape")
         shape = ir.Node("", "Shape", [hidden], outputs=[full_shape], name=f"{prefix}/shape")
         # Slice rather than Shape(end=-1), which needs opset 15.
         hidden_shape = ir.Value(name=f"{prefix}/hidden_shape")
         leading = ir.Node(
-            "", "Slice",
-            [full_shape, _const(main, "onnxmerge.zero", np.array([0], np.int64)),
-             _const(main, "onnxmerge.minus_one", np.array([-1], np.int64))],
-            outputs=[hidden_shape], name=f"{prefix}/leading_dims",
+            "",
+            "Slice",
+            [
+                full_shape,
+                _const(main, "onnxmerge.zero", np.array([0], np.int64)),
+                _const(main, "onnxmerge.minus_one", np.array([-1], np.int64)),
+            ],
+            outputs=[hidden_shape],
+            name=f"{prefix}/leading_dims",
         )
-        columns = _const(main, f"onnxmerge.columns_{out_features}",
-                         np.array([out_features], np.int64))
+        columns = _const(
+            main, f"onnxmerge.columns_{out_features}", np.array([out_features], np.int64)
+        )
         out_shape = ir.Value(name=f"{prefix}/out_shape")
-        concat = ir.Node("", "Concat", [hidden_shape, columns], attributes=[ir.AttrInt64("axis", 0)],
-                         outputs=[out_shape], name=f"{prefix}/concat")
+        concat = ir.Node(
+            "",
+            "Concat",
+            [hidden_shape, columns],
+            attributes=[ir.AttrInt64("axis", 0)],
+            outputs=[out_shape],
+            name=f"{prefix}/concat",
+        )
         output = node.outputs[0]
         result = ir.Value(name=f"{prefix}/out", type=output.type, shape=output.shape)
-        reshape_out = ir.Node("", "Reshape", [product, out_shape], outputs=[result],
-                              name=f"{prefix}/reshape_out")
+        reshape_out = ir.Node(
+            "", "Reshape", [product, out_shape], outputs=[result], name=f"{prefix}/reshape_out"
+        )
         graph.insert_before(node, [reshape_in, gemm, shape, leading, concat, reshape_out])
         is_output = output in graph.outputs
         if is_output:

@@ -52,8 +52,12 @@ def _session(path: Path, optimized: bool):
 
 
 _NUMPY_TYPES = {
-    "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(float)": np.float32,
-    "tensor(float16)": np.float16, "tensor(double)": np.float64, "tensor(bool)": np.bool_,
+    "tensor(int64)": np.int64,
+    "tensor(int32)": np.int32,
+    "tensor(float)": np.float32,
+    "tensor(float16)": np.float16,
+    "tensor(double)": np.float64,
+    "tensor(bool)": np.bool_,
 }
 
 
@@ -157,20 +161,25 @@ def verify(
     if has_past:
         past = {
             contract.past_name(*contract.parse_cache_name(n)[1:]): v
-            for n, v in first_ref.items() if contract.is_present_name(n)
+            for n, v in first_ref.items()
+            if contract.is_present_name(n)
         }
         next_ids = rng.integers(2, max(3, vocab - 2), (batch, 1)).astype(np.int64)
         cached_ref = _run_decoder(chosen, optimized, next_ids, mask, None, past=past)
         cached_feed = {
             name: np.zeros((batch,) + (0,) * (value.ndim - 1), value.dtype)
-            if name != contract.ATTENTION_MASK else value
+            if name != contract.ATTENTION_MASK
+            else value
             for name, value in feeds.items()
         }
         cached_feed.update(past, decoder_input_ids=next_ids)
         cached_feed[contract.USE_CACHE_BRANCH] = np.array([True])
         cached = dict(zip(output_names, model.run(None, cached_feed), strict=True))
-        diffs += [_diff("cached", n, cached[n], ref) for n, ref in cached_ref.items()
-                  if n in cached and not (contract.is_present_name(n) and ".encoder." in n)]
+        diffs += [
+            _diff("cached", n, cached[n], ref)
+            for n, ref in cached_ref.items()
+            if n in cached and not (contract.is_present_name(n) and ".encoder." in n)
+        ]
     report = VerifyReport(tuple(diffs), tolerance)
     logger.info("verified %s: %d outputs, max |diff| %.3g", merged, len(diffs), report.max_abs_diff)
     return report

@@ -131,8 +131,10 @@ def _build_from_merged(
         {"version": GENERATOR_VERSION, "search": search_kind, "num_beams": beams}, sort_keys=True
     )
     io.save_model_atomically(
-        model, output, validate=lambda p: contract.check_written_model(p, "generator model"),
-        protected=frozenset({merged.resolve(), *data_files})
+        model,
+        output,
+        validate=lambda p: contract.check_written_model(p, "generator model"),
+        protected=frozenset({merged.resolve(), *data_files}),
     )
     logger.info("wrote the %s generator %s from %s", search_kind, output, merged)
     return output
@@ -154,7 +156,10 @@ def _assemble(
 ) -> None:
     graph = model.graph
     if_nodes = [
-        n for n in graph if n.op_type == "If" and n.inputs[0] is not None
+        n
+        for n in graph
+        if n.op_type == "If"
+        and n.inputs[0] is not None
         and n.inputs[0].name == contract.USE_CACHE_BRANCH
     ]
     if len(if_nodes) != 1:
@@ -192,7 +197,8 @@ def _assemble(
     )
     batch = main.dim(encoder_inputs[0], 0)
     start = main.op(
-        "ConstantOfShape", main.vector(batch, main.i64(1)),
+        "ConstantOfShape",
+        main.vector(batch, main.i64(1)),
         value=ir.tensor(_array([s.decoder_start_token_id])),
     )
     _redirect(inputs[contract.DECODER_INPUT_IDS], first_all, start)
@@ -211,10 +217,10 @@ def _assemble(
         # Every beam of an input shares its encoder output: repeat rows once, before the loop.
         expand_rows = main.op(
             "Div",
-            main.op("Range", main.i64(0), main.op("Mul", batch, main.i64(num_beams)),
-                    main.i64(1)),
+            main.op("Range", main.i64(0), main.op("Mul", batch, main.i64(num_beams)), main.i64(1)),
             main.i64(num_beams),
         )
+
         def repeat(value: ir.Value) -> ir.Value:
             return main.op("Gather", value, expand_rows, axis=0)
 
@@ -250,14 +256,37 @@ def _assemble(
 
     if num_beams == 1:
         outputs = _greedy_loop(
-            main, body, s, vocab, batch, first_logits, body_logits, max_length, trips,
-            encoder_ids, decoder_presents, body_presents, names,
+            main,
+            body,
+            s,
+            vocab,
+            batch,
+            first_logits,
+            body_logits,
+            max_length,
+            trips,
+            encoder_ids,
+            decoder_presents,
+            body_presents,
+            names,
             (iteration, condition, tokens_in, past_in),
         )
     else:
         outputs = _beam_loop(
-            main, body, s, vocab, num_beams, batch, first_logits, body_logits, max_length,
-            trips, encoder_ids, decoder_presents, body_presents, names,
+            main,
+            body,
+            s,
+            vocab,
+            num_beams,
+            batch,
+            first_logits,
+            body_logits,
+            max_length,
+            trips,
+            encoder_ids,
+            decoder_presents,
+            body_presents,
+            names,
             (iteration, condition, tokens_in, past_in),
         )
     loop_body_nodes = cached_nodes + body.nodes
@@ -283,19 +312,28 @@ def _array(values: list[int]) -> np.ndarray:
 
 
 def _greedy_loop(
-    main: Ops, body: Ops, s: GenerationSettings, vocab: int, batch: ir.Value,
-    first_logits: ir.Value, body_logits: ir.Value, max_length: ir.Value, trips: ir.Value,
-    encoder_ids: ir.Value | None, decoder_presents: list[ir.Value],
-    body_presents: list[ir.Value], names: Names, body_inputs: tuple,
+    main: Ops,
+    body: Ops,
+    s: GenerationSettings,
+    vocab: int,
+    batch: ir.Value,
+    first_logits: ir.Value,
+    body_logits: ir.Value,
+    max_length: ir.Value,
+    trips: ir.Value,
+    encoder_ids: ir.Value | None,
+    decoder_presents: list[ir.Value],
+    body_presents: list[ir.Value],
+    names: Names,
+    body_inputs: tuple,
 ) -> dict:
     iteration, condition, tokens_in, past_in = body_inputs
     start_sequences = main.op(
-        "ConstantOfShape", main.vector(batch, main.i64(1)),
+        "ConstantOfShape",
+        main.vector(batch, main.i64(1)),
         value=ir.tensor(_array([s.decoder_start_token_id])),
     )
-    all_rows = main.op(
-        "ConstantOfShape", main.vector(batch), value=ir.tensor(_bool_array([True]))
-    )
+    all_rows = main.op("ConstantOfShape", main.vector(batch), value=ir.tensor(_bool_array([True])))
     first = search.greedy_step(
         main, s, vocab, first_logits, start_sequences, all_rows, max_length, encoder_ids
     )
@@ -308,17 +346,27 @@ def _greedy_loop(
     body_outputs = _own_outputs(body, body_outputs)
     body_graph = ir.Graph(
         [iteration, condition, tokens_in, sequences_in, unfinished_in, *past_in],
-        body_outputs, nodes=[], name=names("decode_loop_body"),
+        body_outputs,
+        nodes=[],
+        name=names("decode_loop_body"),
     )
     loop_outputs = [ir.Value(name=names("loop_out")) for _ in body_outputs[1:]]
     loop_outputs[1].name = SEQUENCES
     loop_outputs[1].type = ir.TensorType(ir.DataType.INT64)
     loop_outputs[1].shape = ir.Shape(["batch_size", "sequence_length"])
     loop = ir.Node(
-        "", "Loop",
-        [trips, first.keep_going, first.tokens, first.sequences, first.unfinished,
-         *decoder_presents],
-        attributes=[ir.AttrGraph("body", body_graph)], outputs=loop_outputs,
+        "",
+        "Loop",
+        [
+            trips,
+            first.keep_going,
+            first.tokens,
+            first.sequences,
+            first.unfinished,
+            *decoder_presents,
+        ],
+        attributes=[ir.AttrGraph("body", body_graph)],
+        outputs=loop_outputs,
         name=names("decode_loop"),
     )
     main.nodes.append(loop)
@@ -326,10 +374,21 @@ def _greedy_loop(
 
 
 def _beam_loop(
-    main: Ops, body: Ops, s: GenerationSettings, vocab: int, num_beams: int, batch: ir.Value,
-    first_logits: ir.Value, body_logits: ir.Value, max_length: ir.Value, trips: ir.Value,
-    encoder_ids: ir.Value | None, decoder_presents: list[ir.Value],
-    body_presents: list[ir.Value], names: Names, body_inputs: tuple,
+    main: Ops,
+    body: Ops,
+    s: GenerationSettings,
+    vocab: int,
+    num_beams: int,
+    batch: ir.Value,
+    first_logits: ir.Value,
+    body_logits: ir.Value,
+    max_length: ir.Value,
+    trips: ir.Value,
+    encoder_ids: ir.Value | None,
+    decoder_presents: list[ir.Value],
+    body_presents: list[ir.Value],
+    names: Names,
+    body_inputs: tuple,
 ) -> dict:
     iteration, condition, tokens_in, past_in = body_inputs
     state = search.initial_beams(main, s, batch, num_beams)
@@ -339,10 +398,12 @@ def _beam_loop(
     first_cache = [main.op("Gather", v, first.rows, axis=0) for v in decoder_presents]
     first_tokens = _last_column(main, first.running)
 
-    state_in = search.Beams(*[
-        typed_input(names, "beam_state", dtype, rank)
-        for dtype, rank in search.CARRIED_BEAM_TYPES
-    ])
+    state_in = search.Beams(
+        *[
+            typed_input(names, "beam_state", dtype, rank)
+            for dtype, rank in search.CARRIED_BEAM_TYPES
+        ]
+    )
     step = search.beam_step(
         body, s, vocab, num_beams, body_logits, state_in, batch, max_length, encoder_ids
     )
@@ -352,13 +413,17 @@ def _beam_loop(
     body_outputs = _own_outputs(body, body_outputs)
     body_graph = ir.Graph(
         [iteration, condition, tokens_in, *state_in.carried(), *past_in],
-        body_outputs, nodes=[], name=names("beam_loop_body"),
+        body_outputs,
+        nodes=[],
+        name=names("beam_loop_body"),
     )
     loop_outputs = [ir.Value(name=names("loop_out")) for _ in body_outputs[1:]]
     loop = ir.Node(
-        "", "Loop",
+        "",
+        "Loop",
         [trips, first.keep_going, first_tokens, *first.carried(), *first_cache],
-        attributes=[ir.AttrGraph("body", body_graph)], outputs=loop_outputs,
+        attributes=[ir.AttrGraph("body", body_graph)],
+        outputs=loop_outputs,
         name=names("beam_loop"),
     )
     main.nodes.append(loop)

@@ -43,8 +43,12 @@ class Ops:
         hint = op_type.lower()
         outputs = [ir.Value(name=self.names(hint)) for _ in range(num_outputs)]
         node = ir.Node(
-            "", op_type, list(inputs), ir.convenience.convert_attributes(attributes),
-            outputs=outputs, name=self.names(op_type),
+            "",
+            op_type,
+            list(inputs),
+            ir.convenience.convert_attributes(attributes),
+            outputs=outputs,
+            name=self.names(op_type),
         )
         self.nodes.append(node)
         return outputs
@@ -87,9 +91,7 @@ class Ops:
         return parts[0] if len(parts) == 1 else self.op("Concat", *parts, axis=0)
 
     def slice(self, value: ir.Value, start: Any, end: Any, axis: int) -> ir.Value:
-        return self.op(
-            "Slice", value, self._index(start), self._index(end), self.i64([axis])
-        )
+        return self.op("Slice", value, self._index(start), self._index(end), self.i64([axis]))
 
     def _index(self, value: Any) -> ir.Value:
         if isinstance(value, ir.Value):

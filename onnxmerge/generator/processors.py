@@ -101,7 +101,8 @@ def ban_per_row(ops: Ops, scores: ir.Value, tokens: ir.Value, active: ir.Value) 
     vocab = ops.dim(scores, 1)
     indices = ops.op("Where", active, tokens, vocab)
     spare = ops.op(
-        "ConstantOfShape", ops.vector(ops.dim(scores, 0), ops.i64(1)),
+        "ConstantOfShape",
+        ops.vector(ops.dim(scores, 0), ops.i64(1)),
         value=ir.tensor(np.zeros(1, np.float32)),
     )
     widened = ops.op("Concat", scores, spare, axis=1)
@@ -183,7 +184,11 @@ def _encoder_no_repeat_ngram(ops: Ops, scores: ir.Value, step: StepValues, n: in
 
 
 def _bad_words(
-    ops: Ops, scores: ir.Value, step: StepValues, words: list[list[int]], eos: list[int],
+    ops: Ops,
+    scores: ir.Value,
+    step: StepValues,
+    words: list[list[int]],
+    eos: list[int],
     vocab: int,
 ) -> ir.Value:
     words = [[int(t) for t in w] for w in words]
@@ -198,7 +203,8 @@ def _bad_words(
         m = len(prefix)
         # Left-pad with -1 so the last m columns exist on every step.
         pad = ops.op(
-            "ConstantOfShape", ops.vector(ops.dim(step.sequences, 0), ops.i64(m)),
+            "ConstantOfShape",
+            ops.vector(ops.dim(step.sequences, 0), ops.i64(m)),
             value=ir.tensor(np.full(1, -1, np.int64)),
         )
         padded = ops.op("Concat", pad, step.sequences, axis=1)

@@ -75,13 +75,25 @@ class Beams:
     keep_going: ir.Value | None = None  # bool scalar
 
     def carried(self) -> list[ir.Value]:
-        return [self.running, self.running_scores, self.sequences, self.scores, self.lengths,
-                self.finished, self.unsatisfied]
+        return [
+            self.running,
+            self.running_scores,
+            self.sequences,
+            self.scores,
+            self.lengths,
+            self.finished,
+            self.unsatisfied,
+        ]
 
 
 CARRIED_BEAM_TYPES = [
-    (ir.DataType.INT64, 3), (ir.DataType.FLOAT, 2), (ir.DataType.INT64, 3), (ir.DataType.FLOAT, 2),
-    (ir.DataType.INT64, 2), (ir.DataType.BOOL, 2), (ir.DataType.BOOL, 2),
+    (ir.DataType.INT64, 3),
+    (ir.DataType.FLOAT, 2),
+    (ir.DataType.INT64, 3),
+    (ir.DataType.FLOAT, 2),
+    (ir.DataType.INT64, 2),
+    (ir.DataType.BOOL, 2),
+    (ir.DataType.BOOL, 2),
 ]
 
 
@@ -95,7 +107,8 @@ def pad_value(s: GenerationSettings) -> int:
 def initial_beams(ops: Ops, s: GenerationSettings, batch: ir.Value, num_beams: int) -> Beams:
     shape = ops.vector(batch, ops.i64(num_beams))
     start = ops.op(
-        "ConstantOfShape", ops.vector(batch, ops.i64(num_beams), ops.i64(1)),
+        "ConstantOfShape",
+        ops.vector(batch, ops.i64(num_beams), ops.i64(1)),
         value=ir.tensor(np.array([s.decoder_start_token_id], np.int64)),
     )
     first = np.full((1, num_beams), _NEG, np.float32)
@@ -151,9 +164,7 @@ def beam_step(
     step = processors.StepValues(log_probs, flat_running, cur_len, max_length, encoder_ids)
     log_probs = processors.apply(ops, s, vocab, step)
     vocab_dim = ops.dim(log_probs, 1)
-    log_probs = ops.op(
-        "Reshape", log_probs, ops.vector(batch, ops.i64(num_beams), vocab_dim)
-    )
+    log_probs = ops.op("Reshape", log_probs, ops.vector(batch, ops.i64(num_beams), vocab_dim))
     log_probs = ops.op("Add", log_probs, ops.unsqueeze(state.running_scores, 2))
     log_probs = ops.op("Reshape", log_probs, ops.vector(batch, ops.i64(-1)))
 
@@ -211,11 +222,11 @@ def beam_step(
     sequences = _gather_beams(
         ops, ops.op("Concat", padded, candidates, axis=1), chosen, merged_offsets
     )
-    candidate_lengths = ops.op(
-        "Expand", generated, ops.op("Shape", topk_ids)
-    )
+    candidate_lengths = ops.op("Expand", generated, ops.op("Shape", topk_ids))
     lengths = ops.op(
-        "GatherElements", ops.op("Concat", state.lengths, candidate_lengths, axis=1), chosen,
+        "GatherElements",
+        ops.op("Concat", state.lengths, candidate_lengths, axis=1),
+        chosen,
         axis=1,
     )
     finished = ops.op(
@@ -238,8 +249,15 @@ def beam_step(
     if s.early_stopping is True:
         keep_going = ops.op("And", keep_going, ops.op("Not", ops.all(finished)))
     return Beams(
-        running, running_scores, sequences, scores, lengths, finished, unsatisfied,
-        rows=ops.op("Reshape", rows, ops.i64([-1])), keep_going=keep_going,
+        running,
+        running_scores,
+        sequences,
+        scores,
+        lengths,
+        finished,
+        unsatisfied,
+        rows=ops.op("Reshape", rows, ops.i64([-1])),
+        keep_going=keep_going,
     )
 
 

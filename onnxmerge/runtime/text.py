@@ -35,7 +35,8 @@ class TextGenerator:
         # Checked before importing transformers (seconds) and before its own, less clear errors.
         if not any((folder / name).is_file() for name in TOKENIZER_FILES):
             raise GenerationError(
-                f"no tokenizer beside the model in {folder} (none of {', '.join(TOKENIZER_FILES)}); "
+                f"no tokenizer beside the model in {folder} "
+                f"(none of {', '.join(TOKENIZER_FILES)}); "
                 "save one there (tokenizer.save_pretrained), or give token ids (--ids)"
             )
         try:

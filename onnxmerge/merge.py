@@ -131,15 +131,19 @@ def merge_seq2seq_with_report(
     step("deduplicating")
     report = dedup.store_once(spliced.model)
     tied_head.gemm_for_transposed_weights(spliced.model)
-    config_text = _read_json(export_dir / "config.json")
+    configs = {
+        contract.META_CONFIG: _read_json(export_dir / "config.json"),
+        contract.META_GENERATION_CONFIG: _read_json(export_dir / "generation_config.json"),
+    }
+    config = configs[contract.META_CONFIG]
     compat.check_same_checkpoint(
         parts,
         origins,
         report.shared,
         force=force,
-        config=json.loads(config_text) if config_text else None,
+        config=json.loads(config) if config else None,
     )
-    _add_metadata(spliced, export_dir)
+    _add_metadata(spliced, configs)
     step("saving and checking")
     inputs_read = frozenset(f.resolve() for p in chosen.values() for f in (p, *data_files[p]))
     io.save_model_atomically(
@@ -280,18 +284,12 @@ def _read_json(path: Path) -> str | None:
         raise ExportFolderError(f"{path} is not valid JSON: {e}") from e
 
 
-def _add_metadata(spliced: splice.SplicedModel, export_dir: Path) -> None:
+def _add_metadata(spliced: splice.SplicedModel, configs: dict[str, str | None]) -> None:
     meta = spliced.model.metadata_props
     meta[contract.META_FORMAT_VERSION] = contract.FORMAT_VERSION
     meta[contract.META_LAYOUT] = spliced.layout
     meta[contract.META_ENCODER_INPUTS] = json.dumps(spliced.encoder_inputs)
-    for key, name in (
-        (contract.META_CONFIG, "config.json"),
-        (contract.META_GENERATION_CONFIG, "generation_config.json"),
-    ):
-        text = _read_json(export_dir / name)
-        if text is not None:
-            meta[key] = text
+    meta.update({key: text for key, text in configs.items() if text is not None})
 
 
 __all__ = ["merge_seq2seq", "merge_seq2seq_with_report", "MergeResult", "InputFile"]

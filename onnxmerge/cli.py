@@ -330,6 +330,12 @@ def _copy_tokenizer(source: Path, export_dir: Path) -> None:
             shutil.copy2(path, export_dir / path.name)
 
 
+_DEMO_SIZE_NOTE = (
+    "(The demo model has 0.25 M parameters, so the graph itself is a large share of its size;\n"
+    " on opus-mt-fr-en the merged file is 1.004x the checkpoint: docs/benchmarks.md)"
+)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     """Export the shipped trained demo model, merge it, show the gain, translate with it."""
     from onnxmerge.demo import DEMO_MODEL_DIR, DEMO_SENTENCES
@@ -356,8 +362,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     payload = dict(
         merge=_result_json(result),
         translations=[
-            {"source": s, "output": t}
-            for s, t in zip(DEMO_SENTENCES, translations, strict=True)
+            {"source": s, "output": t} for s, t in zip(DEMO_SENTENCES, translations, strict=True)
         ],
     )
 
@@ -366,9 +371,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         return "\n\n".join(
             [
                 _merge_summary(result),
-                "(The demo model has 0.25 M parameters, so the graph itself is a large share of its "
-            "size;\n on opus-mt-fr-en the merged file is 1.004x the checkpoint: docs/benchmarks.md)",
-            f"Generating with the single file {result.path.name}:",
+                _DEMO_SIZE_NOTE,
+                f"Generating with the single file {result.path.name}:",
                 table(rows, ("French", "English (generated)")),
             ]
         )

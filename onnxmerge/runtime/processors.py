@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
+from onnxmerge.errors import GenerationError
+
 if TYPE_CHECKING:
     from onnxmerge.runtime.settings import GenerationSettings
 
@@ -38,7 +40,7 @@ class RepetitionPenalty:
 
     def __init__(self, penalty: float):
         if not penalty > 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {penalty}")
+            raise GenerationError(f"repetition_penalty must be > 0, got {penalty}")
         self.penalty = float(penalty)
 
     def __call__(self, input_ids: np.ndarray, scores: np.ndarray) -> np.ndarray:
@@ -54,7 +56,7 @@ class NoRepeatNGram:
 
     def __init__(self, ngram_size: int):
         if ngram_size <= 0:
-            raise ValueError(f"no_repeat_ngram_size must be > 0, got {ngram_size}")
+            raise GenerationError(f"no_repeat_ngram_size must be > 0, got {ngram_size}")
         self.ngram_size = int(ngram_size)
 
     def __call__(self, input_ids: np.ndarray, scores: np.ndarray) -> np.ndarray:
@@ -82,7 +84,7 @@ class EncoderRepetitionPenalty:
 
     def __init__(self, penalty: float, encoder_input_ids: np.ndarray):
         if not penalty > 0:
-            raise ValueError(f"encoder_repetition_penalty must be > 0, got {penalty}")
+            raise GenerationError(f"encoder_repetition_penalty must be > 0, got {penalty}")
         self.penalty = 1 / float(penalty)
         self.encoder_input_ids = np.asarray(encoder_input_ids, dtype=np.int64)
 
@@ -100,7 +102,7 @@ class EncoderNoRepeatNGram:
 
     def __init__(self, ngram_size: int, encoder_input_ids: np.ndarray):
         if ngram_size <= 0:
-            raise ValueError(f"encoder_no_repeat_ngram_size must be > 0, got {ngram_size}")
+            raise GenerationError(f"encoder_no_repeat_ngram_size must be > 0, got {ngram_size}")
         self.ngram_size = int(ngram_size)
         self.batch_size = encoder_input_ids.shape[0]
         self.ngrams: list[dict[tuple[int, ...], list[int]]] = []
@@ -195,7 +197,9 @@ class ForcedEOS:
         self.max_length = int(max_length)
         self.eos = _token_array(eos_token_ids)
         if (self.eos < 0).any():
-            raise ValueError(f"forced_eos_token_id must be non-negative, got {self.eos.tolist()}")
+            raise GenerationError(
+                f"forced_eos_token_id must be non-negative, got {self.eos.tolist()}"
+            )
 
     def __call__(self, input_ids: np.ndarray, scores: np.ndarray) -> np.ndarray:
         if input_ids.shape[1] == self.max_length - 1:
@@ -231,7 +235,7 @@ class SuppressTokensAtBegin:
 class Temperature:
     def __init__(self, temperature: float):
         if not temperature > 0:
-            raise ValueError(f"temperature must be > 0 when sampling, got {temperature}")
+            raise GenerationError(f"temperature must be > 0 when sampling, got {temperature}")
         self.temperature = float(temperature)
 
     def __call__(self, input_ids: np.ndarray, scores: np.ndarray) -> np.ndarray:
@@ -244,7 +248,7 @@ class TopK:
 
     def __init__(self, top_k: int, min_tokens_to_keep: int = 1):
         if top_k <= 0:
-            raise ValueError(f"top_k must be > 0, got {top_k}")
+            raise GenerationError(f"top_k must be > 0, got {top_k}")
         self.top_k = max(int(top_k), int(min_tokens_to_keep))
 
     def __call__(self, input_ids: np.ndarray, scores: np.ndarray) -> np.ndarray:
@@ -259,7 +263,7 @@ class TopP:
 
     def __init__(self, top_p: float, min_tokens_to_keep: int = 1):
         if not 0 <= top_p <= 1:
-            raise ValueError(f"top_p must be in [0, 1], got {top_p}")
+            raise GenerationError(f"top_p must be in [0, 1], got {top_p}")
         self.top_p = float(top_p)
         self.min_tokens_to_keep = int(min_tokens_to_keep)
 

@@ -13,6 +13,7 @@ import numpy as np
 from onnxmerge import contract
 from onnxmerge.errors import ExportFolderError, InvalidMergedModelError
 from onnxmerge.roles import Role
+from onnxmerge.runtime.session import ORT_TO_NUMPY
 
 logger = logging.getLogger(__name__)
 
@@ -51,16 +52,6 @@ def _session(path: Path, optimized: bool):
     return ort.InferenceSession(os.fspath(path), options, providers=["CPUExecutionProvider"])
 
 
-_NUMPY_TYPES = {
-    "tensor(int64)": np.int64,
-    "tensor(int32)": np.int32,
-    "tensor(float)": np.float32,
-    "tensor(float16)": np.float16,
-    "tensor(double)": np.float64,
-    "tensor(bool)": np.bool_,
-}
-
-
 def _dims(shape: list, sizes: dict[str, int], default: int) -> list[int]:
     return [d if isinstance(d, int) and d > 0 else sizes.get(str(d), default) for d in shape]
 
@@ -75,7 +66,7 @@ def sample_encoder_inputs(
     for info in session.get_inputs():
         if info.name not in names:
             continue
-        dtype = _NUMPY_TYPES.get(info.type, np.float32)
+        dtype = ORT_TO_NUMPY.get(info.type, np.float32)
         if info.name == "input_features":
             frames = 2 * int(config.get("max_source_positions", 1500))
             dims = [batch, int(config.get("num_mel_bins", 80)), frames]
@@ -154,7 +145,7 @@ def verify(
             if contract.is_past_name(info.name):
                 dims = _dims(info.shape, {}, 1)
                 dims[0], dims[2] = batch, 0
-                first_feed[info.name] = np.zeros(dims, _NUMPY_TYPES.get(info.type, np.float32))
+                first_feed[info.name] = np.zeros(dims, ORT_TO_NUMPY.get(info.type, np.float32))
     output_names = [o.name for o in model.get_outputs()]
     first = dict(zip(output_names, model.run(None, first_feed), strict=True))
     diffs = [_diff("first", n, first[n], ref) for n, ref in first_ref.items() if n in first]
@@ -201,11 +192,11 @@ def _run_decoder(chosen, optimized, ids, mask, hidden, past) -> dict[str, np.nda
             if contract.is_past_name(info.name) and past is None:
                 dims = _dims(info.shape, {}, 1)
                 dims[0], dims[2] = ids.shape[0], 0
-                feed[info.name] = np.zeros(dims, _NUMPY_TYPES.get(info.type, np.float32))
+                feed[info.name] = np.zeros(dims, ORT_TO_NUMPY.get(info.type, np.float32))
             elif info.name == contract.OPTIMUM_ENCODER_HIDDEN_STATES and hidden is None:
                 dims = _dims(info.shape, {}, 1)
                 dims[0], dims[1] = ids.shape[0], 0
-                feed[info.name] = np.zeros(dims, _NUMPY_TYPES.get(info.type, np.float32))
+                feed[info.name] = np.zeros(dims, ORT_TO_NUMPY.get(info.type, np.float32))
     else:
         role = Role.DECODER if past is None else Role.DECODER_WITH_PAST
         if role not in chosen:

@@ -25,7 +25,8 @@ from onnxmerge.errors import GenerationError, InvalidMergedModelError
 
 logger = logging.getLogger(__name__)
 
-_ORT_TO_NUMPY = {
+# onnxruntime's type strings, as NodeArg.type gives them, to numpy dtypes.
+ORT_TO_NUMPY = {
     "tensor(int64)": np.int64,
     "tensor(int32)": np.int32,
     "tensor(float)": np.float32,
@@ -183,7 +184,7 @@ class MergedSession:
         metadata = self.session.get_modelmeta().custom_metadata_map
         self.info = c.read_contract(metadata, [i.name for i in inputs], [o.name for o in outputs])
         self.inputs = {
-            i.name: InputSpec(i.name, _ORT_TO_NUMPY.get(i.type, np.float32), tuple(i.shape))
+            i.name: InputSpec(i.name, ORT_TO_NUMPY.get(i.type, np.float32), tuple(i.shape))
             for i in inputs
         }
         self.output_names = [o.name for o in outputs]

@@ -1,10 +1,11 @@
 """Generation speed and memory: onnxmerge's Seq2SeqModel against optimum's ORTModelForSeq2SeqLM.
 
 The model has the shape of opus-mt-fr-en (Marian, 6+6 layers, d_model 512, vocabulary 59514) with
-seeded random weights. It is exported once with optimum into a cache folder and merged with
-onnxmerge. Each side then runs in a fresh process, on the same input (batch 1, 32 source tokens,
-exactly 32 new tokens): load time, resident memory after load, greedy and 4-beam generation time
-(best of several runs), and the tokens, which must be the same.
+seeded random weights, exported once with optimum into the benchmarks' shared cache
+(``_common.export_cached``) and merged afresh by the onnxmerge under test. Each side then runs in a
+fresh process, on the same input (batch 1, 32 source tokens, exactly 32 new tokens): load time,
+resident memory after load, greedy and 4-beam generation time (best of several runs), and the
+tokens, which must be the same. ``--quick`` uses a tiny Marian model, one process per side.
 
 Usage::
 
@@ -22,36 +23,19 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_CACHE = REPO / ".cache" / "bench" / "opus-mt-fr-en-shape"
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from benchmarks import _common  # noqa: E402
+
 SOURCE_TOKENS = 32
 NEW_TOKENS = 32
-SEED = 0
 TARGETS = {"greedy_time": 0.6, "beam4_time": 0.8, "rss_after_load_mb": 0.5}
-
-MARIAN_CONFIG = {
-    "vocab_size": 59514,
-    "decoder_vocab_size": 59514,
-    "d_model": 512,
-    "encoder_layers": 6,
-    "decoder_layers": 6,
-    "encoder_attention_heads": 8,
-    "decoder_attention_heads": 8,
-    "encoder_ffn_dim": 2048,
-    "decoder_ffn_dim": 2048,
-    "max_position_embeddings": 512,
-    "pad_token_id": 59513,
-    "decoder_start_token_id": 59513,
-    "eos_token_id": 0,
-    "forced_eos_token_id": 0,
-    "activation_function": "swish",
-    "scale_embedding": True,
-    "static_position_embeddings": True,
-    "share_encoder_decoder_embeddings": True,
-}
 
 
 # -- helpers shared by the processes ---------------------------------------------------------------
@@ -71,13 +55,20 @@ def resident_mb() -> float:
     return psutil.Process().memory_info().rss / 2**20
 
 
-def source_ids():
+def source_ids(config) -> list[int]:
+    """Seeded source tokens ending in eos, avoiding the special ids at both ends of the vocab."""
     import numpy as np
 
-    rng = np.random.default_rng(SEED)
-    ids = rng.integers(1, MARIAN_CONFIG["vocab_size"] - 1, size=(1, SOURCE_TOKENS - 1))
-    ids = np.concatenate([ids, [[MARIAN_CONFIG["eos_token_id"]]]], axis=1).astype(np.int64)
-    return ids, np.ones_like(ids)
+    rng = np.random.default_rng(_common.SEED)
+    ids = rng.integers(1, config.vocab_size - 1, size=SOURCE_TOKENS - 1).tolist()
+    return [*ids, config.eos_token_id]
+
+
+def _as_arrays(ids: list[int]):
+    import numpy as np
+
+    array = np.array([ids], dtype=np.int64)
+    return array, np.ones_like(array)
 
 
 def _time_best(generate, repeats: int) -> tuple[float, list[float], list[int]]:
@@ -93,23 +84,7 @@ def _time_best(generate, repeats: int) -> tuple[float, list[float], list[int]]:
 # -- the child processes ---------------------------------------------------------------------------
 
 
-def export_model(cache_dir: Path) -> None:
-    """Build the random-weight Marian model and export it with optimum (runs in a child)."""
-    import torch
-    from optimum.exporters.onnx import main_export
-    from transformers import MarianConfig, MarianMTModel
-
-    torch.manual_seed(SEED)
-    model = MarianMTModel(MarianConfig(**MARIAN_CONFIG)).eval()
-    model.save_pretrained(cache_dir / "pytorch")
-    main_export(
-        str(cache_dir / "pytorch"),
-        output=str(cache_dir / "onnx"),
-        task="text2text-generation-with-past",
-    )
-
-
-def worker_ours(model_path: Path, repeats: int) -> dict:
+def worker_ours(model_path: Path, repeats: int, source: list[int]) -> dict:
     baseline = resident_mb()
     start = time.perf_counter()
     from onnxmerge import Seq2SeqModel
@@ -117,7 +92,7 @@ def worker_ours(model_path: Path, repeats: int) -> dict:
     model = Seq2SeqModel(model_path)
     load = time.perf_counter() - start
     rss = resident_mb()
-    ids, mask = source_ids()
+    ids, mask = _as_arrays(source)
 
     def run(beams):
         return lambda: model.generate(
@@ -131,7 +106,7 @@ def worker_ours(model_path: Path, repeats: int) -> dict:
     return _measure(load, baseline, rss, run, repeats)
 
 
-def worker_optimum(export_dir: Path, repeats: int) -> dict:
+def worker_optimum(export_dir: Path, repeats: int, source: list[int]) -> dict:
     baseline = resident_mb()
     start = time.perf_counter()
     import torch
@@ -140,8 +115,7 @@ def worker_optimum(export_dir: Path, repeats: int) -> dict:
     model = ORTModelForSeq2SeqLM.from_pretrained(export_dir, use_merged=True, use_cache=True)
     load = time.perf_counter() - start
     rss = resident_mb()
-    ids, mask = source_ids()
-    ids, mask = torch.from_numpy(ids), torch.from_numpy(mask)
+    ids, mask = (torch.from_numpy(a) for a in _as_arrays(source))
 
     def run(beams):
         def generate():
@@ -186,20 +160,6 @@ def _child(args: list[str]) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def prepare(cache_dir: Path) -> tuple[Path, Path]:
-    export_dir = cache_dir / "onnx"
-    if not (export_dir / "decoder_model_merged.onnx").exists():
-        print(f"exporting the model to {export_dir} (about a minute)", file=sys.stderr)
-        subprocess.run([sys.executable, __file__, "--export", str(cache_dir)], check=True)
-    merged = cache_dir / "merged" / "model.onnx"
-    if not merged.exists():
-        from onnxmerge import merge_seq2seq
-
-        merged.parent.mkdir(parents=True, exist_ok=True)
-        merge_seq2seq(export_dir, merged)
-    return export_dir, merged
-
-
 def _best(runs: list[dict]) -> dict:
     best = dict(runs[0])
     for key in ("load_time", "rss_after_load_mb", "greedy_time", "beam4_time"):
@@ -211,40 +171,59 @@ def _best(runs: list[dict]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("output", nargs="?", type=Path, help="where to write the JSON results")
-    parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE)
+    parser.add_argument("--cache-dir", type=Path, default=_common.DEFAULT_CACHE_DIR)
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per process")
     parser.add_argument("--rounds", type=int, default=2, help="fresh processes per side")
     parser.add_argument(
-        "--quick", action="store_true", help="one process per side, two timed runs (noisier)"
+        "--quick", action="store_true", help="tiny model, one process per side, two timed runs"
     )
-    parser.add_argument("--export", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--worker", choices=("ours", "optimum"), help=argparse.SUPPRESS)
     parser.add_argument("--path", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--source", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
-    if args.export:
-        export_model(args.export)
-        return 0
     if args.worker:
         work = worker_ours if args.worker == "ours" else worker_optimum
-        print(json.dumps(work(args.path, args.repeats)))
+        source = [int(t) for t in args.source.split(",")]
+        print(json.dumps(work(args.path, args.repeats, source)))
         return 0
     if args.output is None:
         parser.error("give the path of the JSON file to write")
     if args.quick:
         args.repeats, args.rounds = min(args.repeats, 2), 1
 
-    export_dir, merged = prepare(args.cache_dir)
-    runs: dict[str, list[dict]] = {"ours": [], "optimum": []}
-    for _ in range(args.rounds):  # alternate, so load on the machine hits both sides alike
-        runs["ours"].append(
-            _child(["--worker", "ours", "--path", str(merged), "--repeats", str(args.repeats)])
-        )
-        runs["optimum"].append(
-            _child(
-                ["--worker", "optimum", "--path", str(export_dir), "--repeats", str(args.repeats)]
-            )
-        )
+    factory = _common.tiny_marian_config if args.quick else _common.opus_mt_config
+    export = _common.export_cached(factory, "tied", args.cache_dir)
+    export_dir, config = export.onnx_dir, factory()
+    source = ",".join(map(str, source_ids(config)))
+    scratch = Path(tempfile.mkdtemp(prefix="bench-generate-"))
+    try:
+        from onnxmerge import merge_seq2seq
+
+        # Merged by the onnxmerge under test, never taken from a cache.
+        merged = merge_seq2seq(export_dir, scratch / "model.onnx")
+        runs: dict[str, list[dict]] = {"ours": [], "optimum": []}
+        for _ in range(args.rounds):  # alternate, so load on the machine hits both sides alike
+            for side, path in (("ours", merged), ("optimum", export_dir)):
+                runs[side].append(
+                    _child(
+                        [
+                            "--worker",
+                            side,
+                            "--path",
+                            str(path),
+                            "--repeats",
+                            str(args.repeats),
+                            "--source",
+                            source,
+                        ]
+                    )
+                )
+        merged_mb = merged.stat().st_size / 2**20
+    finally:
+        import shutil
+
+        shutil.rmtree(scratch, ignore_errors=True)
     ours, theirs = _best(runs["ours"]), _best(runs["optimum"])
     ratios = {
         key: ours[key] / theirs[key]
@@ -253,7 +232,11 @@ def main(argv: list[str] | None = None) -> int:
     import onnxruntime
 
     results = {
-        "model": {"shape": "opus-mt-fr-en", "config": MARIAN_CONFIG, "random_weights_seed": SEED},
+        "model": {
+            "shape": "tiny Marian" if args.quick else "opus-mt-fr-en",
+            "config": config.to_diff_dict(),
+            "random_weights_seed": _common.SEED,
+        },
         "setting": {
             "batch": 1,
             "source_tokens": SOURCE_TOKENS,
@@ -271,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
             "machine": platform.machine(),
         },
         "files_mb": {
-            "merged": merged.stat().st_size / 2**20,
+            "merged": merged_mb,
             "optimum_encoder_plus_merged_decoder": sum(
                 (export_dir / n).stat().st_size
                 for n in ("encoder_model.onnx", "decoder_model_merged.onnx")

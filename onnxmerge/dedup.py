@@ -495,7 +495,9 @@ def store_once(model: ir.Model) -> DedupReport:
 def find_duplicates(graph: ir.Graph, min_bytes: int = MIN_SHARED_BYTES) -> list[SharedTensor]:
     """Pairs of initializers of at least ``min_bytes`` that hold the same data, or transposed data.
 
-    Reads only; a merged model should have none.
+    Reads only; a merged model should have none. It keys on plain sha256 of each tensor and of its
+    transpose, independent of the keys :func:`deduplicate_initializers` uses, so it can check them;
+    it holds whole arrays in memory, so it is meant for tests and small models.
     """
     large = [
         v

@@ -252,7 +252,7 @@ def files_bytes(folder: Path, names: Sequence[str]) -> int:
 
 
 def _read_proc_kib(path: str, keys: Sequence[str]) -> int | None:
-    """Sum of the ``kB`` fields ``keys`` of a /proc file, in bytes; None once the process is gone."""
+    """Sum of the ``kB`` fields ``keys`` of a /proc file, in bytes; None once it is gone."""
     try:
         with open(path, encoding="ascii") as f:
             text = f.read()
@@ -390,7 +390,9 @@ def run_in_subprocess(
         reader.join()
         log = b"".join(output).decode(errors="replace")
         if child.returncode != 0 or not result_path.exists():
-            raise RuntimeError(f"{fn_path} failed in a child process (exit {child.returncode}):\n{log}")
+            raise RuntimeError(
+                f"{fn_path} failed in a child process (exit {child.returncode}):\n{log}"
+            )
         measured = json.loads(result_path.read_text(encoding="utf-8"))
     measured.update(
         wall_s=wall_s,

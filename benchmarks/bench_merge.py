@@ -152,14 +152,14 @@ def profile_ours(export_dir: str, output: str, top: int = 25) -> dict[str, Any]:
     import onnx
     import onnx_ir as ir
 
-    from onnxmerge import compat, dedup, io, merge, roles, splice
+    from onnxmerge import compat, dedup, merge, model_io, roles, splice
 
     recorder = _PhaseRecorder()
     recorder.wrap(merge, "load_export", "merge.load_export")
     recorder.wrap(merge, "_load_export", "merge.load_export")
-    recorder.wrap(io, "load_model", "io.load_model")
+    recorder.wrap(model_io, "load_model", "model_io.load_model")
     recorder.wrap(onnx, "load", "onnx.load")
-    recorder.wrap(io, "check_external_data", "io.check_external_data")
+    recorder.wrap(model_io, "check_external_data", "model_io.check_external_data")
     recorder.wrap(ir.serde, "deserialize_model", "ir.serde.deserialize_model")
     recorder.wrap(roles, "judge", "roles.judge")
     recorder.wrap(splice, "parts_of_file", "splice.parts_of_file")
@@ -168,12 +168,12 @@ def profile_ours(export_dir: str, output: str, top: int = 25) -> dict[str, Any]:
     recorder.wrap(dedup, "store_once", "dedup.store_once")
     recorder.wrap(compat, "check_same_checkpoint", "compat.check_same_checkpoint")
     recorder.wrap(merge, "_add_metadata", "merge._add_metadata")
-    recorder.wrap(io, "save_model_atomically", "io.save_model_atomically")
+    recorder.wrap(model_io, "save_model_atomically", "model_io.save_model_atomically")
     recorder.wrap(ir, "save", "ir.save")
-    recorder.wrap(io, "_fsync", "io._fsync")
+    recorder.wrap(model_io, "_fsync", "model_io._fsync")
     recorder.wrap(merge, "validate_merged_file", "validate_merged_file (checker full_check)")
     recorder.wrap(merge, "_references", "merge._references (onnx.load of output)")
-    recorder.wrap(io, "file_bytes", "io.file_bytes")
+    recorder.wrap(model_io, "file_bytes", "model_io.file_bytes")
 
     _common.reset_peak_rss()
     baseline = _common.self_rss_bytes()["rss_bytes"]
@@ -206,7 +206,7 @@ def profile_ours(export_dir: str, output: str, top: int = 25) -> dict[str, Any]:
 
 
 def ort_check(export_dir: Path, merged: Path) -> dict[str, Any]:
-    """Run the merged file for one first step and one cached step; compare with the export's files."""
+    """Run the merged file for one first step and one cached step; compare with the export files."""
     import numpy as np
     import onnxruntime as ort
 
@@ -239,14 +239,14 @@ def ort_check(export_dir: Path, merged: Path) -> dict[str, Any]:
         **{i.name: empty for i in past_inputs},
     }
     out_names = [o.name for o in model.get_outputs()]
-    first = dict(zip(out_names, model.run(None, feed)))
+    first = dict(zip(out_names, model.run(None, feed), strict=True))
 
     (hidden,) = encoder.run(None, {"input_ids": input_ids, "attention_mask": attention_mask})
     dec_names = [o.name for o in decoder.get_outputs()]
     reference = dict(zip(dec_names, decoder.run(None, {
         "input_ids": decoder_ids, "encoder_attention_mask": attention_mask,
         "encoder_hidden_states": hidden,
-    })))
+    }), strict=True))
     first_diff = max(
         float(np.abs(first[name] - reference[name]).max()) for name in dec_names if name in first
     )
@@ -258,12 +258,12 @@ def ort_check(export_dir: Path, merged: Path) -> dict[str, Any]:
     }
     cached = dict(zip(out_names, model.run(None, {
         **feed, "decoder_input_ids": next_ids, "use_cache_branch": np.array([True]), **past,
-    })))
+    }), strict=True))
     past_feed = {i.name: past[i.name] for i in with_past.get_inputs() if i.name in past}
     wp_names = [o.name for o in with_past.get_outputs()]
     reference_cached = dict(zip(wp_names, with_past.run(None, {
         "input_ids": next_ids, "encoder_attention_mask": attention_mask, **past_feed,
-    })))
+    }), strict=True))
     cached_diff = max(
         float(np.abs(cached[name] - reference_cached[name]).max())
         for name in wp_names if name in cached
@@ -349,7 +349,8 @@ def markdown(results: dict[str, Any]) -> str:
     lines.append("|---|" + "---|" * len(variants))
     for name in names:
         cells = [
-            f"{_common.mb(v['layouts'][name]['bytes'])} MB ({v['layouts'][name]['ratio_to_safetensors']:.3f}x)"
+            f"{_common.mb(v['layouts'][name]['bytes'])} MB "
+            f"({v['layouts'][name]['ratio_to_safetensors']:.3f}x)"
             for v in variants.values()
         ]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
@@ -401,7 +402,8 @@ def profile_markdown(variant: str, profile: dict[str, Any]) -> str:
              f"total {profile['result']['total_s']:.2f} s, peak RSS "
              f"{_common.mb(profile['result']['peak_rss_bytes'])} MB (baseline "
              f"{_common.mb(profile['result']['baseline_rss_bytes'])} MB)", "",
-             "| phase | detail | s | RSS before MB | RSS after MB | peak RSS MB |", "|---|---|---|---|---|---|"]
+             "| phase | detail | s | RSS before MB | RSS after MB | peak RSS MB |",
+             "|---|---|---|---|---|---|"]
     for r in profile["result"]["phases"]:
         lines.append(
             f"| {'  ' * r['depth']}{r['phase']} | {r['detail']} | {r['seconds']:.3f} | "
@@ -415,7 +417,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny model, one run each")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON results file")
-    parser.add_argument("--repeats", type=int, default=None, help="runs per tool (default 3; 1 with --quick)")
+    parser.add_argument(
+        "--repeats", type=int, default=None, help="runs per tool (default 3; 1 with --quick)"
+    )
     parser.add_argument("--variants", nargs="+", default=list(_common.EXPORT_VARIANTS),
                         choices=_common.EXPORT_VARIANTS)
     parser.add_argument("--cache-dir", type=Path, default=_common.DEFAULT_CACHE_DIR)
@@ -447,7 +451,8 @@ def main(argv: list[str] | None = None) -> int:
             f"onnxmerge/safetensors <= {TARGET_CHECKPOINT_RATIO}":
                 v["layouts"][OURS_LAYOUT]["ratio_to_safetensors"] <= TARGET_CHECKPOINT_RATIO,
             f"time <= {TARGET_TIME_RATIO}x optimum":
-                (v["merge_time_memory"]["ratios_ours_over_optimum"]["call_s"] or 0) <= TARGET_TIME_RATIO,
+                (v["merge_time_memory"]["ratios_ours_over_optimum"]["call_s"] or 0)
+                <= TARGET_TIME_RATIO,
             f"peak RSS <= {TARGET_RSS_RATIO}x optimum":
                 (v["merge_time_memory"]["ratios_ours_over_optimum"]["peak_rss_bytes"] or 0)
                 <= TARGET_RSS_RATIO,

@@ -28,10 +28,10 @@ LAYOUTS = {
 
 
 def tensor_bytes(path: Path) -> int:
-    from onnxmerge import io
+    from onnxmerge import model_io
 
-    model, _ = io.load_model(path)
-    return io.tensor_bytes(model)
+    model, _ = model_io.load_model(path)
+    return model_io.tensor_bytes(model)
 
 
 def checkpoint_tensor_bytes(pytorch_dir: Path) -> int:

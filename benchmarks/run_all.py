@@ -94,7 +94,7 @@ def _chart_runtime(generate: dict, img: Path) -> str | None:
     keys = [("rss_after_load_mb", "memory after load (MB)"),
             ("greedy_time", "greedy, 32 tokens (s)"), ("beam4_time", "4 beams, 32 tokens (s)")]
     fig, axes = plt.subplots(1, len(keys), figsize=(9, 2.8))
-    for ax, (key, title) in zip(axes, keys):
+    for ax, (key, title) in zip(axes, keys, strict=True):
         values = [generate["optimum"][key], generate["ours"][key]]
         bars = ax.bar(["optimum", "onnxmerge"], values, color=["#999999", "#1f77b4"])
         ax.bar_label(bars, fmt="%.2f" if values[0] < 10 else "%.0f", fontsize=8)
@@ -113,7 +113,8 @@ def render(out: Path, docs: Path) -> Path:
         "# Benchmarks",
         "",
         "Reproduce every number and chart here with `python benchmarks/run_all.py` (written by it;",
-        "do not edit by hand). Models have the shapes of real checkpoints and seeded random weights;",
+        "do not edit by hand). Models have the shapes of real checkpoints and seeded random "
+        "weights;",
         "each side runs in a fresh process, on the same inputs, in the same run. Ratios are",
         "onnxmerge / optimum: below 1 is better.",
         "",
@@ -127,15 +128,17 @@ def render(out: Path, docs: Path) -> Path:
         lines += ["| layout | " + " | ".join(f"export with LM head {v}" for v in variants) + " |",
                   "|---|" + "---:|" * len(variants)]
         for name in next(iter(variants.values()))["layouts"]:
-            cells = [f"{_mb(d['layouts'][name]['bytes'])} ({d['layouts'][name]['ratio_to_safetensors']:.3f}x)"
+            cells = [f"{_mb(d['layouts'][name]['bytes'])} "
+                     f"({d['layouts'][name]['ratio_to_safetensors']:.3f}x)"
                      for d in variants.values()]
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
         checkpoint = next(iter(variants.values()))["checkpoint_bytes"]
-        lines += [f"| model.safetensors | " + " | ".join(_mb(checkpoint) for _ in variants) + " |",
+        lines += ["| model.safetensors | " + " | ".join(_mb(checkpoint) for _ in variants) + " |",
                   "", "## Merge time and memory", "",
                   "onnxmerge merges encoder + decoder + decoder with past; optimum's "
                   "`merge_decoders` merges only the two decoders (one file less).", "",
-                  "| export | tool | merge s | peak RSS MB | peak private MB |", "|---|---|---:|---:|---:|"]
+                  "| export | tool | merge s | peak RSS MB | peak private MB |",
+                  "|---|---|---:|---:|---:|"]
         for variant, data in variants.items():
             tm = data["merge_time_memory"]
             for tool, stats in tm.items():
@@ -143,10 +146,12 @@ def render(out: Path, docs: Path) -> Path:
                     continue
                 m = stats["median"]
                 lines.append(f"| {variant} | {tool} | {m['call_s']:.1f} | "
-                             f"{m['peak_rss_bytes'] / 2**20:.0f} | {m['peak_private_bytes'] / 2**20:.0f} |")
+                             f"{m['peak_rss_bytes'] / 2**20:.0f} | "
+                             f"{m['peak_private_bytes'] / 2**20:.0f} |")
             ratios = tm.get("ratios_ours_over_optimum", {})
             if ratios:
-                lines.append(f"| {variant} | **ratio** | **{ratios.get('call_s', float('nan')):.2f}x** | "
+                lines.append(f"| {variant} | **ratio** | "
+                             f"**{ratios.get('call_s', float('nan')):.2f}x** | "
                              f"**{ratios.get('peak_rss_bytes', float('nan')):.2f}x** | "
                              f"**{ratios.get('peak_private_bytes', float('nan')):.2f}x** |")
         lines.append("")
@@ -179,7 +184,8 @@ def render(out: Path, docs: Path) -> Path:
                   "|---:|---:|---:|---:|"]
         for r in generator["runs"]:
             lines.append(f"| {r['batch']} | {r['python_runtime_tokens_per_s']:.1f} | "
-                         f"{r['in_graph_loop_tokens_per_s']:.1f} | +{r['generator_extra_bytes']} B |")
+                         f"{r['in_graph_loop_tokens_per_s']:.1f} | "
+                         f"+{r['generator_extra_bytes']} B |")
         lines.append("")
     large = _load(out, "large")
     if large:
@@ -189,18 +195,24 @@ def render(out: Path, docs: Path) -> Path:
         lines += ["## Past 2 GB (facebook/mbart-large-50 shape)", "",
                   f"{large['export_input_bytes'] / 2**30:.2f} GiB of export files (optimum's own "
                   "post-processing fails on this model and leaves the three files). Written by "
-                  "`benchmarks/bench_large.py` (run separately: its export takes about 10 minutes).",
+                  "`benchmarks/bench_large.py` (run separately: its export takes about 10 "
+                  "minutes).",
                   "", "| step | outcome | wall s | peak private GiB |", "|---|---|---:|---:|",
                   f"| onnxmerge merge | {result['output_bytes'] / 2**30:.2f} GiB as model.onnx + "
                   f"model.onnx_data; {result['shared']} tensors shared ({result['transposed']} "
-                  f"transposed) | {ours['wall_s']:.0f} | {ours['peak_private_bytes'] / 2**30:.2f} |",
-                  f"| check_model(full_check=True) | {'passes' if large['checker']['result']['ok'] else 'fails'} "
-                  f"| {large['checker']['wall_s']:.1f} | {large['checker']['peak_private_bytes'] / 2**30:.2f} |",
+                  f"transposed) | {ours['wall_s']:.0f} | "
+                  f"{ours['peak_private_bytes'] / 2**30:.2f} |",
+                  "| check_model(full_check=True) | "
+                  f"{'passes' if large['checker']['result']['ok'] else 'fails'} "
+                  f"| {large['checker']['wall_s']:.1f} | "
+                  f"{large['checker']['peak_private_bytes'] / 2**30:.2f} |",
                   f"| both branches against the export (onnxruntime) | max abs diff "
-                  f"{large['verify']['result']['max_abs_diff']:.1e} | {large['verify']['wall_s']:.0f} | "
+                  f"{large['verify']['result']['max_abs_diff']:.1e} | "
+                  f"{large['verify']['wall_s']:.0f} | "
                   f"{large['verify']['peak_private_bytes'] / 2**30:.2f} |"]
         if theirs:
-            lines.append(f"| optimum merge_decoders | {'fails: ' + failed if failed else 'succeeds'} "
+            outcome = "fails: " + failed if failed else "succeeds"
+            lines.append(f"| optimum merge_decoders | {outcome} "
                          f"| {theirs['wall_s']:.0f} | {theirs['peak_private_bytes'] / 2**30:.2f} |")
         lines.append("")
     target = docs / "benchmarks.md"

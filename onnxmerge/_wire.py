@@ -19,6 +19,8 @@ from pathlib import Path
 
 import onnx
 
+from onnxmerge.errors import WireFormatError
+
 # Field numbers of onnx.proto.
 _MODEL_GRAPH = 7
 _GRAPH_INITIALIZER = 5
@@ -28,10 +30,6 @@ _TENSOR_DATA_LOCATION = 14
 _ENTRY_KEY, _ENTRY_VALUE = 1, 2
 _LEN, _VARINT, _I64, _I32 = 2, 0, 1, 5
 _COPY_CHUNK = 16 * 2**20
-
-
-class WireFormatError(ValueError):
-    """The bytes are not a well-formed protobuf message."""
 
 
 def _varint(buf, pos: int, end: int) -> tuple[int, int]:

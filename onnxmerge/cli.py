@@ -212,7 +212,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from onnxmerge.inspect import inspect_model, is_merged
+    from onnxmerge import contract
+    from onnxmerge.inspection import inspect_model, is_merged
 
     found = inspect_model(args.file)
 
@@ -220,9 +221,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         io_rows = [("input", t.name, t.type, _shape(t.shape)) for t in found.inputs]
         io_rows += [("output", t.name, t.type, _shape(t.shape)) for t in found.outputs]
         if len(io_rows) > 16 and not args.all:
-            hidden = [
-                r for r in io_rows if ".1." in r[1] or any(f".{i}." in r[1] for i in range(2, 99))
-            ]
+            # Layer 0 shows what the cache tensors look like; later layers fold into one line.
+            hidden = [r for r in io_rows if contract.cache_layer(r[1]) not in (None, 0)]
             io_rows = [r for r in io_rows if r not in hidden]
             io_rows.append(("", f"... {len(hidden)} more cache tensors (--all shows them)", "", ""))
         total = sum(found.bytes_by_part.values()) or 1

@@ -55,6 +55,12 @@ def parse_cache_name(name: str) -> tuple[str, int, str, str] | None:
     return prefix, int(layer), part, kind
 
 
+def cache_layer(name: str) -> int | None:
+    """The layer of a past/present name, or None if it is not one."""
+    parsed = parse_cache_name(name)
+    return None if parsed is None else parsed[1]
+
+
 def is_past_name(name: str) -> bool:
     return name.startswith("past_key_values.")
 

@@ -11,6 +11,7 @@ __all__ = [
     "RefusedOutputError",
     "InvalidMergedModelError",
     "GenerationError",
+    "WireFormatError",
 ]
 
 
@@ -53,3 +54,7 @@ class InvalidMergedModelError(OnnxMergeError):
 
 class GenerationError(OnnxMergeError, ValueError):
     """Arguments to generation are invalid (wrong dtype, rank, missing inputs, bad settings)."""
+
+
+class WireFormatError(OnnxMergeError, ValueError):
+    """The bytes of a model file are not a well-formed protobuf message."""

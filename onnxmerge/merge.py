@@ -14,7 +14,7 @@ from pathlib import Path
 
 import onnx_ir as ir
 
-from onnxmerge import compat, contract, dedup, io, roles, splice, tied_head
+from onnxmerge import compat, contract, dedup, model_io, roles, splice, tied_head
 from onnxmerge.errors import (
     ExportFolderError,
     InvalidMergedModelError,
@@ -146,16 +146,16 @@ def merge_seq2seq_with_report(
     _add_metadata(spliced, configs)
     step("saving and checking")
     inputs_read = frozenset(f.resolve() for p in chosen.values() for f in (p, *data_files[p]))
-    io.save_model_atomically(
+    model_io.save_model_atomically(
         spliced.model,
         output,
         external_data=external_data,
         validate=contract.check_written_model,
         protected=inputs_read,
     )
-    output_bytes = io.file_bytes(output, io.data_files_of(output))
+    output_bytes = model_io.file_bytes(output, model_io.data_files_of(output))
     inputs = tuple(
-        InputFile(path, role.value, io.file_bytes(path, data_files[path]))
+        InputFile(path, role.value, model_io.file_bytes(path, data_files[path]))
         for role, path in chosen.items()
     )
     checkpoint = find_checkpoint(export_dir)
@@ -205,7 +205,7 @@ def load_export(
     data_files: dict[Path, set[Path]] = {}
     judged: dict[Path, roles.Judgement] = {}
     for path in candidates:
-        model, files = io.load_model(path)
+        model, files = model_io.load_model(path)
         judgement = roles.judge(model)
         if judgement.role == Role.MERGED_MODEL and (
             ignore_merged or (output.exists() and path.samefile(output))
@@ -258,7 +258,7 @@ def load_export(
 def _check_output(
     output: Path, chosen: dict[Role, Path], data_files: dict[Path, set[Path]], overwrite: bool
 ) -> None:
-    targets = [output, output.parent / io.data_file_name(output)]
+    targets = [output, output.parent / model_io.data_file_name(output)]
     inputs = set(chosen.values()) | {f for files in data_files.values() for f in files}
     for target in targets:
         for path in inputs:

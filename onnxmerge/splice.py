@@ -214,7 +214,7 @@ class SplicedModel:
     layout: str
 
 
-def _check_opsets(parts: list[Part], models: dict[Path, ir.Model]) -> tuple[dict[str, int], int]:
+def _check_opsets(models: dict[Path, ir.Model]) -> tuple[dict[str, int], int]:
     opsets: dict[str, int] = {}
     problems: list[str] = []
     for path, model in models.items():
@@ -237,7 +237,7 @@ def splice(parts: list[Part], models: dict[Path, ir.Model]) -> SplicedModel:
     encoder = by_role[Role.ENCODER]
     decoder = by_role[Role.DECODER]
     with_past = by_role.get(Role.DECODER_WITH_PAST)
-    opsets, ir_version = _check_opsets(parts, models)
+    opsets, ir_version = _check_opsets(models)
 
     encoder_output = encoder.outputs.get(contract.OPTIMUM_ENCODER_OUTPUT)
     if encoder_output is None:

@@ -241,7 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"held-out exact match: {accuracy:.2%} ({len(held_out) - len(wrong)}/{len(held_out)})")
     for n, got in wrong[:20]:
         print(f"  {n}: {french_number(n)!r} -> {got!r}, expected {english_number(n)!r}")
-    for source, target in zip(DEMO_SENTENCES, translate(model, tokenizer, list(DEMO_SENTENCES))):
+    for source, target in zip(
+        DEMO_SENTENCES, translate(model, tokenizer, list(DEMO_SENTENCES)), strict=True
+    ):
         print(f"  {source!r} -> {target!r}")
 
     save(model, tokenizer, args.output)

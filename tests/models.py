@@ -105,7 +105,12 @@ IMAGE_SIZE = 32
 IMAGE_CHANNELS = 3
 
 # Special tokens: pad, eos, bos and decoder start distinct wherever the architecture allows it.
-_BART_TOKENS = {"pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2, "decoder_start_token_id": 3}
+_BART_TOKENS = {
+    "pad_token_id": 1,
+    "bos_token_id": 0,
+    "eos_token_id": 2,
+    "decoder_start_token_id": 3,
+}
 _T5_TOKENS = {"pad_token_id": 0, "eos_token_id": 1, "decoder_start_token_id": 0}
 
 
@@ -312,7 +317,9 @@ def _model_class(arch: str) -> Any:
 
 
 def _versions() -> dict[str, str]:
-    names = ("torch", "transformers", "optimum", "optimum-onnx", "onnx", "onnxruntime", "accelerate")
+    names = (
+        "torch", "transformers", "optimum", "optimum-onnx", "onnx", "onnxruntime", "accelerate"
+    )
     found = {}
     for name in names:
         try:

@@ -482,3 +482,26 @@ def test_missing_optional_dependency_exits_4(merged_model) -> None:
         capture_output=True, text=True, timeout=600,
     )
     assert_one_line_error(result, EXIT_MISSING, "onnxruntime", "pip install 'onnxmerge[runtime]'")
+
+
+def test_inspect_folds_cache_tensors_by_the_contract_not_by_dots(tmp_path, capsys) -> None:
+    """Regression: names holding ``.3.`` were hidden and layer 99's cache tensors were shown."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    cache = [f"past_key_values.{i}.decoder.key" for i in (0, 1, 2, 3, 99)]
+    others = [f"feature.{i}.x" for i in range(12)] + ["encoder.3.weight_scale"]
+    inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [1]) for n in cache + others]
+    output = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["feature.0.x"], ["y"])], "g", inputs, [output]
+    )
+    path = tmp_path / "model.onnx"
+    onnx.save(helper.make_model(graph), path)
+    assert cli.main(["inspect", str(path)]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "encoder.3.weight_scale" in out and "feature.3.x" in out
+    assert "past_key_values.0.decoder.key" in out
+    for layer in (1, 2, 3, 99):
+        assert f"past_key_values.{layer}.decoder.key" not in out
+    assert "4 more cache tensors (--all shows them)" in out

@@ -7,9 +7,9 @@ import onnx
 import onnx.numpy_helper
 import onnx_ir as ir
 import pytest
-from tests import textmodels as tm
 
 from onnxmerge import dedup, merge_seq2seq, merge_seq2seq_with_report
+from tests import textmodels as tm
 
 RNG = np.random.default_rng(7)
 

@@ -63,7 +63,7 @@ def test_merged_model_interface_follows_the_contract(tiny_export, arch, tmp_path
     assert not any(n in inputs for n in ("encoder_hidden_states", "encoder_attention_mask"))
     layers = {contract.parse_cache_name(n)[1] for n in inputs if contract.is_past_name(n)}
     assert layers == set(range(len(layers))) and layers
-    assert {contract.present_name(l, p, k) for l in layers for p in ("decoder", "encoder")
+    assert {contract.present_name(i, p, k) for i in layers for p in ("decoder", "encoder")
             for k in ("key", "value")} == {n for n in outputs if contract.is_present_name(n)}
     assert meta[contract.META_FORMAT_VERSION] == contract.FORMAT_VERSION
     assert "model_type" in meta[contract.META_CONFIG]

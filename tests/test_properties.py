@@ -33,7 +33,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from onnxmerge import dedup, io, merge_seq2seq, tied_head
+from onnxmerge import dedup, merge_seq2seq, model_io, tied_head
 from tests import textmodels as tm
 
 OPSET = 17
@@ -304,9 +304,9 @@ def test_store_once_keeps_outputs_removes_duplicates_and_passes_the_checker(spec
 @given(spec=graph_specs(), seed=st.integers(0, 1000))
 def test_store_once_stores_no_more_bytes_than_before(spec, seed):
     source, _ = build(spec, seed)
-    before = io.tensor_bytes(ir.serde.deserialize_model(source))
+    before = model_io.tensor_bytes(ir.serde.deserialize_model(source))
     model, _ = _after_passes(source)
-    after = io.tensor_bytes(model)
+    after = model_io.tensor_bytes(model)
     # Each large tensor is stored once: the bytes left are those of distinct content only.
     distinct = {}
     for tensor in spec.tensors:

@@ -10,6 +10,7 @@ import pytest
 from onnx import helper, numpy_helper
 
 from onnxmerge import _wire
+from onnxmerge.errors import OnnxMergeError
 
 
 def _model(tmp_path, arrays: dict[str, np.ndarray]):
@@ -60,5 +61,5 @@ def test_inline_restores_a_single_file(tmp_path):
 def test_malformed_bytes_raise(tmp_path, data):
     path = tmp_path / "bad.onnx"
     path.write_bytes(data)
-    with pytest.raises(_wire.WireFormatError):
+    with pytest.raises(OnnxMergeError):  # one hierarchy: callers catch OnnxMergeError
         _wire.load_skeleton(path)

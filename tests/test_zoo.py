@@ -102,7 +102,8 @@ def test_sample_encoder_inputs_match_the_encoder(tiny_export, arch_name):
         assert mask[0].all() and not mask[1].all()
         real = inputs["input_ids"][mask]
         config = json.loads((export.pytorch_dir / "config.json").read_text())
-        assert set(real[:-1].tolist()) & (special_tokens(export) - {config["eos_token_id"]}) == set()
+        specials = special_tokens(export) - {config["eos_token_id"]}
+        assert set(real[:-1].tolist()) & specials == set()
         assert not set(inputs["input_ids"][0, :-1].tolist()) & special_tokens(export)
 
 

@@ -20,7 +20,7 @@ import numpy as np
 import onnx_ir as ir
 import onnx_ir.passes.common
 
-from onnxmerge import contract, io
+from onnxmerge import contract, model_io
 from onnxmerge.errors import (
     GenerationError,
     InvalidMergedModelError,
@@ -101,7 +101,7 @@ def _build_from_merged(
         raise RefusedOutputError(f"{output} exists; pass overwrite=True to replace it")
     if output.exists() and output.resolve() == merged.resolve():
         raise RefusedOutputError(f"the output {output} is the input; choose another output path")
-    model, data_files = io.load_model(merged)
+    model, data_files = model_io.load_model(merged)
     graph = model.graph
     info = contract.read_contract(
         dict(model.metadata_props), [v.name for v in graph.inputs], [v.name for v in graph.outputs]
@@ -130,7 +130,7 @@ def _build_from_merged(
     model.metadata_props[META_GENERATOR] = json.dumps(
         {"version": GENERATOR_VERSION, "search": search_kind, "num_beams": beams}, sort_keys=True
     )
-    io.save_model_atomically(
+    model_io.save_model_atomically(
         model,
         output,
         validate=lambda p: contract.check_written_model(p, "generator model"),

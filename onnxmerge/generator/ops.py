@@ -7,7 +7,7 @@ exactly those of the merged model. Every value and node gets a unique name under
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -122,24 +122,6 @@ class Ops:
 
 def _is_vector(value: ir.Value) -> bool:
     return value.shape is not None and len(value.shape) == 1
-
-
-def subgraph(
-    names: Names,
-    name: str,
-    inputs: Sequence[ir.Value],
-    build: Callable[[Ops], Sequence[ir.Value]],
-) -> ir.Graph:
-    """A graph (a Loop body or an If branch) whose nodes ``build`` appends."""
-    ops = Ops(names)
-    outputs = list(build(ops))
-    final = []
-    for value in outputs:
-        # A graph output must be produced inside the graph, and each only once.
-        if value.producer() not in ops.nodes or value in final:
-            value = ops.op("Identity", value)
-        final.append(value)
-    return ir.Graph(list(inputs), final, nodes=ops.nodes, name=names(name))
 
 
 def typed_input(names: Names, hint: str, dtype: ir.DataType, rank: int | None) -> ir.Value:

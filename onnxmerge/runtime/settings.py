@@ -6,7 +6,7 @@ the generation parameters of its ``config.json``) > transformers' global default
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 from onnxmerge.errors import GenerationError
@@ -236,5 +236,3 @@ def validate_settings(s: GenerationSettings) -> None:
     ):
         raise GenerationError("bad_words_ids must be a non-empty list of non-empty lists of ids")
 
-
-SETTING_NAMES = tuple(f.name for f in fields(GenerationSettings))

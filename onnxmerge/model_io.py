@@ -32,9 +32,7 @@ from onnxmerge.errors import (
 
 logger = logging.getLogger(__name__)
 
-# Above this the protobuf cannot be serialised in one piece.
-PROTOBUF_LIMIT = 2**31 - 1
-# Write external data well before the limit: graph structure and metadata also count.
+# Write external data well before protobuf's 2 GiB limit: graph structure and metadata also count.
 EXTERNAL_DATA_THRESHOLD = int(1.8 * 2**30)
 
 

@@ -16,9 +16,9 @@ import pytest
 from onnxmerge import (
     RefusedOutputError,
     UnsafeExternalDataError,
-    io,
     merge_seq2seq,
     merge_seq2seq_with_report,
+    model_io,
 )
 from tests import textmodels as tm
 
@@ -64,7 +64,7 @@ def _temp_leftovers(folder: Path) -> list[str]:
 
 def test_external_data_is_memory_mapped(tmp_path):
     path = _external_model(tmp_path / "m", "weights.bin", offset=0, length=WEIGHT.nbytes)
-    model, data_files = io.load_model(path)
+    model, data_files = model_io.load_model(path)
     assert data_files == {(tmp_path / "m" / "weights.bin").resolve()}
     tensor = model.graph.initializers["w"].const_value
     assert isinstance(tensor, ir.ExternalTensor)
@@ -76,7 +76,7 @@ def test_external_data_is_memory_mapped(tmp_path):
                                       "model.onnx.data"])
 def test_relative_locations_inside_the_folder_load(tmp_path, location):
     path = _external_model(tmp_path / "m", location)
-    model, _ = io.load_model(path)
+    model, _ = model_io.load_model(path)
     np.testing.assert_array_equal(model.graph.initializers["w"].const_value.numpy(), WEIGHT)
 
 
@@ -86,7 +86,7 @@ def test_symlink_inside_the_folder_loads(tmp_path):
     (folder / "real.bin").write_bytes(WEIGHT.tobytes())
     (folder / "link.bin").symlink_to(folder / "real.bin")
     path = _external_model(folder, "link.bin", write_data=False)
-    model, _ = io.load_model(path)
+    model, _ = model_io.load_model(path)
     np.testing.assert_array_equal(model.graph.initializers["w"].const_value.numpy(), WEIGHT)
 
 
@@ -94,7 +94,7 @@ def test_absolute_location_is_refused(tmp_path):
     outside = tmp_path / "outside.bin"
     path = _external_model(tmp_path / "m", os.fspath(outside))
     with pytest.raises(UnsafeExternalDataError, match="absolute"):
-        io.load_model(path)
+        model_io.load_model(path)
 
 
 @pytest.mark.parametrize("location", ["../outside.bin", "sub/../../outside.bin"])
@@ -103,7 +103,7 @@ def test_parent_folder_location_is_refused(tmp_path, location):
     path = _external_model(tmp_path / "m", location, write_data=False)
     (tmp_path / "m" / "sub").mkdir()
     with pytest.raises(UnsafeExternalDataError, match="outside"):
-        io.load_model(path)
+        model_io.load_model(path)
 
 
 def test_symlink_leading_outside_is_refused(tmp_path):
@@ -113,7 +113,7 @@ def test_symlink_leading_outside_is_refused(tmp_path):
     (folder / "weights.bin").symlink_to(tmp_path / "secret.bin")
     path = _external_model(folder, "weights.bin", write_data=False)
     with pytest.raises(UnsafeExternalDataError, match="outside"):
-        io.load_model(path)
+        model_io.load_model(path)
 
 
 def _hf_snapshot(tmp_path: Path, repo_name: str = "models--org--name") -> tuple[Path, Path]:
@@ -130,7 +130,7 @@ def _hf_snapshot(tmp_path: Path, repo_name: str = "models--org--name") -> tuple[
 def test_hugging_face_cache_links_into_its_blobs_load(tmp_path):
     repo, snapshot = _hf_snapshot(tmp_path)
     path = _external_model(snapshot, "model.onnx_data", write_data=False)
-    model, data_files = io.load_model(path)
+    model, data_files = model_io.load_model(path)
     assert data_files == {(repo / "blobs" / "f00d").resolve()}
     np.testing.assert_array_equal(model.graph.initializers["w"].const_value.numpy(), WEIGHT)
 
@@ -139,7 +139,7 @@ def test_links_into_blobs_are_accepted_only_inside_a_cache_repo(tmp_path):
     _, snapshot = _hf_snapshot(tmp_path, repo_name="not-a-cache-repo")
     path = _external_model(snapshot, "model.onnx_data", write_data=False)
     with pytest.raises(UnsafeExternalDataError, match="outside"):
-        io.load_model(path)
+        model_io.load_model(path)
 
 
 def test_hard_linked_data_file_is_refused(tmp_path):
@@ -149,7 +149,7 @@ def test_hard_linked_data_file_is_refused(tmp_path):
     os.link(tmp_path / "secret.bin", folder / "weights.bin")
     path = _external_model(folder, "weights.bin", write_data=False)
     with pytest.raises(UnsafeExternalDataError, match="hard links"):
-        io.load_model(path)
+        model_io.load_model(path)
 
 
 @pytest.mark.parametrize(("offset", "length", "match"), [
@@ -162,26 +162,26 @@ def test_hard_linked_data_file_is_refused(tmp_path):
 def test_offset_and_length_must_fit(tmp_path, offset, length, match):
     path = _external_model(tmp_path / "m", "weights.bin", offset=offset, length=length)
     if match is None:
-        io.load_model(path)
+        model_io.load_model(path)
         return
     with pytest.raises(UnsafeExternalDataError, match=match):
-        io.load_model(path)
+        model_io.load_model(path)
 
 
 def test_file_shorter_than_the_tensor_without_length_is_refused(tmp_path):
     path = _external_model(tmp_path / "m", "weights.bin")
     (tmp_path / "m" / "weights.bin").write_bytes(WEIGHT.tobytes()[:100])
     with pytest.raises(UnsafeExternalDataError, match="truncated"):
-        io.load_model(path)
+        model_io.load_model(path)
 
 
 def test_missing_data_file_and_folder_as_data_are_refused(tmp_path):
     path = _external_model(tmp_path / "m", "missing.bin", write_data=False)
     with pytest.raises(UnsafeExternalDataError, match="does not exist"):
-        io.load_model(path)
+        model_io.load_model(path)
     (tmp_path / "m" / "missing.bin").mkdir()
     with pytest.raises(UnsafeExternalDataError, match="not a regular file"):
-        io.load_model(path)
+        model_io.load_model(path)
 
 
 def test_non_numeric_offset_is_refused(tmp_path):
@@ -191,7 +191,7 @@ def test_non_numeric_offset_is_refused(tmp_path):
     entry.key, entry.value = "offset", "zero"
     onnx.save(model, os.fspath(path))
     with pytest.raises(UnsafeExternalDataError, match="non-numeric"):
-        io.load_model(path)
+        model_io.load_model(path)
 
 
 def test_external_data_inside_a_subgraph_constant_is_checked(tmp_path):
@@ -220,7 +220,7 @@ def test_external_data_inside_a_subgraph_constant_is_checked(tmp_path):
     folder.mkdir()
     onnx.save(onnx.helper.make_model(graph), os.fspath(folder / "model.onnx"))
     with pytest.raises(UnsafeExternalDataError, match="outside"):
-        io.load_model(folder / "model.onnx")
+        model_io.load_model(folder / "model.onnx")
 
 
 def test_unsafe_export_folder_is_refused_before_anything_is_written(tmp_path):
@@ -239,8 +239,8 @@ def test_unsafe_export_folder_is_refused_before_anything_is_written(tmp_path):
 
 
 def test_data_file_name():
-    assert io.data_file_name(Path("a/model.onnx")) == "model.onnx_data"
-    assert io.data_file_name(Path("a/model.bin")) == "model.bin.data"
+    assert model_io.data_file_name(Path("a/model.onnx")) == "model.onnx_data"
+    assert model_io.data_file_name(Path("a/model.bin")) == "model.bin.data"
 
 
 def test_external_data_is_written_when_asked(tmp_path):
@@ -270,26 +270,26 @@ def test_rewriting_external_data_does_not_append(tmp_path):
     merge_seq2seq(folder, output, external_data=True, overwrite=True)
     # The new data goes to a fresh file (the old output reads the old one until replaced);
     # the old file is removed once the new model is in place.
-    (current,) = io.data_files_of(output)
+    (current,) = model_io.data_files_of(output)
     assert current.read_bytes() == first
     assert sorted(p.name for p in output.parent.iterdir()) == sorted(["model.onnx", current.name])
     onnx.checker.check_model(os.fspath(output), full_check=True)
     merge_seq2seq(folder, output, external_data=True, overwrite=True)
-    assert io.data_files_of(output) == {data}
+    assert model_io.data_files_of(output) == {data}
 
 
 def test_saving_leaves_the_callers_model_usable(tmp_path):
     # onnx.save(save_as_external_data=True) clears raw_data in the caller's model.
     model = tm.ir_from_text(TEXT, {"w": WEIGHT})
-    io.save_model_atomically(model, tmp_path / "a.onnx", external_data=True)
+    model_io.save_model_atomically(model, tmp_path / "a.onnx", external_data=True)
     np.testing.assert_array_equal(model.graph.initializers["w"].const_value.numpy(), WEIGHT)
-    io.save_model_atomically(model, tmp_path / "b.onnx", external_data=False)
+    model_io.save_model_atomically(model, tmp_path / "b.onnx", external_data=False)
     loaded = onnx.load(os.fspath(tmp_path / "b.onnx"))
     np.testing.assert_array_equal(onnx.numpy_helper.to_array(loaded.graph.initializer[0]), WEIGHT)
 
 
 def test_large_models_get_external_data_automatically(tmp_path, monkeypatch):
-    monkeypatch.setattr(io, "EXTERNAL_DATA_THRESHOLD", 4096)
+    monkeypatch.setattr(model_io, "EXTERNAL_DATA_THRESHOLD", 4096)
     folder = tm.write_export(tmp_path / "export")
     result = merge_seq2seq_with_report(folder, tmp_path / "out" / "model.onnx")
     data = tmp_path / "out" / "model.onnx_data"
@@ -303,7 +303,7 @@ def test_large_models_get_external_data_automatically(tmp_path, monkeypatch):
 def test_not_enough_disk_space_is_refused(tmp_path, monkeypatch):
     folder = tm.write_export(tmp_path / "export")
     usage = shutil.disk_usage(tmp_path)
-    monkeypatch.setattr(io.shutil, "disk_usage", lambda _: usage._replace(free=1000))
+    monkeypatch.setattr(model_io.shutil, "disk_usage", lambda _: usage._replace(free=1000))
     with pytest.raises(RefusedOutputError, match="free"):
         merge_seq2seq(folder)
     assert not (folder / "model.onnx").exists()
@@ -348,7 +348,7 @@ def test_failing_replace_keeps_the_previous_output(previous_output, monkeypatch)
     def fail(*args, **kwargs):
         raise OSError(5, "Input/output error")
 
-    monkeypatch.setattr(io.os, "replace", fail)
+    monkeypatch.setattr(model_io.os, "replace", fail)
     with pytest.raises(RefusedOutputError, match="Input/output error"):
         merge_seq2seq(folder, output, overwrite=True)
     assert output.read_bytes() == previous
@@ -369,7 +369,7 @@ def test_failure_between_data_and_model_keeps_the_previous_output(tmp_path, monk
             raise OSError(5, "Input/output error")
         return real_replace(src, dst, **kwargs)
 
-    monkeypatch.setattr(io.os, "replace", fail_on_the_model)
+    monkeypatch.setattr(model_io.os, "replace", fail_on_the_model)
     with pytest.raises(RefusedOutputError):
         merge_seq2seq(folder, output, overwrite=True, external_data=True)
     monkeypatch.undo()

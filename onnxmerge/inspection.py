@@ -8,7 +8,7 @@ from pathlib import Path
 
 import onnx_ir as ir
 
-from onnxmerge import contract, io
+from onnxmerge import contract, model_io
 
 PARTS = ("embedding", "encoder", "decoder", "head", "other")
 
@@ -91,7 +91,7 @@ def _logits_producers(model: ir.Model) -> set[ir.Node]:
 def inspect_model(path: str | os.PathLike) -> Inspection:
     """Describe a model file (merged or not) without loading its weights."""
     path = Path(path)
-    model, data_files = io.load_model(path)
+    model, data_files = model_io.load_model(path)
     producers = _logits_producers(model)
     encoder_nodes = _encoder_nodes(model)
     by_part = dict.fromkeys(PARTS, 0)
@@ -100,7 +100,7 @@ def inspect_model(path: str | os.PathLike) -> Inspection:
             by_part[_part_of(value, producers, encoder_nodes)] += value.const_value.nbytes
     return Inspection(
         path=path,
-        file_bytes=io.file_bytes(path, data_files),
+        file_bytes=model_io.file_bytes(path, data_files),
         inputs=tuple(_info(v) for v in model.graph.inputs),
         outputs=tuple(_info(v) for v in model.graph.outputs),
         metadata=dict(model.metadata_props),

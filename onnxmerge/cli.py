@@ -381,6 +381,37 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_web(args: argparse.Namespace) -> int:
+    from onnxmerge.web import build_site
+
+    steps = _Steps(quiet=args.json)
+    try:
+        site = build_site(
+            args.source,
+            args.output,
+            weights=args.weights,
+            tokenizer=args.tokenizer,
+            examples=args.example or (),
+            overwrite=args.overwrite,
+            progress=steps,
+        )
+    finally:
+        steps.finish()
+    files = {p.name: p.stat().st_size for p in sorted(site.iterdir())}
+
+    def text() -> str:
+        rows = [(name, _human(size)) for name, size in files.items()]
+        return (
+            table(rows, ("file", "size"))
+            + f"\n\nwrote {site}; preview it with:\n"
+            + f"  cd {site} && npm install --ignore-scripts\n"
+            + "  python3 -m http.server --bind 127.0.0.1 8000   # then open http://127.0.0.1:8000/"
+        )
+
+    _emit(args, {"site": site, "files": files}, text)
+    return EXIT_OK
+
+
 def _need(module: str, extra: str) -> None:
     import importlib.util
 
@@ -471,6 +502,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", help="export folder (default: ./<model>-onnx)")
     p.add_argument("--task", default="text2text-generation-with-past")
     p.add_argument("--overwrite", action="store_true")
+
+    p = add("web", cmd_web, "write a static site that translates in the browser with one model")
+    p.add_argument("source", help="export folder, merged model or generator model")
+    p.add_argument("-o", "--output", required=True, help="site folder to write")
+    p.add_argument(
+        "--weights",
+        choices=("int8", "uint8", "fp16", "int4"),
+        help="quantize the weights first (default: as they are)",
+    )
+    p.add_argument("--tokenizer", help="folder with tokenizer.json (default: beside the source)")
+    p.add_argument("--example", action="append", help="a sentence the text box starts with")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty site folder")
 
     p = add("demo", cmd_demo, "export, merge and run the bundled demo translation model")
     p.add_argument("--dir", help="work folder to keep (default: a new temporary folder)")

@@ -17,3 +17,12 @@ python3 -m venv .venv
 if [ "${1:-}" = "test" ] && command -v npm >/dev/null; then
   (cd tests/js && npm ci --ignore-scripts --no-audit --no-fund --silent)
 fi
+# The browser test drives Debian's chromium (Playwright's own browser download needs the network).
+# Without it the test skips and says why, so a failed install does not stop the set-up.
+if [ "${1:-}" = "test" ] && ! command -v chromium >/dev/null && command -v apt-get >/dev/null; then
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } \
+    || echo "setup: chromium could not be installed; the browser test will skip" >&2
+fi
+if [ "${1:-}" = "test" ] && command -v npm >/dev/null; then
+  (cd tests/web && npm ci --ignore-scripts --no-audit --no-fund --silent)
+fi

@@ -1,0 +1,231 @@
+"""Write a static translation site: a page, a small module, the generator model and its tokenizer.
+
+The page runs the generator model (the whole decoding loop in one graph) in onnxruntime-web's
+wasm backend and tokenizes with a JavaScript tokenizer that reads ``tokenizer.json``; both come
+from npm, pinned in the site's ``package.json``. The folder is staged beside the output and
+renamed into place, so a failure leaves no half-written site.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Sequence
+from importlib import resources
+from pathlib import Path
+
+import onnx
+
+from onnxmerge import contract
+from onnxmerge.errors import InvalidMergedModelError, OnnxMergeError, RefusedOutputError
+
+MODEL_FILE = "generator.onnx"
+SETTINGS_FILE = "site.json"
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+ASSETS = ("index.html", "translate.js", "package.json")
+# The page feeds these inputs; models with other encoder inputs (audio, images) need another page.
+TEXT_INPUTS = {"input_ids", "attention_mask"}
+# Past about 2 GB a model needs external data, which this page does not load.
+MAX_MODEL_BYTES = 2**31 - 1
+_GENERATOR_KEY = "onnxmerge.generator"
+
+
+def build_site(
+    source: str | os.PathLike,
+    output: str | os.PathLike,
+    *,
+    weights: str | None = None,
+    tokenizer: str | os.PathLike | None = None,
+    examples: Sequence[str] = (),
+    overwrite: bool = False,
+    progress: Callable[[str], None] | None = None,
+) -> Path:
+    """Write a static site that translates in the browser with one model file; return its folder.
+
+    Args:
+        source: an optimum export folder (merged first), a merged model file or a generator model
+            file (``onnxmerge.generator.build_generator``).
+        output: the site folder; it must not exist, be empty, or ``overwrite`` must be set.
+        weights: ``None`` keeps the weights as they are; ``"int8"`` (or another precision
+            ``onnxmerge.quantize`` takes) quantizes the merged model before the loop is built.
+        tokenizer: the folder holding ``tokenizer.json`` (and ``tokenizer_config.json``); default
+            the source folder, or the model file's folder.
+        examples: sentences the page's text box starts with.
+        overwrite: replace an existing, non-empty output folder.
+        progress: called with the name of each step as it starts.
+
+    Raises:
+        OnnxMergeError: or a subclass, saying what is wrong; nothing is written then.
+    """
+    source, output = Path(source), Path(output)
+    step = progress or (lambda _name: None)
+    if not source.exists():
+        raise InvalidMergedModelError(f"{source} does not exist: give an export folder or a model")
+    tokenizer_dir = Path(tokenizer) if tokenizer else (source if source.is_dir() else source.parent)
+    tokenizer_files = _tokenizer_files(tokenizer_dir)
+    _check_output(output, overwrite, inputs=(source, tokenizer_dir))
+    output.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}-", dir=output.parent))
+    try:
+        staging.chmod(0o755)  # mkdtemp's 0700 would hide the site from a server's user
+        model = staging / MODEL_FILE
+        _write_generator(source, model, weights, staging, step)
+        step("writing the page")
+        settings = _page_settings(model)
+        settings["examples"] = list(examples)
+        (staging / SETTINGS_FILE).write_text(json.dumps(settings, indent=2) + "\n", "utf-8")
+        for name, path in tokenizer_files.items():
+            if path is None:
+                (staging / name).write_text("{}\n", "utf-8")
+            else:
+                shutil.copyfile(path, staging / name)
+        assets = resources.files("onnxmerge.web") / "assets"
+        for name in ASSETS:
+            (staging / name).write_bytes((assets / name).read_bytes())
+        _publish(staging, output)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    return output
+
+
+def _tokenizer_files(folder: Path) -> dict[str, Path | None]:
+    found = folder / TOKENIZER_FILE
+    if not found.is_file():
+        raise OnnxMergeError(
+            f"no {TOKENIZER_FILE} in {folder}: the page tokenizes with it. Save the model's fast "
+            "tokenizer there (AutoTokenizer.from_pretrained(...).save_pretrained(folder)) or pass "
+            "the folder that holds it (--tokenizer)"
+        )
+    config = folder / TOKENIZER_CONFIG_FILE
+    return {TOKENIZER_FILE: found, TOKENIZER_CONFIG_FILE: config if config.is_file() else None}
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    path, folder = path.resolve(), folder.resolve()
+    return path == folder or folder in path.parents
+
+
+def _check_output(output: Path, overwrite: bool, inputs: Sequence[Path]) -> None:
+    for path in inputs:
+        if _inside(path, output):
+            raise RefusedOutputError(
+                f"the site folder {output} holds the input {path}; writing the site would replace "
+                "it: choose another output folder"
+            )
+    if output.exists() and not output.is_dir():
+        raise RefusedOutputError(f"{output} exists and is not a folder; choose another output")
+    if output.is_dir() and any(output.iterdir()) and not overwrite:
+        raise RefusedOutputError(
+            f"{output} exists and is not empty; pass --overwrite (overwrite=True) to replace it, "
+            "or choose another folder"
+        )
+
+
+def _publish(staging: Path, output: Path) -> None:
+    """Rename the finished folder into place; an old one is moved aside first, then deleted."""
+    old = None
+    if output.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{output.name}-old-", dir=output.parent))
+        old.rmdir()
+        output.rename(old)
+    try:
+        staging.rename(output)
+    except OSError as e:
+        if old is not None:
+            old.rename(output)
+        raise RefusedOutputError(f"could not write the site to {output}: {e}") from e
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _metadata(path: Path) -> dict[str, str]:
+    try:
+        model = onnx.load(os.fspath(path), load_external_data=False)
+    except Exception as e:  # onnx raises several types for a file that is not a model
+        raise InvalidMergedModelError(f"{path} is not a readable ONNX model: {e}") from e
+    return {p.key: p.value for p in model.metadata_props}
+
+
+def _write_generator(
+    source: Path, model: Path, weights: str | None, staging: Path, step: Callable[[str], None]
+) -> None:
+    from onnxmerge.generator import build_generator
+
+    if source.is_file() and _GENERATOR_KEY in _metadata(source):
+        if weights is not None:
+            raise OnnxMergeError(
+                f"{source} is a generator model; to quantize, build the site from the merged "
+                "model or the export folder"
+            )
+        if any(source.parent.glob(f"{source.name}_data")) or any(
+            source.parent.glob(f"{source.name}.data")
+        ):
+            raise OnnxMergeError(f"{source} keeps its weights in external data; {_TOO_LARGE}")
+        shutil.copyfile(source, model)
+        return
+    with tempfile.TemporaryDirectory(prefix="work-", dir=staging) as tmp:
+        merged = source
+        if source.is_dir():
+            from onnxmerge.merge import merge_seq2seq
+
+            step("merging the export folder")
+            merged = merge_seq2seq(source, Path(tmp) / "model.onnx")
+        if weights is not None:
+            merged = _quantize(merged, Path(tmp), weights, step)
+        step("building the decoding loop")
+        build_generator(merged, model)
+    if any(p.name != MODEL_FILE for p in staging.iterdir()):
+        raise OnnxMergeError(
+            f"the generator of {source} was written with external data; {_TOO_LARGE}"
+        )
+
+
+_TOO_LARGE = (
+    "the page loads one file of at most 2 GB (onnxruntime-web's wasm memory is capped at 4 GB): "
+    "quantize it (--weights int8) or use a smaller model"
+)
+
+
+def _quantize(merged: Path, work: Path, weights: str, step: Callable[[str], None]) -> Path:
+    import onnxmerge
+
+    quantize = getattr(onnxmerge, "quantize", None)
+    if quantize is None:
+        raise OnnxMergeError(
+            f"--weights {weights} needs onnxmerge.quantize, which this version of onnxmerge does "
+            "not have; build the site without --weights, or upgrade onnxmerge"
+        )
+    step(f"quantizing the weights to {weights}")
+    return Path(quantize(merged, work / f"model_{weights}.onnx", weights=weights))
+
+
+def _page_settings(model: Path) -> dict:
+    """What the page needs to know: the model file, the encoder inputs and how long to generate."""
+    from onnxmerge.runtime.settings import resolve_settings
+
+    if model.stat().st_size > MAX_MODEL_BYTES:
+        raise OnnxMergeError(f"{model.name} is {model.stat().st_size} bytes; {_TOO_LARGE}")
+    metadata = _metadata(model)
+    try:
+        config = json.loads(metadata.get(contract.META_CONFIG, "{}"))
+        generation_config = json.loads(metadata.get(contract.META_GENERATION_CONFIG, "{}"))
+        encoder_inputs = json.loads(metadata.get(contract.META_ENCODER_INPUTS, "[]"))
+    except ValueError as e:
+        raise InvalidMergedModelError(f"the onnxmerge metadata of {model} is not JSON: {e}") from e
+    if not set(encoder_inputs) <= TEXT_INPUTS or "input_ids" not in encoder_inputs:
+        raise OnnxMergeError(
+            f"the model's encoder reads {encoder_inputs}; the page feeds text only "
+            f"({', '.join(sorted(TEXT_INPUTS))})"
+        )
+    # The defaults Seq2SeqModel.generate uses, so the page generates the same tokens.
+    settings = resolve_settings(config, generation_config, {}, 1)
+    return {
+        "model": MODEL_FILE,
+        "encoder_inputs": encoder_inputs,
+        "max_new_tokens": settings.max_length - 1,
+        "pad_token_id": settings.pad_token_id,
+    }

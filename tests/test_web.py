@@ -1,0 +1,341 @@
+"""The translation site: what build_site writes and refuses, and the page in Chromium.
+
+The browser tests serve a site built from the shipped demo model on 127.0.0.1, load it in Debian's
+chromium through Playwright and check that the page's tokens equal the Python runtime's. The
+page's npm packages come from tests/web (``npm ci --ignore-scripts``, done by
+``scripts/setup.sh test``), linked into the site as its node_modules.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import http.server
+import json
+import os
+import shutil
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import onnxmerge
+from onnxmerge import cli
+from onnxmerge.demo import LARGEST_NUMBER, french_number, is_held_out
+from onnxmerge.errors import InvalidMergedModelError, OnnxMergeError, RefusedOutputError
+from onnxmerge.web import build_site
+from tests.test_cli import demo_export  # noqa: F401  (a session fixture: the cached demo export)
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+WEB_DIR = Path(__file__).parent / "web"
+SCREENSHOT = REPO_ROOT / "docs" / "img" / "web.png"
+HELD_OUT = [n for n in range(LARGEST_NUMBER + 1) if is_held_out(n)]
+
+
+def _tokenizer_folder(folder: Path) -> Path:
+    from onnxmerge.demo import DEMO_MODEL_DIR
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy2(DEMO_MODEL_DIR / name, folder / name)
+    return folder
+
+
+# ---------------------------------------------------------------------------------------------
+# build_site without a browser
+
+
+def test_site_pins_the_packages_the_browser_test_installs() -> None:
+    from importlib import resources
+
+    site = json.loads((resources.files("onnxmerge.web") / "assets" / "package.json").read_text())
+    tested = json.loads((WEB_DIR / "package.json").read_text())
+    assert site["dependencies"] == tested["dependencies"]
+    lock = json.loads((WEB_DIR / "package-lock.json").read_text())
+    for name, version in site["dependencies"].items():
+        assert lock["packages"][f"node_modules/{name}"]["version"] == version
+
+
+def test_refuses_a_folder_that_is_not_empty(tmp_path) -> None:
+    source = _tokenizer_folder(tmp_path / "src") / "model.onnx"
+    source.write_bytes(b"")
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "keep.txt").write_text("mine")
+    with pytest.raises(RefusedOutputError, match="not empty.*overwrite"):
+        build_site(source, site)
+    assert [p.name for p in site.iterdir()] == ["keep.txt"]
+
+
+def test_refuses_an_output_that_holds_the_source(tmp_path) -> None:
+    folder = _tokenizer_folder(tmp_path / "export")
+    with pytest.raises(RefusedOutputError, match="holds the input"):
+        build_site(folder, tmp_path, overwrite=True)
+    assert (folder / "tokenizer.json").is_file()
+
+
+def test_refuses_a_source_without_tokenizer_json(tmp_path) -> None:
+    (tmp_path / "model.onnx").write_bytes(b"")
+    with pytest.raises(OnnxMergeError, match=r"no tokenizer\.json in .*--tokenizer"):
+        build_site(tmp_path / "model.onnx", tmp_path / "site")
+    assert not (tmp_path / "site").exists()
+
+
+def test_a_failed_build_leaves_no_site_and_no_staging(tmp_path) -> None:
+    source = _tokenizer_folder(tmp_path / "src") / "model.onnx"
+    source.write_bytes(b"not a model")
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(InvalidMergedModelError, match="not a readable ONNX model"):
+        build_site(source, out / "site")
+    assert list(out.iterdir()) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# sites of the demo model
+
+
+@pytest.fixture(scope="module")
+def demo_merged(demo_export, tmp_path_factory) -> Path:  # noqa: F811
+    from onnxmerge import merge_seq2seq
+
+    folder = _tokenizer_folder(tmp_path_factory.mktemp("demo-merged"))
+    return merge_seq2seq(demo_export, folder / "model.onnx")
+
+
+def _quantized(demo_merged: Path) -> Path:
+    if not hasattr(onnxmerge, "quantize"):
+        pytest.skip("onnxmerge.quantize is not in this version")
+    out = demo_merged.parent / "model_int8.onnx"
+    if not out.exists():
+        onnxmerge.quantize(demo_merged, out, weights="int8")
+    return out
+
+
+SITE_FILES = {
+    "index.html",
+    "translate.js",
+    "package.json",
+    "site.json",
+    "generator.onnx",
+    "tokenizer.json",
+    "tokenizer_config.json",
+}
+
+
+@pytest.fixture(scope="module")
+def demo_site(demo_export, tmp_path_factory) -> Path:  # noqa: F811
+    site = tmp_path_factory.mktemp("sites") / "fp32"
+    code = cli.main(["web", os.fspath(demo_export), "-o", os.fspath(site), "--json",
+                     "--example", "deux cent quarante-trois"])  # fmt: skip
+    assert code == cli.EXIT_OK
+    return site
+
+
+def test_cli_writes_the_site_files(demo_site, demo_export) -> None:  # noqa: F811
+    assert {p.name for p in demo_site.iterdir()} == SITE_FILES
+    settings = json.loads((demo_site / "site.json").read_text())
+    assert settings["max_new_tokens"] == 31  # generation_config max_length 32, minus the start
+    assert settings["pad_token_id"] == 84
+    assert settings["examples"] == ["deux cent quarante-trois"]
+    assert (demo_site / "tokenizer.json").read_bytes() == (
+        demo_export / "tokenizer.json"
+    ).read_bytes()
+
+
+def test_overwrite_replaces_a_site_from_a_generator_file(demo_site, tmp_path) -> None:
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "old.txt").write_text("old")
+    build_site(demo_site / "generator.onnx", site, overwrite=True)
+    assert {p.name for p in site.iterdir()} == SITE_FILES
+    assert (site / "generator.onnx").read_bytes() == (demo_site / "generator.onnx").read_bytes()
+    assert [p.name for p in tmp_path.iterdir()] == ["site"]  # no staging or old folder left
+
+
+def test_weights_without_quantize_say_what_is_missing(demo_merged, tmp_path, monkeypatch) -> None:
+    monkeypatch.delattr(onnxmerge, "quantize", raising=False)
+    with pytest.raises(OnnxMergeError, match="needs onnxmerge.quantize"):
+        build_site(demo_merged, tmp_path / "site", weights="int8")
+    assert not (tmp_path / "site").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# the page in Chromium
+
+
+def _chromium() -> str:
+    found = shutil.which("chromium") or shutil.which("chromium-browser")
+    if found is None:
+        pytest.skip("chromium is not installed (scripts/setup.sh test installs it with apt-get)")
+    return found
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, format, *args) -> None:  # noqa: A002
+        pass
+
+
+@contextlib.contextmanager
+def _serve(folder: Path) -> Iterator[str]:
+    handler = functools.partial(_QuietHandler, directory=os.fspath(folder))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    sync_api = pytest.importorskip("playwright.sync_api", reason="the page is driven by playwright")
+    executable = _chromium()
+    if not (WEB_DIR / "node_modules" / "onnxruntime-web").is_dir():
+        pytest.skip("the page's packages are not installed: npm ci --ignore-scripts in tests/web")
+    with sync_api.sync_playwright() as playwright:
+        try:
+            # Chromium's sandbox refuses to start as root, which CI runs as.
+            args = ["--no-sandbox"] if os.geteuid() == 0 else []
+            launched = playwright.chromium.launch(executable_path=executable, args=args)
+        except sync_api.Error as e:
+            pytest.skip(f"{executable} did not start under Playwright: {e}")
+        yield launched
+        launched.close()
+
+
+def _open(browser, site: Path):
+    link = site / "node_modules"
+    if not link.exists():
+        link.symlink_to(WEB_DIR / "node_modules", target_is_directory=True)
+    return site
+
+
+def _load_page(browser, url: str, init_script: str | None = None):
+    page = browser.new_page(viewport={"width": 800, "height": 640})
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    if init_script:
+        page.add_init_script(init_script)
+    page.goto(url)
+    page.wait_for_selector("body[data-state]", timeout=60_000)
+    return page, errors
+
+
+def _python_translation(model_path: Path, texts: list[str]) -> tuple[list[list[int]], list[str]]:
+    from onnxmerge.runtime import Seq2SeqModel, TextGenerator
+
+    model = Seq2SeqModel(model_path)
+    generator = TextGenerator(model)
+    encoded = generator.tokenizer(texts, return_tensors="np", padding=True)
+    names = set(model.encoder_input_names)
+    sequences = model.generate({k: v for k, v in encoded.items() if k in names})
+    return sequences.tolist(), model.translate(texts)
+
+
+def _strip_pad(rows: list[list[int]], pad: int) -> list[list[int]]:
+    out = []
+    for row in rows:
+        row = list(row)
+        while len(row) > 1 and row[-1] == pad:
+            row.pop()
+        out.append(row)
+    return out
+
+
+@pytest.fixture(scope="module")
+def demo_page(browser, demo_site):
+    """The fp32 demo site, loaded once: session creation dominates the time of these tests."""
+    with _serve(_open(browser, demo_site)) as url:
+        page, errors = _load_page(browser, url)
+        yield page
+        page.close()
+    assert not errors
+
+
+def _check_translations(page, model_path: Path, screenshot: Path | None) -> None:
+    assert page.get_attribute("body", "data-state") == "ready", page.inner_text("#status")
+    assert "loaded in" in page.inner_text("#status")
+    typed = [french_number(n) for n in HELD_OUT[::150]]
+    batch = [french_number(n) for n in HELD_OUT[::20]]
+    page.fill("#source", "\n".join(typed))
+    page.evaluate("window.onnxmerge.last = null")
+    page.click("#translate")
+    page.wait_for_function("window.onnxmerge.last !== null", timeout=30_000)
+    shown = page.inner_text("#output").splitlines()
+    last = page.evaluate("window.onnxmerge.last")
+    assert "ms per sentence" in page.inner_text("#timing")
+    if screenshot is not None:
+        screenshot.parent.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=os.fspath(screenshot))
+    from_api = page.evaluate("texts => window.onnxmerge.translate(texts)", batch)
+
+    expected_typed = _python_translation(model_path, typed)
+    expected_batch = _python_translation(model_path, batch)
+    assert _strip_pad(last["sequences"], 84) == _strip_pad(expected_typed[0], 84)
+    assert shown == last["texts"] == expected_typed[1]
+    assert _strip_pad(from_api["sequences"], 84) == _strip_pad(expected_batch[0], 84)
+    assert from_api["texts"] == expected_batch[1]
+
+
+def test_page_translates_held_out_numbers_like_python(demo_page, demo_merged) -> None:
+    _check_translations(demo_page, demo_merged, SCREENSHOT)
+
+
+def test_quantized_page_translates_held_out_numbers_like_python(
+    browser, demo_merged, tmp_path
+) -> None:
+    quantized = _quantized(demo_merged)
+    site = build_site(quantized, tmp_path / "site", tokenizer=demo_merged.parent)
+    with _serve(_open(browser, site)) as url:
+        page, errors = _load_page(browser, url)
+        _check_translations(page, quantized, None)
+        page.close()
+    assert not errors
+
+
+def test_page_tokenizes_numbers_like_python(demo_page, demo_site) -> None:
+    from tokenizers import Tokenizer
+
+    from onnxmerge.demo import english_number
+
+    python = Tokenizer.from_file(os.fspath(demo_site / "tokenizer.json"))
+    python.no_padding()
+    numbers = sorted({*range(100), *range(0, LARGEST_NUMBER + 1, 7)})
+    texts = [f(n) for n in numbers for f in (french_number, english_number)]
+    expected = [e.ids for e in python.encode_batch(texts)]
+    got = demo_page.evaluate(
+        "texts => texts.map(t => window.onnxmerge.app.tokenizer.encode(t).ids)", texts
+    )
+    assert got == expected
+    decoded = demo_page.evaluate(
+        "rows => rows.map(r => window.onnxmerge.app.tokenizer.decode(r, "
+        "{skip_special_tokens: true}))",
+        expected,
+    )
+    assert decoded == python.decode_batch(expected, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize(
+    ("init_script", "route", "message"),
+    [
+        ("delete window.WebAssembly", None, "lacks WebAssembly"),
+        (None, "**/node_modules/**", "npm install --ignore-scripts"),
+    ],
+)
+def test_page_says_what_the_browser_lacks(browser, demo_site, init_script, route, message) -> None:
+    with _serve(_open(browser, demo_site)) as url:
+        page = browser.new_page()
+        if route:
+            page.route(route, lambda r: r.fulfill(status=404, body="missing"))
+        if init_script:
+            page.add_init_script(init_script)
+        page.goto(url)
+        page.wait_for_selector("body[data-state=failed]", timeout=30_000)
+        status = page.inner_text("#status")
+        assert page.is_disabled("#translate")
+        page.close()
+    assert message in status

@@ -30,6 +30,7 @@ def _benchmarks(out: Path, quick: bool) -> dict[str, list[str]]:
                   *(["--archs", "marian", "t5"] if quick else [])],
         "generate": ["bench_generate.py", str(out / "generate.json"), *q],
         "generator": ["bench_generator.py", *q, "--out", str(out / "generator.json")],
+        "web": ["bench_web.py", *q, "--out", str(out / "web.json")],
         # Exports a 2.4 GB model (about 10 minutes, 9 GB of cache): only when asked by --only.
         "large": ["bench_large.py", "--out", str(out / "large.json")],
     }
@@ -187,6 +188,11 @@ def render(out: Path, docs: Path) -> Path:
                          f"{r['in_graph_loop_tokens_per_s']:.1f} | "
                          f"+{r['generator_extra_bytes']} B |")
         lines.append("")
+    web = _load(out, "web")
+    if web:
+        from benchmarks.bench_web import markdown as web_markdown
+
+        lines += web_markdown(web)
     large = _load(out, "large")
     if large:
         ours, theirs = large["onnxmerge"], large.get("optimum_merge_decoders", {})
@@ -225,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny models; checks the pipeline")
     parser.add_argument("--render", action="store_true", help="only render the docs from JSON")
     parser.add_argument("--only", nargs="+",
-                        choices=["merge", "sizes", "generate", "generator", "large"])
+                        choices=["merge", "sizes", "generate", "generator", "web", "large"])
     parser.add_argument("--out", type=Path, default=OUT, help="folder for the JSON results")
     parser.add_argument("--docs", type=Path, default=DOCS, help="folder for benchmarks.md")
     args = parser.parse_args(argv)

@@ -32,6 +32,8 @@ def test_run_all_quick_writes_results_and_docs(tmp_path):
         assert layouts["onnxmerge model.onnx"]["bytes"] < merged_bytes
     generate = json.loads((tmp_path / "out" / "generate.json").read_text())
     assert all(generate["same_tokens"].values())
+    web = json.loads((tmp_path / "out" / "web.json").read_text())
+    assert "skipped" in web or all(m["same_tokens"] for m in web["models"])
     page = (tmp_path / "docs" / "benchmarks.md").read_text()
     assert "## Bytes on disk" in page and "## Generation" in page
     assert (tmp_path / "docs" / "img" / "sizes.png").stat().st_size > 1000

@@ -134,15 +134,14 @@ function int64Tensor(ort, rows, width, fill) {
   return new ort.Tensor("int64", data, [rows.length, width]);
 }
 
-// Tokenize a batch padded on the right, as the Python tokenizer does, and generate.
-async function translate(app, texts) {
-  const { ort, tokenizer, session, site } = app;
-  const ids = texts.map((text) => tokenizer.encode(text).ids);
+// Rows of token ids, padded on the right as the Python tokenizer pads, in; sequences out.
+async function generate(app, ids, maxNewTokens = app.site.max_new_tokens) {
+  const { ort, session, site } = app;
   const width = Math.max(...ids.map((row) => row.length));
   const feeds = {
     input_ids: int64Tensor(ort, ids, width, site.pad_token_id),
     attention_mask: int64Tensor(ort, ids.map((row) => row.map(() => 1)), width, 0),
-    max_new_tokens: new ort.Tensor("int64", BigInt64Array.from([BigInt(site.max_new_tokens)]), []),
+    max_new_tokens: new ort.Tensor("int64", BigInt64Array.from([BigInt(maxNewTokens)]), []),
   };
   const started = performance.now();
   const result = await session.run(feeds);
@@ -150,7 +149,13 @@ async function translate(app, texts) {
   const { dims, data } = result.sequences;
   const values = Array.from(data, Number);
   const sequences = Array.from({ length: dims[0] }, (_, r) => values.slice(r * dims[1], (r + 1) * dims[1]));
-  const outputs = sequences.map((row) => tokenizer.decode(row, { skip_special_tokens: true }));
+  return { sequences, ms };
+}
+
+async function translate(app, texts) {
+  const ids = texts.map((text) => app.tokenizer.encode(text).ids);
+  const { sequences, ms } = await generate(app, ids);
+  const outputs = sequences.map((row) => app.tokenizer.decode(row, { skip_special_tokens: true }));
   return { ids, sequences, texts: outputs, ms };
 }
 
@@ -158,7 +163,12 @@ const app = await load().catch((error) => {
   showError(`The model could not be loaded: ${error.message}`);
   return null;
 });
-window.onnxmerge = { app, last: null, translate: app ? (texts) => translate(app, texts) : null };
+window.onnxmerge = {
+  app,
+  last: null,
+  translate: app ? (texts) => translate(app, texts) : null,
+  generate: app ? (ids, maxNewTokens) => generate(app, ids, maxNewTokens) : null,
+};
 if (app) {
   $("source").value = (app.site.examples ?? []).join("\n");
   $("translate").disabled = false;

@@ -1,0 +1,475 @@
+"""Browser benchmark: the translation site in Chromium (onnxruntime-web, wasm) next to Python.
+
+For the shipped demo model and the opus-mt-fr-en shape (seeded random weights), one run:
+
+1. builds the site (``onnxmerge.web.build_site``) from the optimum export and counts the bytes
+   the page downloads, file by file, as the local server sends them;
+2. loads the page in Chromium with 1 and 2 wasm threads (2 threads need a cross-origin isolated
+   page: the server sends COOP/COEP for that run) and reads the page's own timings: session
+   creation, then the median time of one translation (``generate`` on fixed token ids, batch 1)
+   after a warm-up; the tokens are checked against the Python runtime's;
+3. in the same process, with the same token ids and thread counts, times ``Seq2SeqModel``
+   (session creation, ``generate``) on the merged file and onnxruntime on the same generator file;
+4. sizes what transformers.js would download for the same model: ``encoder_model.onnx`` +
+   ``decoder_model_merged.onnx`` as exported (fp32) and each quantized with onnxruntime's
+   ``quantize_dynamic`` (q8: QInt8 weights, subgraphs included, as transformers.js's script does).
+
+The opus-mt-fr-en shape has no ``tokenizer.json`` (its tokenizer is sentencepiece), so its site
+carries the demo tokenizer as a stand-in and is timed on token ids only.
+
+Needs chromium and the page's npm packages (``npm ci --ignore-scripts`` in tests/web, done by
+``scripts/setup.sh test``); without them it writes the reason and no figures.
+``--quick``: the demo model only, fewer repeats.
+
+Usage: python benchmarks/bench_web.py [--quick] [--out benchmarks/out/web.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import hashlib
+import http.server
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks import _common  # noqa: E402
+
+DEFAULT_OUT = REPO_ROOT / "benchmarks" / "out" / "web.json"
+NODE_MODULES = REPO_ROOT / "tests" / "web" / "node_modules"
+THREADS = (1, 2)
+
+
+# ---------------------------------------------------------------- models
+
+
+def demo_export(cache_dir: Path = _common.DEFAULT_CACHE_DIR) -> Path:
+    """The shipped demo model exported with optimum, with its tokenizer, cached."""
+    from onnxmerge.demo import DEMO_MODEL_DIR
+
+    digest = hashlib.sha256(json.dumps(_common.package_versions(), sort_keys=True).encode())
+    for path in sorted(DEMO_MODEL_DIR.iterdir()):
+        digest.update(path.name.encode() + path.read_bytes())
+    folder = cache_dir / f"demo-{digest.hexdigest()[:16]}" / "onnx"
+    if not (folder / _common.ENCODER_FILE).exists():
+        with _common._staging(folder) as staging:
+            _common._run_main_export(
+                DEMO_MODEL_DIR, staging, "tied", "text2text-generation-with-past"
+            )
+            for name in ("tokenizer.json", "tokenizer_config.json"):
+                shutil.copy2(DEMO_MODEL_DIR / name, staging / name)
+    return folder
+
+
+def transformers_js_bytes(export_dir: Path, work: Path) -> dict[str, int]:
+    """Bytes of the two files transformers.js loads for a seq2seq model, fp32 and q8."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    files = (_common.ENCODER_FILE, _common.DECODER_MERGED_FILE)
+    q8 = 0
+    for name in files:
+        out = work / name.replace(".onnx", "_quantized.onnx")
+        quantize_dynamic(
+            export_dir / name,
+            out,
+            weight_type=QuantType.QInt8,
+            extra_options={"EnableSubgraph": True, "MatMulConstBOnly": True},
+        )
+        q8 += _common.files_bytes(work, [out.name])
+    return {"fp32": _common.files_bytes(export_dir, files), "q8": q8}
+
+
+# ---------------------------------------------------------------- Python side
+
+
+def python_side(
+    merged: Path, generator: Path, ids: list[list[int]], new_tokens: int, threads: int, repeats: int
+) -> dict[str, Any]:
+    import numpy as np
+    import onnxruntime as ort
+
+    from onnxmerge import Seq2SeqModel
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options.intra_op_num_threads = threads
+    inputs = {
+        "input_ids": np.array(ids, np.int64),
+        "attention_mask": np.ones((1, len(ids[0])), np.int64),
+    }
+    start = time.perf_counter()
+    model = Seq2SeqModel(merged, session_options=options)
+    runtime_session_s = time.perf_counter() - start
+    start = time.perf_counter()
+    session = ort.InferenceSession(str(generator), options, providers=["CPUExecutionProvider"])
+    generator_session_s = time.perf_counter() - start
+    feeds = {**inputs, "max_new_tokens": np.array(new_tokens, np.int64)}
+    runtime_s, sequences = _timed(
+        lambda: model.generate(**inputs, max_new_tokens=new_tokens), repeats
+    )
+    generator_s, _ = _timed(lambda: session.run(None, feeds)[0], repeats)
+    return {
+        "threads": threads,
+        "runtime_session_s": runtime_session_s,
+        "runtime_translation_s": runtime_s,
+        "generator_session_s": generator_session_s,
+        "generator_translation_s": generator_s,
+        "sequences": sequences.tolist(),
+    }
+
+
+def _timed(fn, repeats: int) -> tuple[float, Any]:
+    result = fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), result
+
+
+# ---------------------------------------------------------------- browser side
+
+
+class _Handler(http.server.SimpleHTTPRequestHandler):
+    """Serves the site; counts the bytes of each file sent; isolates the page when asked."""
+
+    def end_headers(self) -> None:
+        if self.server.isolated:
+            self.send_header("Cross-Origin-Opener-Policy", "same-origin")
+            self.send_header("Cross-Origin-Embedder-Policy", "require-corp")
+        super().end_headers()
+
+    def copyfile(self, source, outputfile) -> None:
+        sent = 0
+        while chunk := source.read(1 << 20):
+            outputfile.write(chunk)
+            sent += len(chunk)
+        self.server.sent[self.path.split("?")[0]] += sent
+
+    def log_message(self, format, *args) -> None:  # noqa: A002
+        pass
+
+
+def _serve(site: Path, isolated: bool) -> http.server.ThreadingHTTPServer:
+    server = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0), functools.partial(_Handler, directory=os.fspath(site))
+    )
+    server.isolated = isolated
+    server.sent = collections.Counter()
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def browser_side(
+    browser, site: Path, ids: list[list[int]], new_tokens: int, threads: int, repeats: int
+) -> dict[str, Any]:
+    server = _serve(site, isolated=threads > 1)
+    context = browser.new_context()  # a cold cache: every file is downloaded
+    try:
+        page = context.new_page()
+        url = f"http://127.0.0.1:{server.server_address[1]}/?threads={threads}"
+        page.goto(url)
+        page.wait_for_selector("body[data-state]", timeout=600_000)
+        if page.get_attribute("body", "data-state") != "ready":
+            raise RuntimeError(f"the page did not load: {page.inner_text('#status')}")
+        timings = page.evaluate("window.onnxmerge.app.timings")
+        runs = page.evaluate(
+            """async ([ids, n, repeats]) => {
+                 const out = [];
+                 for (let i = 0; i <= repeats; i++) {
+                   out.push(await window.onnxmerge.generate(ids, n));
+                 }
+                 return out;
+               }""",
+            [ids, new_tokens, repeats],
+        )
+    finally:
+        context.close()
+        server.shutdown()
+        server.server_close()
+    return {
+        "threads": threads,
+        "threads_used": timings["threads"],
+        "cross_origin_isolated": timings["cross_origin_isolated"],
+        "session_s": timings["session_ms"] / 1000,
+        "load_s": timings["load_ms"] / 1000,
+        "translation_s": statistics.median(r["ms"] for r in runs[1:]) / 1000,
+        "bytes_downloaded": sum(server.sent.values()),
+        "files": dict(sorted(server.sent.items())),
+        "sequences": runs[-1]["sequences"],
+    }
+
+
+def _strip(rows: list[list[int]], pad: int) -> list[list[int]]:
+    out = []
+    for row in rows:
+        row = list(row)
+        while len(row) > 1 and row[-1] == pad:
+            row.pop()
+        out.append(row)
+    return out
+
+
+def _download_parts(files: dict[str, int]) -> dict[str, int]:
+    parts = collections.Counter()
+    for path, sent in files.items():
+        if path.endswith("generator.onnx"):
+            parts["model"] += sent
+        elif "/onnxruntime-web/" in path:
+            parts["onnxruntime-web"] += sent
+        elif "/@huggingface/tokenizers/" in path:
+            parts["tokenizer library"] += sent
+        elif path.startswith("/tokenizer"):
+            parts["tokenizer.json + config"] += sent
+        else:
+            parts["page"] += sent
+    return dict(parts)
+
+
+def measure(
+    name: str, export_dir: Path, ids: list[list[int]], new_tokens: int, repeats: int, browser
+) -> dict[str, Any]:
+    import onnxmerge
+    from onnxmerge.generator import build_generator
+    from onnxmerge.web import build_site
+
+    with tempfile.TemporaryDirectory(prefix="bench-web-") as tmp:
+        tmp = Path(tmp)
+        merged = onnxmerge.merge_seq2seq(export_dir, tmp / "model.onnx")
+        generator = build_generator(merged, tmp / "generator.onnx")
+        tokenizer = export_dir if (export_dir / "tokenizer.json").exists() else None
+        if tokenizer is None:
+            from onnxmerge.demo import DEMO_MODEL_DIR
+
+            tokenizer = DEMO_MODEL_DIR
+        site = build_site(generator, tmp / "site", tokenizer=tokenizer)
+        (site / "node_modules").symlink_to(NODE_MODULES, target_is_directory=True)
+        pad = json.loads((site / "site.json").read_text())["pad_token_id"]
+        browser_runs = [browser_side(browser, site, ids, new_tokens, t, repeats) for t in THREADS]
+        python_runs = [python_side(merged, generator, ids, new_tokens, t, repeats) for t in THREADS]
+        same = all(
+            _strip(b["sequences"], pad) == _strip(p["sequences"], pad)
+            for b, p in zip(browser_runs, python_runs, strict=True)
+        )
+        tjs = transformers_js_bytes(export_dir, tmp)
+        result = {
+            "model": name,
+            "source_tokens": len(ids[0]),
+            "max_new_tokens": new_tokens,
+            "generated_tokens": len(python_runs[0]["sequences"][0]) - 1,
+            "same_tokens": same,
+            "merged_bytes": merged.stat().st_size,
+            "generator_bytes": generator.stat().st_size,
+            "page_download_bytes": browser_runs[0]["bytes_downloaded"],
+            "page_download_parts": _download_parts(browser_runs[0]["files"]),
+            "transformers_js_model_bytes": tjs,
+            "chromium": browser_runs,
+            "python": python_runs,
+        }
+    for run in result["chromium"] + result["python"]:
+        run.pop("sequences")
+    return result
+
+
+def _ids(config: dict, length: int) -> list[list[int]]:
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    special = {config.get(k) for k in ("pad_token_id", "eos_token_id", "decoder_start_token_id")}
+    ids = rng.integers(0, int(config["vocab_size"]), size=length).tolist()
+    ids = [5 if i in special else i for i in ids]
+    return [ids[:-1] + [config["eos_token_id"]]]
+
+
+def _demo_ids(export_dir: Path) -> list[list[int]]:
+    from tokenizers import Tokenizer
+
+    from onnxmerge.demo import DEMO_SENTENCES
+
+    tokenizer = Tokenizer.from_file(os.fspath(export_dir / "tokenizer.json"))
+    return [tokenizer.encode(DEMO_SENTENCES[2]).ids]
+
+
+def _launch(playwright):
+    executable = shutil.which("chromium") or shutil.which("chromium-browser")
+    if executable is None:
+        return None, "chromium is not installed (scripts/setup.sh test installs it)"
+    if not (NODE_MODULES / "onnxruntime-web").is_dir():
+        return None, "the page's packages are missing: npm ci --ignore-scripts in tests/web"
+    args = ["--no-sandbox"] if os.geteuid() == 0 else []
+    return playwright.chromium.launch(executable_path=executable, args=args), None
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.2f} MB"
+
+
+def markdown(web: dict[str, Any]) -> list[str]:
+    """The docs/benchmarks.md section of a web.json."""
+    lines = ["## In the browser (onnxruntime-web in Chromium)", ""]
+    if "skipped" in web:
+        return lines + [f"Not measured in this run: {web['skipped']}.", ""]
+    models = web["models"]
+    packages = web["platform"]["packages"]
+    lines += [
+        "The site `onnxmerge web` writes, loaded in headless Chromium "
+        f"{web['chromium']} from a local server (onnxruntime-web "
+        f"{packages.get('onnxruntime-web', '')}, wasm backend), next to "
+        f"onnxruntime {packages.get('onnxruntime', '')} in Python on the same machine, in the "
+        "same run, on the same token ids (batch 1, greedy; median of "
+        f"{web['repeats']} after a warm-up). Written by `benchmarks/bench_web.py`.",
+        "",
+        "| bytes the page downloads (first visit) | "
+        + " | ".join(m["model"] for m in models)
+        + " |",
+        "|---|" + "---:|" * len(models),
+    ]
+    parts = ("model", "onnxruntime-web", "tokenizer library", "tokenizer.json + config", "page")
+    lines.append(
+        "| **total** | " + " | ".join(f"**{_mb(m['page_download_bytes'])}**" for m in models) + " |"
+    )
+    for part in parts:
+        label = "generator.onnx (the model)" if part == "model" else part
+        lines.append(
+            f"| {label} | "
+            + " | ".join(_mb(m["page_download_parts"].get(part, 0)) for m in models)
+            + " |"
+        )
+    for kind in ("fp32", "q8"):
+        lines.append(
+            f"| transformers.js model files, {kind} (encoder + decoder_model_merged) | "
+            + " | ".join(_mb(m["transformers_js_model_bytes"][kind]) for m in models)
+            + " |"
+        )
+    lines += [
+        "",
+        "transformers.js q8 = onnxruntime's `quantize_dynamic` on each file (QInt8 "
+        "weights, subgraphs included); its runtime files come on top of those.",
+        "",
+    ]
+    for m in models:
+        python = {r["threads"]: r for r in m["python"]}
+        lines += [
+            f"**{m['model']}**: {m['source_tokens']} source tokens, "
+            f"{m['generated_tokens']} generated; same tokens in Chromium as in Python: "
+            f"{m['same_tokens']}.",
+            "",
+            "| runtime | threads | session creation s | translation ms | "
+            "× Python runtime (session / translation) |",
+            "|---|---:|---:|---:|---:|",
+        ]
+        for r in m["chromium"]:
+            p = python[r["threads"]]
+            lines.append(
+                f"| Chromium, onnxruntime-web wasm, generator.onnx | {r['threads_used']} | "
+                f"{r['session_s']:.2f} | {r['translation_s'] * 1000:.0f} | "
+                f"{r['session_s'] / p['runtime_session_s']:.1f}x / "
+                f"{r['translation_s'] / p['runtime_translation_s']:.1f}x |"
+            )
+        for p in m["python"]:
+            lines.append(
+                f"| Python, Seq2SeqModel, model.onnx | {p['threads']} | "
+                f"{p['runtime_session_s']:.2f} | "
+                f"{p['runtime_translation_s'] * 1000:.0f} | 1x / 1x |"
+            )
+        for p in m["python"]:
+            lines.append(
+                f"| Python, onnxruntime, generator.onnx | {p['threads']} | "
+                f"{p['generator_session_s']:.2f} | {p['generator_translation_s'] * 1000:.0f} | "
+                f"{p['generator_session_s'] / p['runtime_session_s']:.1f}x / "
+                f"{p['generator_translation_s'] / p['runtime_translation_s']:.1f}x |"
+            )
+        lines.append("")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="the demo model only")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--new-tokens", type=int, default=32, help="for the opus-mt shape")
+    args = parser.parse_args(argv)
+    repeats = 2 if args.quick else args.repeats
+
+    import onnxruntime
+    from playwright.sync_api import sync_playwright
+
+    packages = {**_common.package_versions(), "onnxruntime": onnxruntime.__version__}
+    web_package = NODE_MODULES / "onnxruntime-web" / "package.json"
+    if web_package.exists():
+        packages["onnxruntime-web"] = json.loads(web_package.read_text())["version"]
+    result: dict[str, Any] = {
+        "benchmark": "web",
+        "repeats": repeats,
+        "platform": {
+            "python": platform.python_version(),
+            "machine": platform.machine(),
+            "cpus": os.cpu_count(),
+            "packages": packages,
+        },
+    }
+    with sync_playwright() as playwright:
+        browser, skipped = _launch(playwright)
+        if browser is None:
+            result["skipped"] = skipped
+        else:
+            result["chromium"] = browser.version
+            models = []
+            demo = demo_export()
+            models.append(measure("demo model", demo, _demo_ids(demo), 31, repeats, browser))
+            if not args.quick:
+                opus = _common.export_cached(_common.opus_mt_config, "tied").onnx_dir
+                config = json.loads((opus / "config.json").read_text())
+                models.append(
+                    measure(
+                        "opus-mt-fr-en shape",
+                        opus,
+                        _ids(config, 16),
+                        args.new_tokens,
+                        repeats,
+                        browser,
+                    )
+                )
+            result["models"] = models
+            browser.close()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    if "skipped" in result:
+        print(f"skipped: {result['skipped']}")
+    for m in result.get("models", []):
+        print(
+            f"{m['model']}: page downloads {m['page_download_bytes']} B, same tokens "
+            f"{m['same_tokens']}"
+        )
+        for run in m["chromium"]:
+            print(
+                f"  chromium {run['threads']} thread(s): session {run['session_s']:.2f} s, "
+                f"translation {run['translation_s'] * 1000:.0f} ms"
+            )
+        for run in m["python"]:
+            print(
+                f"  python {run['threads']} thread(s): session {run['runtime_session_s']:.2f} s"
+                f", translation {run['runtime_translation_s'] * 1000:.0f} ms"
+            )
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -359,7 +359,9 @@ def markdown(web: dict[str, Any]) -> list[str]:
     lines += [
         "",
         "transformers.js q8 = onnxruntime's `quantize_dynamic` on each file (QInt8 "
-        "weights, subgraphs included); its runtime files come on top of those.",
+        "weights, subgraphs included); its runtime files come on top of those. The "
+        "opus-mt-fr-en shape has no tokenizer.json (sentencepiece), so its site carries the "
+        "demo tokenizer as a stand-in and is timed on token ids.",
         "",
     ]
     for m in models:

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import hashlib
-import importlib.metadata
 import json
 import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +14,7 @@ import pytest
 
 import onnxmerge
 from onnxmerge import cli
-from onnxmerge.demo import DEMO_MODEL_DIR, DEMO_SENTENCES, english_number, french_number
+from onnxmerge.demo import DEMO_SENTENCES, english_number, french_number
 
 pytest.importorskip("onnxruntime")
 
@@ -85,49 +82,6 @@ def tampered_model(merged_model, tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("tampered") / "model.onnx"
     onnx.save(model, os.fspath(path))
     return path
-
-
-def _demo_export_key() -> str:
-    digest = hashlib.sha256()
-    for path in sorted(DEMO_MODEL_DIR.iterdir()):
-        digest.update(path.name.encode() + path.read_bytes())
-    for name in ("torch", "transformers", "optimum", "optimum-onnx", "onnx"):
-        try:
-            digest.update(f"{name}={importlib.metadata.version(name)}".encode())
-        except importlib.metadata.PackageNotFoundError:
-            digest.update(f"{name}=absent".encode())
-    return digest.hexdigest()[:16]
-
-
-@pytest.fixture(scope="session")
-def demo_export() -> Path:
-    """An optimum export of the shipped demo model, with its tokenizer, cached on disk."""
-    pytest.importorskip("optimum.exporters.onnx", reason="exporting the demo model needs optimum")
-    from tests.models import cache_root
-
-    entry = cache_root() / f"demo--{_demo_export_key()}"
-    if entry.is_dir():
-        return entry
-    from optimum.exporters.onnx import main_export
-
-    entry.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".demo.", dir=entry.parent))
-    try:
-        main_export(
-            os.fspath(DEMO_MODEL_DIR), output=staging, task="text2text-generation-with-past",
-            do_validation=False,
-        )
-        for path in DEMO_MODEL_DIR.iterdir():
-            if path.name.startswith(("tokenizer", "special_tokens")):
-                shutil.copy2(path, staging / path.name)
-        try:
-            os.replace(staging, entry)
-        except OSError:
-            if not entry.is_dir():  # another process cached the same export first
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return entry
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,6 @@ from onnxmerge import cli
 from onnxmerge.demo import LARGEST_NUMBER, french_number, is_held_out
 from onnxmerge.errors import InvalidMergedModelError, OnnxMergeError, RefusedOutputError
 from onnxmerge.web import build_site
-from tests.test_cli import demo_export  # noqa: F401  (a session fixture: the cached demo export)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WEB_DIR = Path(__file__).parent / "web"
@@ -97,7 +96,7 @@ def test_a_failed_build_leaves_no_site_and_no_staging(tmp_path) -> None:
 
 
 @pytest.fixture(scope="module")
-def demo_merged(demo_export, tmp_path_factory) -> Path:  # noqa: F811
+def demo_merged(demo_export, tmp_path_factory) -> Path:
     from onnxmerge import merge_seq2seq
 
     folder = _tokenizer_folder(tmp_path_factory.mktemp("demo-merged"))
@@ -125,7 +124,7 @@ SITE_FILES = {
 
 
 @pytest.fixture(scope="module")
-def demo_site(demo_export, tmp_path_factory) -> Path:  # noqa: F811
+def demo_site(demo_export, tmp_path_factory) -> Path:
     site = tmp_path_factory.mktemp("sites") / "fp32"
     code = cli.main(["web", os.fspath(demo_export), "-o", os.fspath(site), "--json",
                      "--example", "deux cent quarante-trois"])  # fmt: skip
@@ -133,7 +132,7 @@ def demo_site(demo_export, tmp_path_factory) -> Path:  # noqa: F811
     return site
 
 
-def test_cli_writes_the_site_files(demo_site, demo_export) -> None:  # noqa: F811
+def test_cli_writes_the_site_files(demo_site, demo_export) -> None:
     assert {p.name for p in demo_site.iterdir()} == SITE_FILES
     settings = json.loads((demo_site / "site.json").read_text())
     assert settings["max_new_tokens"] == 31  # generation_config max_length 32, minus the start

@@ -6,6 +6,6 @@ tokenizer and a ``package.json`` that pins onnxruntime-web and a JavaScript toke
 
 from __future__ import annotations
 
-from onnxmerge.web.site import build_site
+from onnxmerge.web.static_site import build_site
 
 __all__ = ["build_site"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import enum
 import json
 import logging
 import os
@@ -16,15 +17,36 @@ from dataclasses import asdict, is_dataclass
 from pathlib import Path
 
 from onnxmerge import __version__
-from onnxmerge.errors import OnnxMergeError, RefusedOutputError
+from onnxmerge.errors import ExportFolderError, OnnxMergeError, RefusedOutputError
 
-EXIT_OK = 0
-EXIT_MISMATCH = 1
-EXIT_USAGE = 2
-EXIT_ERROR = 3
-EXIT_MISSING_DEPENDENCY = 4
-EXIT_INTERNAL = 5
-EXIT_INTERRUPTED = 130
+class ExitCode(enum.IntEnum):
+    """The exit codes and what they mean: the one source of docs/cli.md's table and of --help."""
+
+    def __new__(cls, value: int, meaning: str):
+        member = int.__new__(cls, value)
+        member._value_ = value
+        member.meaning = meaning
+        return member
+
+    OK = 0, "success (verify: every output within the tolerance)"
+    MISMATCH = 1, "verify found an output that differs by more than the tolerance"
+    USAGE = 2, "usage error: unknown command or option, missing or invalid argument"
+    ERROR = 3, (
+        "refused input or output: the message says why (missing folder, not an export, "
+        "output exists, not a merged model, ...)"
+    )
+    MISSING_DEPENDENCY = 4, "an optional dependency is missing: the message says what to install"
+    INTERNAL = 5, "an unexpected error, a bug: rerun with -v and report the traceback"
+    INTERRUPTED = 130, "interrupted (Ctrl-C)"
+
+
+EXIT_OK = ExitCode.OK
+EXIT_MISMATCH = ExitCode.MISMATCH
+EXIT_USAGE = ExitCode.USAGE
+EXIT_ERROR = ExitCode.ERROR
+EXIT_MISSING_DEPENDENCY = ExitCode.MISSING_DEPENDENCY
+EXIT_INTERNAL = ExitCode.INTERNAL
+EXIT_INTERRUPTED = ExitCode.INTERRUPTED
 
 
 class _Missing(Exception):
@@ -147,8 +169,12 @@ def _result_json(result) -> dict:
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
-    from onnxmerge.merge import merge_seq2seq_with_report
+    from onnxmerge.merge import DEFAULT_OUTPUT_NAME, merge_seq2seq_with_report
 
+    output = Path(args.output) if args.output else Path(args.dir) / DEFAULT_OUTPUT_NAME
+    new_output = not output.exists()
+    if args.generation:
+        _refuse_existing_generator(output, args.overwrite)
     steps = _Steps(quiet=args.json)
     try:
         result = merge_seq2seq_with_report(
@@ -166,20 +192,26 @@ def cmd_merge(args: argparse.Namespace) -> int:
     if args.generation:
         from onnxmerge.generator import build_generator
 
+        num_beams = args.num_beams or 4
         steps(f"building the {args.generation} decoding loop")
         try:
             generator = build_generator(
                 result.path,
                 search=args.generation,
-                num_beams=args.num_beams,
+                num_beams=num_beams,
                 overwrite=args.overwrite,
             )
+        except BaseException:
+            if new_output:  # no half-done output: the merged model goes with the generator
+                result.path.unlink(missing_ok=True)
+            raise
         finally:
             steps.finish()
         data["generator"] = {
             "path": generator,
             "bytes": generator.stat().st_size,
             "search": args.generation,
+            "num_beams": num_beams if args.generation == "beam" else 1,
         }
         summary += (
             f"\nwrote {generator} ({_human(generator.stat().st_size)}): "
@@ -189,12 +221,32 @@ def cmd_merge(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _refuse_existing_generator(merged: Path, overwrite: bool) -> None:
+    """Refuse before merging, so that a refusal writes neither file."""
+    from onnxmerge.generator import DEFAULT_OUTPUT_NAME
+
+    generator = merged.parent / DEFAULT_OUTPUT_NAME
+    if generator.exists() and not overwrite:
+        raise RefusedOutputError(
+            f"{generator} exists; pass --overwrite to replace it (and {merged.name}), "
+            "or move it away; nothing was written"
+        )
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     from onnxmerge.verify import verify
 
     _need("onnxruntime", "runtime")
     against = Path(args.against) if args.against else Path(args.file).parent
-    report = verify(args.file, against, seed=args.seed, tolerance=args.tolerance)
+    try:
+        report = verify(args.file, against, seed=args.seed, tolerance=args.tolerance)
+    except ExportFolderError as e:
+        if args.against:
+            raise
+        raise ExportFolderError(
+            f"{e}. verify compares the model with the export folder it was merged from, by "
+            f"default the folder the model is in ({against}); name it with --against DIR"
+        ) from e
     rows = [
         (d.step, d.name, "x".join(map(str, d.shape)), f"{d.max_abs_diff:.3g}") for d in report.diffs
     ]
@@ -253,24 +305,37 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import numpy as np
 
     _need("onnxruntime", "runtime")
-    from onnxmerge.runtime import Seq2SeqModel
-
-    model = Seq2SeqModel(args.file)
-    options = {
-        k: v
-        for k, v in (("max_new_tokens", args.max_new_tokens), ("num_beams", args.num_beams))
-        if v is not None
-    }
     if args.text:
-        texts = model.translate(args.text, **options)
+        _need("transformers", "text")
+    from onnxmerge.runtime import Seq2SeqModel, TextGenerator
+
+    steps = _Steps(quiet=args.json)
+    try:
+        steps("loading the model")
+        model = Seq2SeqModel(args.file)
+        if args.text:
+            steps("loading the tokenizer")
+            tokenizer = TextGenerator.load_tokenizer(model.path.parent)
+        steps("generating")
+        options = {
+            k: v
+            for k, v in (("max_new_tokens", args.max_new_tokens), ("num_beams", args.num_beams))
+            if v is not None
+        }
+        if args.text:
+            texts = model.translate(args.text, tokenizer, **options)
+        else:
+            ids = np.array([args.ids], dtype=np.int64)
+            sequences = model.generate(input_ids=ids, attention_mask=np.ones_like(ids), **options)
+    finally:
+        steps.finish()
+    if args.text:
         _emit(
             args,
             {"inputs": args.text, "outputs": texts},
             lambda: "\n".join(f"{s}\n  -> {t}" for s, t in zip(args.text, texts, strict=True)),
         )
         return EXIT_OK
-    ids = np.array([args.ids], dtype=np.int64)
-    sequences = model.generate(input_ids=ids, attention_mask=np.ones_like(ids), **options)
     _emit(
         args,
         {"sequences": sequences.tolist()},
@@ -426,13 +491,31 @@ def _emit(args: argparse.Namespace, data, text: Callable[[], str]) -> None:
         print(text())
 
 
+def _at_least(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+
+    return parse
+
+
+def _check_merge_args(args: argparse.Namespace) -> str | None:
+    if args.num_beams is not None and args.generation != "beam":
+        return "--num-beams applies only with --generation beam"
+    return None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="onnxmerge",
         description="Merge an optimum seq2seq ONNX export into one file with every tensor stored "
         "once, check it, inspect it and generate with it.",
-        epilog="Exit codes: 0 success, 1 verification mismatch, 2 usage error, 3 refused input or "
-        "output (the message says why), 4 missing optional dependency, 5 internal error.",
+        epilog="Exit codes: " + "; ".join(f"{c.value} {c.meaning}" for c in ExitCode) + ".",
     )
     parser.add_argument("--version", action="version", version=f"onnxmerge {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log details; show tracebacks")
@@ -451,7 +534,7 @@ def build_parser() -> argparse.ArgumentParser:
     def add(name: str, handler, help_: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_, description=help_, parents=[common])
         p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
-        p.set_defaults(handler=handler)
+        p.set_defaults(handler=handler, command_parser=p)
         return p
 
     p = add("merge", cmd_merge, "merge an export folder into one model")
@@ -473,7 +556,10 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("greedy", "beam"),
         help="also write generator.onnx: the whole decoding loop inside one graph",
     )
-    p.add_argument("--num-beams", type=int, default=4, help="beams for --generation beam")
+    p.add_argument(
+        "--num-beams", type=_at_least(2), help="beams for --generation beam (default 4)"
+    )
+    p.set_defaults(check=_check_merge_args)
 
     p = add("verify", cmd_verify, "compare a merged model with the files it came from")
     p.add_argument("file", help="merged model")
@@ -492,8 +578,8 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument(
         "--text", nargs="+", help="source texts (needs a tokenizer beside the model)"
     )
-    p.add_argument("--max-new-tokens", type=int)
-    p.add_argument("--num-beams", type=int)
+    p.add_argument("--max-new-tokens", type=_at_least(1))
+    p.add_argument("--num-beams", type=_at_least(1))
 
     p = add(
         "export", cmd_export, "export a local model folder (or hub id) with optimum, then merge"
@@ -523,6 +609,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    problem = args.check(args) if hasattr(args, "check") else None
+    if problem:
+        args.command_parser.error(problem)  # exits with the usage code
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
@@ -540,7 +629,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         code, message = _failure(e)
         if args.verbose:
             traceback.print_exc()
-        print(f"onnxmerge: error: {message}", file=sys.stderr)
+        print(f"onnxmerge: error: {message}", file=sys.stderr, flush=True)
+        if args.json:  # a reader of stdout gets the failure as JSON too
+            print(json.dumps({"error": {"exit_code": int(code), "message": message}}, indent=2))
         return code
 
 

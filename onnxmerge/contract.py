@@ -18,6 +18,7 @@ META_LAYOUT = "onnxmerge.layout"
 META_CONFIG = "onnxmerge.config"
 META_GENERATION_CONFIG = "onnxmerge.generation_config"
 META_ENCODER_INPUTS = "onnxmerge.encoder_inputs"
+META_GENERATOR = "onnxmerge.generator"  # a generator model (docs/generator.md), not a merged one
 
 LAYOUT_WITH_PAST = "with_past"
 LAYOUT_WITHOUT_PAST = "without_past"
@@ -86,7 +87,10 @@ class ContractInfo:
 
 
 def read_contract(
-    metadata: dict[str, str], input_names: list[str], output_names: list[str]
+    metadata: dict[str, str],
+    input_names: list[str],
+    output_names: list[str],
+    path: object = "the model",
 ) -> ContractInfo:
     """Read the contract of a merged model from its metadata and I/O names.
 
@@ -96,10 +100,17 @@ def read_contract(
     from onnxmerge.errors import InvalidMergedModelError
 
     version = metadata.get(META_FORMAT_VERSION)
+    if version is None and META_GENERATOR in metadata:
+        raise InvalidMergedModelError(
+            f"{path} is a generator model (the decoding loop inside the graph, written by "
+            "build_generator or `onnxmerge merge --generation`), not a merged model: run it "
+            "with one onnxruntime session.run (docs/generator.md), or generate with the merged "
+            "model it was built from (model.onnx)"
+        )
     if version is None:
         raise InvalidMergedModelError(
-            f"the model has no {META_FORMAT_VERSION!r} metadata: it was not written by "
-            "onnxmerge; merge its export folder with onnxmerge.merge_seq2seq() first"
+            f"{path} has no {META_FORMAT_VERSION!r} metadata, so it is not a merged model: "
+            "merge its export folder first (`onnxmerge merge DIR`, or onnxmerge.merge_seq2seq)"
         )
     if version != FORMAT_VERSION:
         raise InvalidMergedModelError(

@@ -122,8 +122,9 @@ def verify(
     except Exception as e:  # onnxruntime raises its own types for unreadable files
         raise InvalidMergedModelError(f"onnxruntime cannot load {merged}: {e}") from e
     meta = model.get_modelmeta().custom_metadata_map
-    if contract.META_FORMAT_VERSION not in meta:
-        raise InvalidMergedModelError(f"{merged} is not a model written by onnxmerge")
+    contract.read_contract(
+        meta, [i.name for i in model.get_inputs()], [o.name for o in model.get_outputs()], merged
+    )
     config = json.loads(meta.get(contract.META_CONFIG, "{}"))
     chosen, _, _ = load_export(export_dir, merged, ignore_merged=True)
     feeds = sample_encoder_inputs(model, config, batch=batch, length=encoder_length, rng=rng)

@@ -53,6 +53,10 @@ def _demo_export_key() -> str:
 def demo_export() -> Path:
     """An optimum export of the shipped demo model, with its tokenizer, cached on disk."""
     pytest.importorskip("optimum.exporters.onnx", reason="exporting the demo model needs optimum")
+    return cached_demo_export()
+
+
+def cached_demo_export() -> Path:
     from tests.models import cache_root
 
     entry = cache_root() / f"demo--{_demo_export_key()}"

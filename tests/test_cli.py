@@ -241,12 +241,12 @@ def test_verify_a_copy_against_a_folder_that_holds_a_merged_model(merged_model, 
 
 def test_verify_away_from_the_export_folder_needs_against(tampered_model) -> None:
     result = run("verify", tampered_model)
-    assert_one_line_error(result, EXIT_ERROR, "encoder_model.onnx")
+    assert_one_line_error(result, EXIT_ERROR, "encoder_model.onnx", "--against")
 
 
 def test_verify_refuses_a_model_onnxmerge_did_not_write(marian) -> None:
     result = run("verify", marian.onnx_dir / "encoder_model.onnx")
-    assert_one_line_error(result, EXIT_ERROR, "not a model written by onnxmerge")
+    assert_one_line_error(result, EXIT_ERROR, "not a merged model", "onnxmerge merge DIR")
 
 
 # ---------------------------------------------------------------------------------------------

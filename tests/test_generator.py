@@ -289,7 +289,7 @@ def test_refusals(zoo, tiny_export, tmp_path):
         build_generator(
             zoo.merged("marian"), tmp_path / "g.onnx", generation_config={"max_new_tokens": 3}
         )
-    with pytest.raises(GenerationError, match="encoder_repetition_penalty"):
+    with pytest.raises(GenerationError, match="encoder_repetition_penalty=1.5 is given in gen"):
         build_generator(
             zoo.merged("marian"), tmp_path / "g.onnx",
             generation_config={"encoder_repetition_penalty": 1.5},

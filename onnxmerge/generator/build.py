@@ -37,7 +37,7 @@ DEFAULT_OUTPUT_NAME = "generator.onnx"
 MAX_NEW_TOKENS = "max_new_tokens"
 SEQUENCES = "sequences"
 SEQUENCES_SCORES = "sequences_scores"
-META_GENERATOR = "onnxmerge.generator"
+META_GENERATOR = contract.META_GENERATOR
 GENERATOR_VERSION = "1"
 SEARCHES = ("greedy", "beam")
 
@@ -113,6 +113,7 @@ def _build_from_merged(
         )
     beams = num_beams if search_kind == "beam" else 1
     overrides = dict(generation_config or {})
+    given = set(overrides)
     fixed = {"num_beams", "do_sample", "num_return_sequences", "max_new_tokens", "max_length"}
     if fixed & set(overrides):
         raise GenerationError(
@@ -121,7 +122,7 @@ def _build_from_merged(
         )
     overrides.update(num_beams=beams, do_sample=False, num_return_sequences=1)
     settings = resolve_settings(info.config, info.generation_config, overrides, 1)
-    processors.check_supported(settings)
+    processors.check_supported(settings, given)
     _assemble(model, info, settings, beams)
     # The cached steps' empty encoder presents are no longer returned: drop what made them.
     ir.passes.common.RemoveUnusedNodesPass()(model)

@@ -8,6 +8,7 @@ from the ``max_new_tokens`` input.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,13 +31,22 @@ class StepValues:
     encoder_ids: ir.Value | None
 
 
-def check_supported(settings: GenerationSettings) -> None:
-    """Refuse settings whose processors the graph does not implement."""
+def check_supported(settings: GenerationSettings, given: Collection[str] = ()) -> None:
+    """Refuse settings whose processors the graph does not implement.
+
+    ``given`` names the settings passed as ``generation_config=``, so the message blames them
+    rather than the model's own generation config.
+    """
     if settings.encoder_repetition_penalty != 1.0:
+        key = "encoder_repetition_penalty"
+        where, fix = (
+            ("given in generation_config=", "leave it out")
+            if key in given
+            else ("set in the model's generation config", "override it with generation_config=")
+        )
         raise GenerationError(
-            f"encoder_repetition_penalty={settings.encoder_repetition_penalty} is set in the "
-            "model's generation config; the generator graph does not implement it. Generate "
-            "with onnxmerge.Seq2SeqModel instead, or override it with generation_config="
+            f"{key}={settings.encoder_repetition_penalty} is {where}; the generator graph does "
+            f"not implement it. Generate with onnxmerge.Seq2SeqModel instead, or {fix}"
         )
 
 

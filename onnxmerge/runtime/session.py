@@ -182,7 +182,9 @@ class MergedSession:
         inputs = self.session.get_inputs()
         outputs = self.session.get_outputs()
         metadata = self.session.get_modelmeta().custom_metadata_map
-        self.info = c.read_contract(metadata, [i.name for i in inputs], [o.name for o in outputs])
+        self.info = c.read_contract(
+            metadata, [i.name for i in inputs], [o.name for o in outputs], self.path
+        )
         self.inputs = {
             i.name: InputSpec(i.name, ORT_TO_NUMPY.get(i.type, np.float32), tuple(i.shape))
             for i in inputs

@@ -24,6 +24,14 @@ class TextGenerator:
     """
 
     def __init__(self, model: Seq2SeqModel, tokenizer: Any | None = None):
+        if tokenizer is not None and not (
+            callable(tokenizer) and hasattr(tokenizer, "batch_decode")
+        ):
+            raise GenerationError(
+                f"tokenizer= must be a transformers tokenizer (AutoTokenizer.from_pretrained), "
+                f"got {type(tokenizer).__name__}; wrap a tokenizers.Tokenizer with "
+                "transformers.PreTrainedTokenizerFast(tokenizer_object=...)"
+            )
         self.model = model
         self.tokenizer = (
             tokenizer if tokenizer is not None else self.load_tokenizer(model.path.parent)

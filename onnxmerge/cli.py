@@ -19,6 +19,7 @@ from pathlib import Path
 from onnxmerge import __version__
 from onnxmerge.errors import ExportFolderError, OnnxMergeError, RefusedOutputError
 
+
 class ExitCode(enum.IntEnum):
     """The exit codes and what they mean: the one source of docs/cli.md's table and of --help."""
 
@@ -31,9 +32,12 @@ class ExitCode(enum.IntEnum):
     OK = 0, "success (verify: every output within the tolerance)"
     MISMATCH = 1, "verify found an output that differs by more than the tolerance"
     USAGE = 2, "usage error: unknown command or option, missing or invalid argument"
-    ERROR = 3, (
-        "refused input or output: the message says why (missing folder, not an export, "
-        "output exists, not a merged model, ...)"
+    ERROR = (
+        3,
+        (
+            "refused input or output: the message says why (missing folder, not an export, "
+            "output exists, not a merged model, ...)"
+        ),
     )
     MISSING_DEPENDENCY = 4, "an optional dependency is missing: the message says what to install"
     INTERNAL = 5, "an unexpected error, a bug: rerun with -v and report the traceback"
@@ -307,6 +311,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     _need("onnxruntime", "runtime")
     if args.text:
         _need("transformers", "text")
+        _tokenizers_only()
     from onnxmerge.runtime import Seq2SeqModel, TextGenerator
 
     steps = _Steps(quiet=args.json)
@@ -342,6 +347,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
         lambda: "\n".join(" ".join(map(str, row)) for row in sequences.tolist()),
     )
     return EXIT_OK
+
+
+def _tokenizers_only() -> None:
+    """Keep transformers from importing torch, which only a tokenizer's user would wait for
+    (seconds); called where this process needs no model from transformers."""
+    if "transformers" not in sys.modules:
+        os.environ.setdefault("USE_TORCH", "0")
+        if not logging.getLogger().isEnabledFor(logging.INFO):
+            os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # "no PyTorch found"
 
 
 def _export(model: str, output: Path, task: str) -> None:
@@ -417,6 +431,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
             steps("exporting the demo model with optimum")
             _export(os.fspath(DEMO_MODEL_DIR), export_dir, "text2text-generation-with-past")
             _copy_tokenizer(DEMO_MODEL_DIR, export_dir)
+        else:
+            _tokenizers_only()
         result = merge_seq2seq_with_report(export_dir, overwrite=True, progress=steps)
         result = _with_checkpoint(result, DEMO_MODEL_DIR)
         steps("translating")
@@ -556,9 +572,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("greedy", "beam"),
         help="also write generator.onnx: the whole decoding loop inside one graph",
     )
-    p.add_argument(
-        "--num-beams", type=_at_least(2), help="beams for --generation beam (default 4)"
-    )
+    p.add_argument("--num-beams", type=_at_least(2), help="beams for --generation beam (default 4)")
     p.set_defaults(check=_check_merge_args)
 
     p = add("verify", cmd_verify, "compare a merged model with the files it came from")

@@ -195,6 +195,28 @@ def test_merge_with_generation_writes_the_loop_model(marian, tmp_path) -> None:
     assert {op.domain for op in model.opset_import} <= {"", "ai.onnx"}
 
 
+def test_merge_with_generation_checks_both_outputs_before_writing(marian, tmp_path) -> None:
+    # Once, model.onnx was written and only then the existing generator.onnx refused.
+    folder = copy_export(marian.onnx_dir, tmp_path / "export")
+    (folder / "generator.onnx").write_bytes(b"an earlier generator")
+    result = run("merge", folder, "--generation", "greedy")
+    assert_one_line_error(result, EXIT_ERROR, str(folder / "generator.onnx"), "--overwrite")
+    assert not (folder / "model.onnx").exists()
+    assert (folder / "generator.onnx").read_bytes() == b"an earlier generator"
+
+
+@pytest.mark.parametrize(
+    "options",
+    [["--num-beams", "3"], ["--generation", "greedy", "--num-beams", "3"],
+     ["--generation", "beam", "--num-beams", "1"]],
+)  # fmt: skip
+def test_merge_num_beams_needs_beam_generation(tmp_path, options) -> None:
+    # A usage error (2) comes before the missing folder is noticed (3).
+    result = run("merge", tmp_path / "absent", *options)
+    assert result.returncode == EXIT_USAGE, result.stderr
+    assert "--num-beams" in result.stderr
+
+
 # ---------------------------------------------------------------------------------------------
 # verify
 
@@ -331,6 +353,30 @@ def test_generate_text_without_a_tokenizer_says_so(merged_model) -> None:
     assert_one_line_error(result, EXIT_ERROR, "tokenizer")
 
 
+def test_generate_refuses_max_new_tokens_0_in_its_own_terms(merged_model) -> None:
+    result = run("generate", merged_model, "--ids", *SOURCE_IDS, "--max-new-tokens", "0")
+    assert result.returncode == EXIT_USAGE
+    assert "--max-new-tokens" in result.stderr and "max_length" not in result.stderr
+
+
+def test_generate_and_verify_say_what_a_generator_model_is(tmp_path) -> None:
+    import onnx
+    from onnx import TensorProto, helper
+
+    ids = helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "length"])
+    out = helper.make_tensor_value_info("sequences", TensorProto.INT64, ["batch", "length"])
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["input_ids"], ["sequences"])], "g", [ids], [out]
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    helper.set_model_props(model, {"onnxmerge.generator": '{"version": "1"}'})
+    path = tmp_path / "generator.onnx"
+    onnx.save(model, path)
+    for command in (["generate", path, "--ids", "5", "0"], ["verify", path]):
+        result = run(*command)
+        assert_one_line_error(result, EXIT_ERROR, str(path), "a generator model", "session.run")
+
+
 def test_generate_needs_ids_or_text(merged_model) -> None:
     result = run("generate", merged_model)
     assert result.returncode == EXIT_USAGE
@@ -423,18 +469,22 @@ def test_verbose_shows_the_traceback_and_keeps_the_exit_code(tmp_path, where) ->
     assert "ExportFolderError" in result.stderr
 
 
-def test_missing_optional_dependency_exits_4(merged_model) -> None:
-    # Hide onnxruntime from the dependency check only, as if it were not installed.
+def run_without(module: str, *args: object) -> subprocess.CompletedProcess[str]:
+    """The command, with ``module`` hidden from the dependency check as if not installed."""
     code = (
         "import importlib.util as u, sys; real = u.find_spec; "
-        "u.find_spec = lambda name, package=None: None if name == 'onnxruntime' "
+        f"u.find_spec = lambda name, package=None: None if name == {module!r} "
         "else real(name, package); "
         "from onnxmerge.cli import main; sys.exit(main(sys.argv[1:]))"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", code, "verify", os.fspath(merged_model)],
+    return subprocess.run(
+        [sys.executable, "-c", code, *map(os.fspath, args)],
         capture_output=True, text=True, timeout=600,
     )
+
+
+def test_missing_optional_dependency_exits_4(merged_model) -> None:
+    result = run_without("onnxruntime", "verify", merged_model)
     assert_one_line_error(result, EXIT_MISSING, "onnxruntime", "pip install 'onnxmerge[runtime]'")
 
 
@@ -459,3 +509,22 @@ def test_inspect_folds_cache_tensors_by_the_contract_not_by_dots(tmp_path, capsy
     for layer in (1, 2, 3, 99):
         assert f"past_key_values.{layer}.decoder.key" not in out
     assert "4 more cache tensors (--all shows them)" in out
+
+
+def test_generate_text_without_transformers_exits_4(merged_model) -> None:
+    # Once, this was exit 5, "report it".
+    result = run_without("transformers", "generate", merged_model, "--text", "Bonjour")
+    assert_one_line_error(result, EXIT_MISSING, "transformers", "pip install 'onnxmerge[text]'")
+
+
+def test_json_errors_are_json_on_stdout_too(tmp_path) -> None:
+    result = run("merge", tmp_path / "absent", "--json")
+    assert_one_line_error(result, EXIT_ERROR, "not a folder")
+    error = json.loads(result.stdout)["error"]
+    assert error["exit_code"] == EXIT_ERROR and "not a folder" in error["message"]
+
+
+def test_every_exit_code_is_in_the_help() -> None:
+    help_text = " ".join(run("--help").stdout.split())
+    for code in cli.ExitCode:
+        assert f"{code.value} {code.meaning}" in help_text

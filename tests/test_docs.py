@@ -143,11 +143,14 @@ class Page:
 
     def __init__(self, materials: Path, scratch: Path):
         self.materials, self.scratch = materials, scratch
+        self.bin = materials.parent / f"{materials.name}-bin"
         self.done = 0  # blocks of the page run so far
+        self.folders = 0
         self.fresh()
 
     def fresh(self) -> None:
-        self.work = Path(shutil.copytree(self.materials, self.scratch / f"work{self.done}"))
+        self.folders += 1
+        self.work = Path(shutil.copytree(self.materials, self.scratch / f"work{self.folders}"))
         self.namespace: dict = {"__name__": "__doc_example__"}
 
     def run(self, block: Block) -> None:
@@ -163,7 +166,9 @@ class Page:
             self.run_console(block)
         elif block.kind == SHELL:
             result = self.shell(block.text)
-            assert result.returncode == 0, f"{block.where}: exit {result.returncode}\n{result.stdout}"
+            assert result.returncode == 0, (
+                f"{block.where}: exit {result.returncode}\n{result.stdout}"
+            )
 
     def run_python(self, block: Block) -> None:
         code = compile(block.text, block.where, "exec")
@@ -175,20 +180,27 @@ class Page:
             os.chdir(cwd)
 
     def shell(self, script: str) -> subprocess.CompletedProcess[str]:
-        """``script`` in bash in the work folder, stdout and stderr in one stream, as on a screen."""
+        """``script`` run by bash in the work folder; stdout and stderr in one stream, in order."""
         env = dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="80")
-        env["PATH"] = f"{self.materials.parent / (self.materials.name + '-bin')}:{env['PATH']}"
+        env["PATH"] = f"{self.bin}{os.pathsep}{env['PATH']}"
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
         return subprocess.run(
-            ["bash", "-c", script], cwd=self.work, env=env, text=True, timeout=300,
-            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            ["bash", "-c", script],
+            cwd=self.work,
+            env=env,
+            text=True,
+            timeout=300,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
         )
 
     def run_console(self, block: Block) -> None:
         commands = parse_console(block.text)
         mark = "@@doctest-end-of-command@@"
         script = "".join(
-            f"{command}\n__rc=$?; echo; echo {mark} $__rc; (exit $__rc)\n" for command, _ in commands
+            f"{command}\n__rc=$?; echo; echo {mark} $__rc; (exit $__rc)\n"
+            for command, _ in commands
         )
         pieces = self.shell(script).stdout.split(f"\n{mark} ")
         # pieces: output 0, then "exit code i-1\noutput i" for each later command, "exit code n-1\n"
@@ -231,9 +243,13 @@ def compare(block: Block, command: str, expected: list[str], actual: str) -> Non
     try:
         expected_json = json.loads(expected_rest)
     except ValueError:
-        assert got_rest == expected_rest, f"{where}: printed\n{got_rest}\n\nthe page shows\n{expected_rest}"
+        assert got_rest == expected_rest, (
+            f"{where}: printed\n{got_rest}\n\nthe page shows\n{expected_rest}"
+        )
         return
-    differences = json_differences(expected_json, json.loads(got_rest), "shortened" in block.markers)
+    differences = json_differences(
+        expected_json, json.loads(got_rest), "shortened" in block.markers
+    )
     assert not differences, f"{where}: the JSON printed differs:\n" + "\n".join(differences[:20])
 
 
@@ -262,7 +278,7 @@ def json_differences(expected, actual, shortened: bool, at: str = "") -> list[st
             return [f"{at}: {len(actual)} items, {len(expected)} shown"]
         return [
             d
-            for i, (e, a) in enumerate(zip(expected, actual))
+            for i, (e, a) in enumerate(zip(expected, actual, strict=False))
             for d in json_differences(e, a, shortened, f"{at}[{i}]")
         ]
     if expected == actual and type(expected) is type(actual):
@@ -299,9 +315,10 @@ def check_signature(block: Block) -> None:
     doc = ast.parse(f"def documented{text}:\n    pass").body[0].args
     documented: dict[str, tuple[str, object]] = {}
     positional = doc.posonlyargs + doc.args
-    for arg, default in zip(positional, [None] * (len(positional) - len(doc.defaults)) + doc.defaults):
+    missing = [None] * (len(positional) - len(doc.defaults))
+    for arg, default in zip(positional, missing + doc.defaults, strict=True):
         documented[arg.arg] = ("positional", default)
-    for arg, default in zip(doc.kwonlyargs, doc.kw_defaults):
+    for arg, default in zip(doc.kwonlyargs, doc.kw_defaults, strict=True):
         documented[arg.arg] = ("keyword", default)
     wrong = []
     takes_named = any(p.kind is p.VAR_KEYWORD for p in real.parameters.values())
@@ -374,10 +391,10 @@ def test_exit_code_table_in_cli_md_is_the_code() -> None:
 
 
 def write_outputs(page: Path, materials: Path, scratch: Path) -> None:
-    """Replace the output under each command of the page's console blocks by the real one.
+    """Replace the output shown under each command of the page's console blocks by the real one.
 
-    Blocks marked ``shortened`` or ``skip`` are left as they are; progress lines are written only
-    under commands that showed some.
+    Commands shown without output, and blocks marked ``shortened`` or ``skip``, are left as they
+    are; progress lines are written only under commands that showed some.
     """
     state = Page(materials, scratch)
     rewritten: dict[int, list[str]] = {}
@@ -396,7 +413,9 @@ def write_outputs(page: Path, materials: Path, scratch: Path) -> None:
             out = _trim(result.stdout.splitlines())
             if not any(_PROGRESS.match(line) for line in shown):
                 out = [line for line in out if not _PROGRESS.match(line)]
-            body += [f"$ {command}", *([str(code)] if command == "echo $?" else out)]
+            if command == "echo $?":
+                out = [str(code)]
+            body += [f"$ {command}", *(out if _trim(shown) else [])]
             code = result.returncode
         rewritten[block.line] = body
     lines = page.read_text(encoding="utf-8").splitlines()

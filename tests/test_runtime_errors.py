@@ -111,3 +111,9 @@ def test_unsupported_generation_config_is_refused(marian):
 def test_errors_share_the_base_class():
     assert issubclass(GenerationError, OnnxMergeError)
     assert issubclass(GenerationError, ValueError)
+
+
+def test_a_tokenizer_that_is_not_a_transformers_tokenizer_is_refused(marian):
+    model, _, _ = marian
+    with pytest.raises(GenerationError, match="transformers tokenizer"):
+        model.translate("x", tokenizer=lambda texts, **kwargs: texts)

@@ -54,7 +54,8 @@ class Block:
 
     @property
     def where(self) -> str:
-        return f"{self.page.relative_to(ROOT)}:{self.line}"
+        page = self.page.relative_to(ROOT) if self.page.is_relative_to(ROOT) else self.page
+        return f"{page}:{self.line}"
 
 
 def extract(page: Path) -> list[Block]:
@@ -112,6 +113,29 @@ def test_every_block_has_a_known_language_and_valid_markers() -> None:
 def test_the_pages_hold_examples_that_run() -> None:
     ran = [b for b in CODE_BLOCKS if "skip" not in b.markers]
     assert len(ran) >= 20 and len(ran) > 2 * (len(CODE_BLOCKS) - len(ran))
+
+
+def test_the_checks_catch_stale_output_and_signatures(tmp_path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text(
+        '<!-- doctest: shortened -->\n```console\n$ x\n{"a": [1], "b": 2}\n```\n\n'
+        "<!-- doctest: signature onnxmerge.merge_seq2seq -->\n```python\n"
+        "merge_seq2seq(export_dir, output=None, *, overwrite=True)\n```\n"
+    )
+    shortened, signature = extract(page)
+    compare(
+        shortened, "x", ["  loading ... 0.4 s", '{"a": [1]}'], '  loading ... 3.0 s\n{"a": [1, 2]}'
+    )
+    with pytest.raises(AssertionError, match=r"\.a\[0\]: 3 printed, 1 shown"):
+        compare(shortened, "x", ['{"a": [1]}'], '{"a": [3], "b": 2}')
+    with pytest.raises(AssertionError, match="progress lines not printed"):
+        compare(shortened, "x", ["  saving ... 0.1 s"], "  loading ... 0.1 s")
+    with pytest.raises(AssertionError, match="the page shows"):
+        compare(shortened, "x", ["tensors: 136 in, 89 out"], "tensors: 136 in, 91 out")
+    with pytest.raises(AssertionError) as raised:
+        check_signature(signature)
+    assert "overwrite: documented default True, real False" in str(raised.value)
+    assert "external_data is not documented" in str(raised.value)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -32,13 +32,7 @@ class ExitCode(enum.IntEnum):
     OK = 0, "success (verify: every output within the tolerance)"
     MISMATCH = 1, "verify found an output that differs by more than the tolerance"
     USAGE = 2, "usage error: unknown command or option, missing or invalid argument"
-    ERROR = (
-        3,
-        (
-            "refused input or output: the message says why (missing folder, not an export, "
-            "output exists, not a merged model, ...)"
-        ),
-    )
+    ERROR = 3, "refused input or output: the message says why (not an export, output exists, ...)"
     MISSING_DEPENDENCY = 4, "an optional dependency is missing: the message says what to install"
     INTERNAL = 5, "an unexpected error, a bug: rerun with -v and report the traceback"
     INTERRUPTED = 130, "interrupted (Ctrl-C)"

@@ -487,6 +487,80 @@ def cmd_web(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+class _Progress:
+    """A progress bar on stderr (a line per model when stderr is not a terminal)."""
+
+    def __init__(self, quiet: bool):
+        self.quiet = quiet
+        self.tty = sys.stderr.isatty()
+        self.counts: dict[str, int] = {}
+
+    def __call__(self, result, done: int, total: int) -> None:
+        self.counts[result.status] = self.counts.get(result.status, 0) + 1
+        if self.quiet:
+            return
+        counts = ", ".join(f"{n} {status}" for status, n in self.counts.items())
+        if self.tty:
+            filled = round(30 * done / total)
+            bar = "#" * filled + "-" * (30 - filled)
+            print(f"\r[{bar}] {done}/{total}  {counts}\033[K", end="", file=sys.stderr, flush=True)
+        else:
+            print(f"  [{done}/{total}] {result.name}: {result.status}", file=sys.stderr, flush=True)
+
+    def finish(self) -> None:
+        if self.tty and not self.quiet and self.counts:
+            print(file=sys.stderr)
+
+
+def cmd_batch(args: argparse.Namespace) -> int:
+    from onnxmerge.batch import FAILED, RESULTS_NAME, convert_many
+
+    progress = _Progress(quiet=args.json)
+    started = time.perf_counter()
+    try:
+        results = convert_many(
+            args.sources,
+            args.output,
+            jobs=args.jobs,
+            ray=args.ray or False,
+            weights=args.weights,
+            generation=args.generation,
+            num_beams=args.num_beams,
+            web=args.web,
+            memory_bytes=int(args.memory * 2**30) if args.memory else None,
+            on_result=progress,
+        )
+    finally:
+        progress.finish()
+    elapsed = time.perf_counter() - started
+
+    def text() -> str:
+        rows = [
+            (
+                r.name,
+                r.status,
+                _human(r.input_bytes),
+                _human(r.model_bytes),
+                f"{r.ratio_to_checkpoint:.3f}x" if r.ratio_to_checkpoint else "-",
+                f"{sum(r.seconds.values()):.1f}",
+                _human(r.peak_rss_bytes),
+                (r.error or "")[:100],
+            )
+            for r in results
+        ]
+        header = ("model", "status", "read", "model.onnx", "vs checkpoint", "s", "peak RSS")
+        header += ("error",)
+        counts = ", ".join(f"{n} {s}" for s, n in progress.counts.items()) or "no models"
+        return (
+            table(rows, header)
+            + f"\n\n{counts} in {elapsed:.1f} s; one line per model in "
+            + os.path.join(args.output, RESULTS_NAME)
+        )
+
+    _emit(args, [r.to_json() for r in results], text)
+    return EXIT_ERROR if any(r.status == FAILED for r in results) else EXIT_OK
+
+
 def _need(module: str, extra: str) -> None:
     import importlib.util
 
@@ -608,6 +682,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", help="folder with tokenizer.json (default: beside the source)")
     p.add_argument("--example", action="append", help="a sentence the text box starts with")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty site folder")
+
+    p = add("batch", cmd_batch, "convert many models: export, merge, verify and more; resumable")
+    p.add_argument(
+        "sources", nargs="+", help="PyTorch or optimum export folders, or text files listing them"
+    )
+    p.add_argument("-o", "--output", required=True, help="output folder, one subfolder per model")
+    p.add_argument("-j", "--jobs", type=int, help="worker processes (default: one per CPU)")
+    p.add_argument(
+        "--ray",
+        nargs="?",
+        const=True,
+        metavar="ADDRESS",
+        help="run each model as a Ray task, on the cluster at ADDRESS (default: the one started "
+        "on this machine, else a new local one)",
+    )
+    p.add_argument("--weights", help="also quantize the weights to this type")
+    p.add_argument("--generation", choices=("greedy", "beam"), help="also write generator.onnx")
+    p.add_argument("--num-beams", type=int, default=4, help="beams for --generation beam")
+    p.add_argument("--web", action="store_true", help="also build a web page running the model")
+    p.add_argument(
+        "--memory",
+        type=float,
+        metavar="GIB",
+        help="memory each model declares and is held to (default: estimated from its files)",
+    )
 
     p = add("demo", cmd_demo, "export, merge and run the bundled demo translation model")
     p.add_argument("--dir", help="work folder to keep (default: a new temporary folder)")

@@ -1,0 +1,187 @@
+"""Batch conversion: a small zoo with one broken model, on the process pool, on Ray and in-process.
+
+The first tests need neither torch nor optimum (planning, manifests, the pool's crash handling).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from onnxmerge.batch import CONVERTED, FAILED, SKIPPED, convert_many, plan
+from onnxmerge.batch import manifest as manifest_module
+from onnxmerge.batch.runners import WORKER_DIED, run_pool
+from onnxmerge.batch.sources import EXPORT, UNKNOWN, Job, unique_names
+from onnxmerge.batch.task import MODEL_FILE, ModelResult, Options, finished
+from onnxmerge.cli import EXIT_ERROR, main
+
+GOOD = ("marian", "t5", "bart")
+
+
+# ------------------------------------------------------------------ no torch needed
+
+
+def test_names_grow_parent_folders_only_where_they_collide(tmp_path):
+    folders = [tmp_path / "a" / "onnx", tmp_path / "b" / "onnx", tmp_path / "opus mt/fr-en"]
+    assert unique_names(folders) == ["a-onnx", "b-onnx", "fr-en"]
+
+
+def test_list_file_entries_are_relative_to_the_list(tmp_path):
+    (tmp_path / "zoo" / "m1").mkdir(parents=True)
+    (tmp_path / "zoo" / "m1" / "encoder_model.onnx").write_bytes(b"x" * 10)
+    listing = tmp_path / "zoo" / "models.txt"
+    listing.write_text("# the zoo\nm1\n\nmissing  # gone\n")
+    jobs = plan([listing])
+    found = [(j.name, j.kind, j.input_bytes) for j in jobs]
+    assert found == [("m1", EXPORT, 10), ("missing", UNKNOWN, 0)]
+    assert jobs[0].memory_bytes > 10
+
+
+def test_manifest_rejects_changed_truncated_or_foreign_folders(tmp_path):
+    (tmp_path / "model.onnx").write_bytes(b"abcdef")
+    key = {"source": "s", "options": {"web": False}}
+    manifest_module.write(tmp_path, key=key, result={})
+    assert manifest_module.read_valid(tmp_path, key) is not None
+    assert manifest_module.read_valid(tmp_path, dict(key, source="other")) is None
+    (tmp_path / "model.onnx").write_bytes(b"abcdeX")  # same size, other bytes
+    assert manifest_module.read_valid(tmp_path, key) is None
+    (tmp_path / "model.onnx").write_bytes(b"abc")
+    assert manifest_module.read_valid(tmp_path, key) is None
+
+
+def crash_or_pretend(job: Job, out_dir: str, options: Options) -> ModelResult:
+    """A pool task: the job named "crash" kills its worker process, the others succeed at once."""
+    if job.name == "crash":
+        os._exit(70)
+    return ModelResult(name=job.name, source=str(job.source), status=CONVERTED)
+
+
+def test_a_worker_that_dies_fails_its_own_model_only(tmp_path):
+    jobs = [Job(name, tmp_path / name, EXPORT, 1, 1) for name in ("a", "crash", "b", "c")]
+    results = list(run_pool(jobs, tmp_path, Options(), workers=2, task=crash_or_pretend))
+    by_name = {r.name: r for r in results}
+    assert sorted(by_name) == ["a", "b", "c", "crash"]
+    assert by_name["crash"].status == FAILED and by_name["crash"].error == WORKER_DIED
+    assert all(by_name[n].status == CONVERTED for n in "abc")
+
+
+def test_missing_feature_is_refused_before_any_work(tmp_path, monkeypatch):
+    import onnxmerge
+    from onnxmerge.errors import OnnxMergeError
+
+    monkeypatch.delattr(onnxmerge, "quantize", raising=False)
+    with pytest.raises(OnnxMergeError, match="onnxmerge.quantize"):
+        convert_many([tmp_path], tmp_path / "out", weights="int8")
+    assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------ real conversions
+
+
+@pytest.fixture
+def zoo(tmp_path, tiny_export) -> Path:
+    """Three tiny exports and a broken one (a truncated decoder), listed in zoo/models.txt."""
+    root = tmp_path / "zoo"
+    for arch in GOOD:
+        shutil.copytree(tiny_export(arch).onnx_dir, root / arch)
+    broken = root / "broken"
+    shutil.copytree(tiny_export("marian").onnx_dir, broken)
+    decoder = broken / "decoder_model.onnx"
+    decoder.write_bytes(decoder.read_bytes()[: decoder.stat().st_size // 2])
+    (root / "models.txt").write_text("\n".join([*GOOD, "broken"]) + "\n")
+    return root
+
+
+def _check_first_run(results: list[ModelResult], out: Path, good=GOOD) -> None:
+    by_name = {r.name: r for r in results}
+    assert sorted(by_name) == sorted([*good, "broken"])
+    for name in good:
+        r = by_name[name]
+        assert r.status == CONVERTED, r.error
+        assert r.max_abs_diff is not None and r.max_abs_diff <= 1e-4
+        assert (out / name / MODEL_FILE).stat().st_size == r.model_bytes == r.files[MODEL_FILE]
+        assert r.model_bytes < 0.7 * r.input_bytes or r.kind == "pytorch"  # tensors stored once
+        assert {"merge", "verify"} <= set(r.seconds)
+    broken = by_name["broken"]
+    assert broken.status == FAILED
+    assert "decoder_model.onnx" in broken.error
+    assert not (out / "broken").exists()
+    assert sorted(p.name for p in out.iterdir()) == sorted([*good, "results.jsonl"])
+    lines = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert sorted((d["name"], d["status"]) for d in lines) == sorted(
+        (r.name, r.status) for r in results
+    )
+
+
+def _mtimes(out: Path, good=GOOD) -> dict[str, int]:
+    return {n: (out / n / MODEL_FILE).stat().st_mtime_ns for n in good}
+
+
+def _check_rerun(results: list[ModelResult], out: Path, written: dict[str, int]) -> None:
+    statuses = {r.name: r.status for r in results}
+    assert statuses == {**dict.fromkeys(written, SKIPPED), "broken": FAILED}
+    assert _mtimes(out, written) == written  # nothing was written again
+
+
+def test_ray_converts_the_zoo_reports_the_broken_model_and_resumes(zoo, tmp_path):
+    ray = pytest.importorskip("ray")
+    out = tmp_path / "out"
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        _check_first_run(convert_many([zoo / "models.txt"], out, ray=True), out)
+        written = _mtimes(out)
+        _check_rerun(convert_many([zoo / "models.txt"], out, ray=True), out, written)
+    finally:
+        ray.shutdown()
+
+
+def test_pool_converts_the_zoo_from_the_command_line_and_resumes(zoo, tmp_path, capsys):
+    out = tmp_path / "out"
+    code = main(["batch", str(zoo / "models.txt"), "-o", str(out), "--jobs", "2"])
+    assert code == EXIT_ERROR  # one model failed
+    printed = capsys.readouterr().out
+    assert "3 converted, 1 failed" in printed or "1 failed, 3 converted" in printed
+    lines = (out / "results.jsonl").read_text().splitlines()
+    _check_first_run([ModelResult(**json.loads(line)) for line in lines], out)
+    written = _mtimes(out)
+    _check_rerun(convert_many([zoo / "models.txt"], out, jobs=2), out, written)
+
+
+def test_checkpoint_folder_is_exported_and_damaged_output_converted_again(
+    zoo, tmp_path, tiny_export
+):
+    pytorch = zoo / "marian-pytorch"
+    shutil.copytree(tiny_export("marian").pytorch_dir, pytorch)
+    out = tmp_path / "out"
+    sources = [pytorch, zoo / "t5"]
+    first = {r.name: r for r in convert_many(sources, out, jobs=0)}
+    assert first["marian-pytorch"].status == CONVERTED, first["marian-pytorch"].error
+    assert "export" in first["marian-pytorch"].seconds
+    checkpoint = (pytorch / "model.safetensors").stat().st_size
+    assert first["marian-pytorch"].checkpoint_bytes == checkpoint
+    assert first["t5"].status == CONVERTED
+    model = out / "t5" / MODEL_FILE
+    size = model.stat().st_size
+    # A run killed mid-way leaves a staging folder and, say, a half-written model.
+    (out / ".t5.staging-leftover").mkdir()
+    model.write_bytes(model.read_bytes()[: size // 2])
+    statuses = {r.name: r.status for r in convert_many(sources, out, jobs=0)}
+    assert statuses == {"marian-pytorch": SKIPPED, "t5": CONVERTED}
+    assert model.stat().st_size == size
+    assert not (out / ".t5.staging-leftover").exists()
+    # Other options make other outputs: nothing counts as done then.
+    job = plan([zoo / "t5"])[0]
+    assert finished(job, out, Options()) is not None
+    assert finished(job, out, Options(generation="greedy")) is None
+
+
+def test_a_model_over_its_memory_fails_with_a_memory_error(zoo, tmp_path):
+    job = Job(**{**plan([zoo / "marian"])[0].__dict__, "memory_bytes": 1 << 20})
+    (result,) = run_pool([job], tmp_path / "out", Options(), workers=1)
+    assert result.status == FAILED
+    assert "memory" in result.error.lower() or result.error == WORKER_DIED
+    assert not (tmp_path / "out" / "marian").exists()

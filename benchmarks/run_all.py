@@ -31,6 +31,7 @@ def _benchmarks(out: Path, quick: bool) -> dict[str, list[str]]:
         "generate": ["bench_generate.py", str(out / "generate.json"), *q],
         "generator": ["bench_generator.py", *q, "--out", str(out / "generator.json")],
         "web": ["bench_web.py", *q, "--out", str(out / "web.json")],
+        "batch": ["bench_batch.py", *q, "--out", str(out / "batch.json")],
         # Exports a 2.4 GB model (about 10 minutes, 9 GB of cache): only when asked by --only.
         "large": ["bench_large.py", "--out", str(out / "large.json")],
     }
@@ -193,6 +194,12 @@ def render(out: Path, docs: Path) -> Path:
         from benchmarks.bench_web import markdown as web_markdown
 
         lines += web_markdown(web)
+
+    batch = _load(out, "batch")
+    if batch:
+        from benchmarks.bench_batch import markdown as batch_markdown
+
+        lines += ["## Converting a zoo (`onnxmerge batch`)", "", *batch_markdown(batch), ""]
     large = _load(out, "large")
     if large:
         ours, theirs = large["onnxmerge"], large.get("optimum_merge_decoders", {})
@@ -230,8 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny models; checks the pipeline")
     parser.add_argument("--render", action="store_true", help="only render the docs from JSON")
-    parser.add_argument("--only", nargs="+",
-                        choices=["merge", "sizes", "generate", "generator", "web", "large"])
+    parser.add_argument("--only", nargs="+", choices=["merge", "sizes", "generate", "generator",
+                                                      "web", "batch", "large"])
     parser.add_argument("--out", type=Path, default=OUT, help="folder for the JSON results")
     parser.add_argument("--docs", type=Path, default=DOCS, help="folder for benchmarks.md")
     args = parser.parse_args(argv)

@@ -22,7 +22,7 @@ def test_run_all_quick_writes_results_and_docs(tmp_path):
         capture_output=True, text=True, timeout=900, cwd=REPO_ROOT,
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    for name in ("merge", "sizes", "generate", "generator"):
+    for name in ("merge", "sizes", "generate", "generator", "batch"):
         assert json.loads((tmp_path / "out" / f"{name}.json").read_text())
     merge = json.loads((tmp_path / "out" / "merge.json").read_text())
     for variant in merge["variants"].values():
@@ -34,6 +34,8 @@ def test_run_all_quick_writes_results_and_docs(tmp_path):
     assert all(generate["same_tokens"].values())
     web = json.loads((tmp_path / "out" / "web.json").read_text())
     assert "skipped" in web or all(m["same_tokens"] for m in web["models"])
+    batch = json.loads((tmp_path / "out" / "batch.json").read_text())
+    assert all(m["converted"] == m["models"] for m in batch["modes"].values())
     page = (tmp_path / "docs" / "benchmarks.md").read_text()
-    assert "## Bytes on disk" in page and "## Generation" in page
+    assert "## Bytes on disk" in page and "## Generation" in page and "## Converting a zoo" in page
     assert (tmp_path / "docs" / "img" / "sizes.png").stat().st_size > 1000

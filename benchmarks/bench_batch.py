@@ -156,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from tests.models import ARCHITECTURES, tiny_export
 
+    load_before = os.getloadavg()[0]
     archs = QUICK_ARCHS if args.quick else ARCHITECTURES
     sources = [str(tiny_export(arch, VARIANTS.get(arch, "default")).onnx_dir) for arch in archs]
     modes = {}
@@ -192,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
             "workers": args.workers,
             "architectures": list(archs),
             "machine": f"{platform.machine()}, {cores} CPUs, {memory_total() / 2**30:.0f} GiB",
+            # Other work on the machine slows every mode; absolute seconds depend on it.
+            "load_average": [load_before, os.getloadavg()[0]],
         },
         "modes": modes,
         "stages": {
@@ -216,7 +219,14 @@ def markdown(data: dict) -> list[str]:
     lines = [
         f"{len(setting['architectures'])} tiny architectures of the test zoo (merge + verify from "
         f"their optimum exports), {setting['workers']} workers, on {setting['machine']}. "
-        "Peak RSS is each task's own; a rerun finds every model complete and skips it.",
+        "Peak RSS is each task's own; a rerun finds every model complete and skips it."
+        + (
+            " Load average {:.1f} at the start, {:.1f} at the end: compare the ratios.".format(
+                *setting["load_average"]
+            )
+            if "load_average" in setting
+            else ""
+        ),
         "",
         "| mode | models/min | vs serial | start-up s | peak RSS per worker MB (max) | rerun s |",
         "|---|---:|---:|---:|---:|---:|",

@@ -124,6 +124,7 @@ def _mtimes(out: Path, good=GOOD) -> dict[str, int]:
 def _check_rerun(results: list[ModelResult], out: Path, written: dict[str, int]) -> None:
     statuses = {r.name: r.status for r in results}
     assert statuses == {**dict.fromkeys(written, SKIPPED), "broken": FAILED}
+    assert all(MODEL_FILE in r.files for r in results if r.status == SKIPPED)
     assert _mtimes(out, written) == written  # nothing was written again
 
 

@@ -66,7 +66,8 @@ def convert_many(
             folders, or text files listing such folders one a line.
         out: the output folder; each model goes to ``out/<name>/``, ``<name>`` being the source
             folder's name (with parent folders added where two names collide).
-        jobs: worker processes (default: one per CPU); ``0`` converts in this process.
+        jobs: worker processes (default: one per CPU); ``0`` converts in this process, without
+            the memory cap of workers.
         ray: ``True`` or a cluster address to run each model as a Ray task instead.
         weights: also quantize the weights to this type (``onnxmerge.quantize``).
         generation: also build ``generator.onnx`` with ``"greedy"`` or ``"beam"`` search.
@@ -84,7 +85,13 @@ def convert_many(
         OnnxMergeError: when an option needs a part of onnxmerge that is not installed.
     """
     options = Options(
-        weights=weights, generation=generation, num_beams=num_beams, web=web, tolerance=tolerance
+        weights=weights,
+        generation=generation,
+        num_beams=num_beams,
+        web=web,
+        tolerance=tolerance,
+        # The cap is for workers; this process's own limits are left as they are.
+        limit_memory=bool(ray) or jobs != 0,
     )
     check_features(options)
     out = Path(out).absolute()

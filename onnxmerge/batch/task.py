@@ -114,7 +114,8 @@ def finished(job: Job, out_dir: Path, options: Options) -> ModelResult | None:
     found = manifest.read_valid(folder, output_key(job, options))
     if found is None or MODEL_FILE not in found["files"]:
         return None
-    recorded = dict(found["result"], status=SKIPPED, output=str(folder), error=None)
+    files = {name: entry["bytes"] for name, entry in found["files"].items()}
+    recorded = dict(found["result"], status=SKIPPED, output=str(folder), error=None, files=files)
     fields = ModelResult.__dataclass_fields__
     return ModelResult(**{k: v for k, v in recorded.items() if k in fields})
 

@@ -73,7 +73,7 @@ def test_missing_feature_is_refused_before_any_work(tmp_path, monkeypatch):
     import onnxmerge
     from onnxmerge.errors import OnnxMergeError
 
-    monkeypatch.delattr(onnxmerge, "quantize", raising=False)
+    monkeypatch.setattr(onnxmerge, "quantize", None, raising=False)
     with pytest.raises(OnnxMergeError, match="onnxmerge.quantize"):
         convert_many([tmp_path], tmp_path / "out", weights="int8")
     assert not (tmp_path / "out").exists()
@@ -186,3 +186,19 @@ def test_a_model_over_its_memory_fails_with_a_memory_error(zoo, tmp_path):
     assert result.status == FAILED
     assert "memory" in result.error.lower() or result.error == WORKER_DIED
     assert not (tmp_path / "out" / "marian").exists()
+
+
+def test_generator_and_web_site_are_part_of_the_model_folder(demo_export, tmp_path):
+    out = tmp_path / "out"
+    (result,) = convert_many([demo_export], out, jobs=0, generation="greedy", web=True)
+    assert result.status == CONVERTED, result.error
+    folder = out / demo_export.name
+    assert {"generator.onnx", "tokenizer.json", "web/index.html", "web/generator.onnx"} <= set(
+        result.files
+    )
+    manifest = json.loads((folder / "manifest.json").read_text())
+    page_bytes = (folder / "web" / "index.html").stat().st_size
+    assert manifest["files"]["web/index.html"]["bytes"] == page_bytes
+    # Without the options the outputs differ, so the folder is converted again, without them.
+    (again,) = convert_many([demo_export], out, jobs=0)
+    assert again.status == CONVERTED and not (folder / "web").exists()

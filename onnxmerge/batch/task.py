@@ -217,11 +217,12 @@ def _convert(job: Job, staging: Path, options: Options, seconds: dict[str, float
             f"{report.max_abs_diff:.3g} > tolerance {options.tolerance:g}"
         )
     checkpoint = find_checkpoint(job.source if job.kind == PYTORCH else export_dir)
+    site_source = model
     if options.weights:
         import onnxmerge
 
         with _timed(seconds, "quantize"):
-            onnxmerge.quantize(model, weights=options.weights)
+            site_source = Path(onnxmerge.quantize(model, weights=options.weights))
     if options.generation:
         from onnxmerge.generator import build_generator
 
@@ -236,7 +237,7 @@ def _convert(job: Job, staging: Path, options: Options, seconds: dict[str, float
         from onnxmerge.web import build_site
 
         with _timed(seconds, "web"):
-            build_site(model, staging / SITE_DIR)
+            build_site(site_source, staging / SITE_DIR, tokenizer=staging)
     if job.kind == PYTORCH:
         shutil.rmtree(export_dir)
     checkpoint_bytes = checkpoint.stat().st_size if checkpoint else None
@@ -256,7 +257,7 @@ def check_features(options: Options) -> None:
     if options.weights:
         import onnxmerge
 
-        if not hasattr(onnxmerge, "quantize"):
+        if getattr(onnxmerge, "quantize", None) is None:
             raise OnnxMergeError(
                 f"--weights {options.weights} needs onnxmerge.quantize, which this version of "
                 "onnxmerge does not have; upgrade onnxmerge or leave out --weights"

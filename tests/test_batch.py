@@ -104,7 +104,8 @@ def _check_first_run(results: list[ModelResult], out: Path, good=GOOD) -> None:
         assert r.status == CONVERTED, r.error
         assert r.max_abs_diff is not None and r.max_abs_diff <= 1e-4
         assert (out / name / MODEL_FILE).stat().st_size == r.model_bytes == r.files[MODEL_FILE]
-        assert r.model_bytes < 0.7 * r.input_bytes or r.kind == "pytorch"  # tensors stored once
+        assert r.model_bytes == pytest.approx(r.ratio_to_export * r.export_bytes)
+        assert r.model_bytes < r.export_bytes  # every tensor stored once
         assert {"merge", "verify"} <= set(r.seconds)
     broken = by_name["broken"]
     assert broken.status == FAILED

@@ -87,7 +87,8 @@ class ModelResult:
     model_bytes: int | None = None
     output_bytes: int | None = None
     checkpoint_bytes: int | None = None
-    ratio_to_input: float | None = None
+    export_bytes: int | None = None
+    ratio_to_export: float | None = None
     ratio_to_checkpoint: float | None = None
     max_abs_diff: float | None = None
     files: dict[str, int] = field(default_factory=dict)
@@ -246,7 +247,8 @@ def _convert(job: Job, staging: Path, options: Options, seconds: dict[str, float
         model_bytes=merged.output_bytes,
         output_bytes=output_bytes,
         checkpoint_bytes=checkpoint_bytes,
-        ratio_to_input=merged.output_bytes / merged.input_bytes if merged.input_bytes else None,
+        export_bytes=merged.input_bytes,
+        ratio_to_export=merged.output_bytes / merged.input_bytes if merged.input_bytes else None,
         ratio_to_checkpoint=merged.output_bytes / checkpoint_bytes if checkpoint_bytes else None,
         max_abs_diff=report.max_abs_diff,
     )

@@ -97,10 +97,6 @@ class ModelResult:
     peak_rss_bytes: int | None = None
     error: str | None = None
 
-    @property
-    def ok(self) -> bool:
-        return self.status != FAILED
-
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -143,11 +139,12 @@ def remove_stale_staging(out_dir: Path, name: str) -> None:
 def convert_one(job: Job, out_dir: str | os.PathLike, options: Options) -> ModelResult:
     """Convert one model into ``out_dir/<job.name>``; never raises for a problem of the model."""
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     seconds: dict[str, float] = {}
     _reset_peak_rss()
-    staging = Path(tempfile.mkdtemp(prefix=f".{job.name}{STAGING_MARK}", dir=out_dir))
+    staging = None
     try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{job.name}{STAGING_MARK}", dir=out_dir))
         with _address_space_limit(job.memory_bytes if options.limit_memory else None):
             numbers = _convert(job, staging, options, seconds)
         numbers.update(seconds=seconds, peak_rss_bytes=_peak_rss())
@@ -176,7 +173,8 @@ def convert_one(job: Job, out_dir: str | os.PathLike, options: Options) -> Model
             )
         return failed(job, error, seconds=seconds, peak_rss_bytes=_peak_rss())
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
 
 
 @contextlib.contextmanager

@@ -32,6 +32,7 @@ def _benchmarks(out: Path, quick: bool) -> dict[str, list[str]]:
         "generator": ["bench_generator.py", *q, "--out", str(out / "generator.json")],
         "web": ["bench_web.py", *q, "--out", str(out / "web.json")],
         "batch": ["bench_batch.py", *q, "--out", str(out / "batch.json")],
+        "ctranslate2": ["bench_ctranslate2.py", *q, "--out", str(out / "ctranslate2.json")],
         # Exports a 2.4 GB model (about 10 minutes, 9 GB of cache): only when asked by --only.
         "large": ["bench_large.py", "--out", str(out / "large.json")],
     }
@@ -106,6 +107,31 @@ def _chart_runtime(generate: dict, img: Path) -> str | None:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path.name
+
+
+def _ctranslate2_section(data: dict) -> list[str]:
+    s = data["setting"]
+    lines = ["## Generation against CTranslate2", "",
+             f"{data['model']}, {s['threads']} threads, exactly {s['new_tokens']} new tokens; "
+             f"batch 1 has {s['batch1_source_tokens']} source ids, batch 8 has lengths "
+             f"{', '.join(map(str, s['batch8_source_lengths']))}. CTranslate2 converts the same "
+             "PyTorch folder (`TransformersConverter`, float32 and int8). Our int8 file: "
+             f"{data['int8_ours']}. Times are seconds ({s['statistic']}); ratios are "
+             "onnxmerge / CTranslate2, below 1 is better; agreement is the share of positions "
+             "with the same token (the last, a forced eos on our side, left out).", "",
+             "| precision | measure | CTranslate2 | onnxmerge | ratio | target | token agreement |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for precision, p in data["precisions"].items():
+        for case, ratio in p["ratios"].items():
+            if case in p["ours"]["cases"]:
+                ours, theirs = p["ours"]["cases"][case]["s"], p["ctranslate2"]["cases"][case]["s"]
+                agree = f"{p['token_agreement'][case]:.2f}"
+            else:
+                ours, theirs, agree = p["ours"][case], p["ctranslate2"][case], ""
+            target = p["targets"].get(case)
+            lines.append(f"| {precision} | {case} | {theirs:.3f} | {ours:.3f} | **{ratio:.2f}x** "
+                         f"| {'' if target is None else f'<= {target}x'} | {agree} |")
+    return [*lines, ""]
 
 
 def render(out: Path, docs: Path) -> Path:
@@ -200,6 +226,9 @@ def render(out: Path, docs: Path) -> Path:
         from benchmarks.bench_batch import markdown as batch_markdown
 
         lines += ["## Converting a zoo (`onnxmerge batch`)", "", *batch_markdown(batch), ""]
+    ctranslate2 = _load(out, "ctranslate2")
+    if ctranslate2:
+        lines += _ctranslate2_section(ctranslate2)
     large = _load(out, "large")
     if large:
         ours, theirs = large["onnxmerge"], large.get("optimum_merge_decoders", {})
@@ -237,8 +266,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny models; checks the pipeline")
     parser.add_argument("--render", action="store_true", help="only render the docs from JSON")
-    parser.add_argument("--only", nargs="+", choices=["merge", "sizes", "generate", "generator",
-                                                      "web", "batch", "large"])
+    parser.add_argument("--only", nargs="+",
+                        choices=["merge", "sizes", "generate", "generator", "web", "batch",
+                                 "ctranslate2", "large"])
     parser.add_argument("--out", type=Path, default=OUT, help="folder for the JSON results")
     parser.add_argument("--docs", type=Path, default=DOCS, help="folder for benchmarks.md")
     args = parser.parse_args(argv)

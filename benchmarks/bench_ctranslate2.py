@@ -1,0 +1,390 @@
+"""Generation against CTranslate2: the merged file on onnxruntime against CTranslate2's model.
+
+The same seeded PyTorch folder (opus-mt-fr-en shape, ``_common.export_cached``) is exported with
+optimum and merged by the onnxmerge under test on one side, and converted by ctranslate2's
+``TransformersConverter`` on the other (at float32 and at int8; the converter needs a tokenizer,
+so a synthetic word-level vocabulary ``t0 ... tN`` is written into a copy of the folder). Both
+sides get the same ids; each side runs in a fresh process with 2 threads: greedy and 4 beams at
+batch 1 (32 source ids) and batch 8 (mixed lengths), exactly 32 new tokens (eos is forbidden
+before that on both sides), load time (import + load), resident memory after load, and how often
+the generated tokens agree.
+
+Our int8 side is ``onnxmerge.quantize(..., weights="int8")`` when the library has it, otherwise
+onnxruntime's ``quantize_dynamic(QInt8, EnableSubgraph)`` on the merged file, labelled as such.
+
+Usage: python benchmarks/bench_ctranslate2.py [--quick] [--out benchmarks/out/ctranslate2.json]
+    [--repeats 5] [--rounds 2] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks import _common  # noqa: E402
+
+DEFAULT_OUT = REPO_ROOT / "benchmarks" / "out" / "ctranslate2.json"
+SOURCE_TOKENS = 32
+NEW_TOKENS = 32
+BATCH_LENGTHS = (32, 9, 27, 14, 31, 5, 20, 24)  # batch 8, mixed lengths
+CASES = [("greedy", 1, 1), ("greedy", 8, 1), ("beam4", 1, 4), ("beam4", 8, 4)]
+TARGETS = {
+    "float32": {"greedy_b1": 0.8, "beam4_b1": 0.6, "load_s": 1.0},
+    "int8": {"greedy_b1": 0.6, "beam4_b1": 0.8, "rss_after_load_mb": 1.2, "load_s": 1.0},
+}
+
+
+def token_name(i: int, config: dict) -> str:
+    if i == config["eos_token_id"]:
+        return "</s>"
+    if i == config["pad_token_id"]:
+        return "<pad>"
+    return "<unk>" if i == 1 else f"t{i}"
+
+
+def source_batches(config: dict) -> dict[int, list[list[int]]]:
+    """Seeded source ids ending in eos, avoiding the special ids: batch 1 and batch 8."""
+    import numpy as np
+
+    rng = np.random.default_rng(_common.SEED)
+    low, high = 2, int(config["vocab_size"]) - 1
+
+    def row(n: int) -> list[int]:
+        return [*rng.integers(low, high, size=n - 1).tolist(), int(config["eos_token_id"])]
+
+    return {1: [row(SOURCE_TOKENS)], 8: [row(n) for n in BATCH_LENGTHS]}
+
+
+# -- building both sides ---------------------------------------------------------------------------
+
+
+def write_synthetic_tokenizer(folder: Path, config: dict) -> None:
+    """A word-level tokenizer whose token ``i`` is ``t{i}`` (special ids keep their names)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token_name(i, config): i for i in range(int(config["vocab_size"]))}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token="</s>", unk_token="<unk>", pad_token="<pad>"
+    ).save_pretrained(folder)
+
+
+def convert_ctranslate2(pytorch_dir: Path, scratch: Path, config: dict) -> dict[str, Path]:
+    import ctranslate2
+
+    source = scratch / "pytorch-with-tokenizer"
+    source.mkdir()
+    for item in pytorch_dir.iterdir():
+        (source / item.name).symlink_to(item.resolve())
+    write_synthetic_tokenizer(source, config)
+    out = {}
+    for precision, quantization in (("float32", None), ("int8", "int8")):
+        out[precision] = scratch / f"ct2-{precision}"
+        converter = ctranslate2.converters.TransformersConverter(str(source))
+        converter.convert(str(out[precision]), quantization=quantization)
+    return out
+
+
+def quantize_ours(merged: Path, target: Path) -> str:
+    """Our int8 file; returns how it was made."""
+    import onnxmerge
+
+    if hasattr(onnxmerge, "quantize"):
+        onnxmerge.quantize(merged, target, weights="int8")
+        return "onnxmerge.quantize(weights='int8')"
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    quantize_dynamic(
+        merged, target, weight_type=QuantType.QInt8, extra_options={"EnableSubgraph": True}
+    )
+    return "stand-in: onnxruntime quantize_dynamic(QInt8, EnableSubgraph) on the merged file"
+
+
+# -- the child processes ---------------------------------------------------------------------------
+
+
+def _padded(rows: list[list[int]], pad: int):
+    import numpy as np
+
+    width = max(map(len, rows))
+    ids = np.full((len(rows), width), pad, dtype=np.int64)
+    mask = np.zeros_like(ids)
+    for r, row in enumerate(rows):
+        ids[r, : len(row)] = row
+        mask[r, : len(row)] = 1
+    return ids, mask
+
+
+def _median_time(fn, repeats: int) -> tuple[float, list[float], Any]:
+    result = fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), times, result
+
+
+def worker_ours(path: str, config: dict, repeats: int, threads: int) -> dict:
+    rss_before = _common.self_rss_bytes()["rss_bytes"]
+    start = time.perf_counter()
+    import onnxmerge
+    from onnxmerge.runtime.session import default_session_options
+
+    options = default_session_options()
+    options.intra_op_num_threads = threads
+    model = onnxmerge.Seq2SeqModel(path, session_options=options)
+    load_s = time.perf_counter() - start
+    rss = _common.self_rss_bytes()["rss_bytes"]
+    cases = {}
+    for name, batch, beams in CASES:
+        ids, mask = _padded(source_batches(config)[batch], config["pad_token_id"])
+
+        def run(ids=ids, mask=mask, beams=beams):
+            return model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                num_beams=beams,
+                min_new_tokens=NEW_TOKENS,
+                max_new_tokens=NEW_TOKENS,
+            )
+
+        median, times, out = _median_time(run, repeats)
+        cases[f"{name}_b{batch}"] = {
+            "s": median,
+            "times": times,
+            "tokens": [r[1:].tolist() for r in out],
+        }
+    return {
+        "load_s": load_s,
+        "rss_before_load_mb": rss_before / 1e6,
+        "rss_after_load_mb": rss / 1e6,
+        "cases": cases,
+    }
+
+
+def worker_ctranslate2(path: str, config: dict, repeats: int, threads: int) -> dict:
+    rss_before = _common.self_rss_bytes()["rss_bytes"]
+    start = time.perf_counter()
+    import ctranslate2
+
+    translator = ctranslate2.Translator(path, device="cpu", inter_threads=1, intra_threads=threads)
+    load_s = time.perf_counter() - start
+    rss = _common.self_rss_bytes()["rss_bytes"]
+    index = {token_name(i, config): i for i in range(int(config["vocab_size"]))}
+    cases = {}
+    for name, batch, beams in CASES:
+        source = [[token_name(i, config) for i in row] for row in source_batches(config)[batch]]
+
+        def run(source=source, beams=beams):
+            return translator.translate_batch(
+                source,
+                beam_size=beams,
+                max_decoding_length=NEW_TOKENS,
+                min_decoding_length=NEW_TOKENS,
+                length_penalty=1.0,
+                max_batch_size=0,
+            )
+
+        median, times, out = _median_time(run, repeats)
+        cases[f"{name}_b{batch}"] = {
+            "s": median,
+            "times": times,
+            "tokens": [[index[t] for t in r.hypotheses[0]] for r in out],
+        }
+    return {
+        "load_s": load_s,
+        "rss_before_load_mb": rss_before / 1e6,
+        "rss_after_load_mb": rss / 1e6,
+        "cases": cases,
+    }
+
+
+def _child(side: str, path: Path, config: dict, repeats: int, threads: int) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    result = subprocess.run(
+        [
+            sys.executable,
+            __file__,
+            "--worker",
+            side,
+            "--path",
+            str(path),
+            "--config",
+            json.dumps(config),
+            "--repeats",
+            str(repeats),
+            "--threads",
+            str(threads),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO_ROOT,
+    )
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+# -- the parent ------------------------------------------------------------------------------------
+
+
+def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """Share of positions with the same token, over the first ``NEW_TOKENS - 1`` of each row.
+
+    The last position is left out: the model's ``forced_eos_token_id`` makes ours (as
+    transformers) end with eos there, and CTranslate2 has no such option.
+    """
+    n = NEW_TOKENS - 1
+    pairs = [
+        (x, y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra[:n], rb[:n], strict=True)
+    ]
+    return sum(x == y for x, y in pairs) / len(pairs) if pairs else 1.0
+
+
+def _medians(runs: list[dict]) -> dict:
+    out = {
+        k: statistics.median(r[k] for r in runs)
+        for k in ("load_s", "rss_after_load_mb", "rss_before_load_mb")
+    }
+    out["cases"] = {
+        case: {
+            "s": statistics.median(r["cases"][case]["s"] for r in runs),
+            "tokens": runs[0]["cases"][case]["tokens"],
+        }
+        for case in runs[0]["cases"]
+    }
+    return out
+
+
+def compare(ours: dict, theirs: dict) -> dict:
+    ratios = {case: ours["cases"][case]["s"] / theirs["cases"][case]["s"] for case in ours["cases"]}
+    ratios["rss_after_load_mb"] = ours["rss_after_load_mb"] / theirs["rss_after_load_mb"]
+    ratios["load_s"] = ours["load_s"] / theirs["load_s"]
+    agreement = {
+        case: _agreement(ours["cases"][case]["tokens"], theirs["cases"][case]["tokens"])
+        for case in ours["cases"]
+    }
+    return {"ratios": ratios, "token_agreement": agreement}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny Marian model, one round")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per case and process")
+    parser.add_argument("--rounds", type=int, default=2, help="fresh processes per side")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--cache-dir", type=Path, default=_common.DEFAULT_CACHE_DIR)
+    parser.add_argument("--worker", choices=("ours", "ctranslate2"), help=argparse.SUPPRESS)
+    parser.add_argument("--path", help=argparse.SUPPRESS)
+    parser.add_argument("--config", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        work = worker_ours if args.worker == "ours" else worker_ctranslate2
+        print(json.dumps(work(args.path, json.loads(args.config), args.repeats, args.threads)))
+        return 0
+    if args.quick:
+        args.repeats, args.rounds = min(args.repeats, 1), 1
+
+    factory = _common.tiny_marian_config if args.quick else _common.opus_mt_config
+    export = _common.export_cached(factory, "tied", args.cache_dir)
+    full = factory()
+    config = {k: int(getattr(full, k)) for k in ("vocab_size", "pad_token_id", "eos_token_id")}
+    scratch = Path(tempfile.mkdtemp(prefix="bench-ctranslate2-"))
+    try:
+        import onnxmerge
+
+        merged = onnxmerge.merge_seq2seq(export.onnx_dir, scratch / "model.onnx")
+        int8 = scratch / "int8" / "model.onnx"
+        int8.parent.mkdir()
+        int8_made_by = quantize_ours(merged, int8)
+        ct2 = convert_ctranslate2(export.pytorch_dir, scratch, config)
+        sides = {
+            "float32": {"ours": merged, "ctranslate2": ct2["float32"]},
+            "int8": {"ours": int8, "ctranslate2": ct2["int8"]},
+        }
+        runs = {p: {"ours": [], "ctranslate2": []} for p in sides}
+        for _ in range(args.rounds):  # alternate, so load on the machine hits both sides alike
+            for precision, paths in sides.items():
+                for side, path in paths.items():
+                    runs[precision][side].append(
+                        _child(side, path, config, args.repeats, args.threads)
+                    )
+        files_mb = {
+            p: {
+                "ours": _common.files_bytes(paths["ours"].parent, ["model.onnx"]) / 1e6,
+                "ctranslate2": (paths["ctranslate2"] / "model.bin").stat().st_size / 1e6,
+            }
+            for p, paths in sides.items()
+        }
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    precisions = {}
+    for precision in sides:
+        ours, theirs = _medians(runs[precision]["ours"]), _medians(runs[precision]["ctranslate2"])
+        result = compare(ours, theirs)
+        targets = TARGETS[precision]
+        precisions[precision] = {
+            "ours": ours,
+            "ctranslate2": theirs,
+            **result,
+            "files_mb": files_mb[precision],
+            "targets": targets,
+            "targets_met": {k: result["ratios"][k] <= v for k, v in targets.items()},
+            "runs": runs[precision],
+        }
+    import ctranslate2
+    import onnxruntime
+
+    results = {
+        "benchmark": "ctranslate2",
+        "model": "tiny Marian" if args.quick else "opus-mt-fr-en shape",
+        "setting": {
+            "threads": args.threads,
+            "new_tokens": NEW_TOKENS,
+            "batch1_source_tokens": SOURCE_TOKENS,
+            "batch8_source_lengths": BATCH_LENGTHS,
+            "repeats": args.repeats,
+            "rounds": args.rounds,
+            "statistic": "median of the per-process medians",
+            "load_s": "import + load, in a fresh process",
+            "rss": "VmRSS after load, whole process",
+        },
+        "int8_ours": int8_made_by,
+        "precisions": precisions,
+        "environment": {
+            "python": platform.python_version(),
+            "cpu_count": os.cpu_count(),
+            "onnxruntime": onnxruntime.__version__,
+            "ctranslate2": ctranslate2.__version__,
+        },
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    for precision, data in precisions.items():
+        summary = {k: round(v, 2) for k, v in data["ratios"].items()}
+        agree = {k: round(v, 2) for k, v in data["token_agreement"].items()}
+        print(f"{precision}: ratios ours/ctranslate2 {summary}; token agreement {agree}")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

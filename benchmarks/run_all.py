@@ -33,6 +33,8 @@ def _benchmarks(out: Path, quick: bool) -> dict[str, list[str]]:
         "web": ["bench_web.py", *q, "--out", str(out / "web.json")],
         "batch": ["bench_batch.py", *q, "--out", str(out / "batch.json")],
         "ctranslate2": ["bench_ctranslate2.py", *q, "--out", str(out / "ctranslate2.json")],
+        # A diagnosis, not a comparison: only when asked by --only.
+        "profile": ["profile_generate.py", *q, "--out", str(out / "profile.json")],
         # Exports a 2.4 GB model (about 10 minutes, 9 GB of cache): only when asked by --only.
         "large": ["bench_large.py", "--out", str(out / "large.json")],
     }
@@ -41,7 +43,7 @@ def _benchmarks(out: Path, quick: bool) -> dict[str, list[str]]:
 def run(out: Path, quick: bool, only: list[str] | None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for name, argv in _benchmarks(out, quick).items():
-        if (only and name not in only) or (not only and name == "large"):
+        if (only and name not in only) or (not only and name in ("large", "profile")):
             continue
         started = time.perf_counter()
         print(f"== {name}: {' '.join(argv)}", flush=True)
@@ -131,6 +133,26 @@ def _ctranslate2_section(data: dict) -> list[str]:
             target = p["targets"].get(case)
             lines.append(f"| {precision} | {case} | {theirs:.3f} | {ours:.3f} | **{ratio:.2f}x** "
                          f"| {'' if target is None else f'<= {target}x'} | {agree} |")
+    return [*lines, ""]
+
+
+def _profile_section(data: dict) -> list[str]:
+    lines = ["## Where the time of a token goes", "",
+             f"{data['model']}, batch 1, {data['new_tokens']} new tokens, {data['threads']} threads "
+             "(`benchmarks/profile_generate.py`; run with `--only profile`). Per-step times wrap "
+             "`InferenceSession.run`; the operator split is onnxruntime's profiler over one "
+             "`generate()`. Measured under load, so read the shares, not the absolute times.", "",
+             "| search | per token ms | first step ms | cached step ms | Python outside run | "
+             "operators | outside operators (in run) | top operators (share of operator time) |",
+             "|---|---:|---:|---:|---:|---:|---:|---|"]
+    for search, d in data["searches"].items():
+        st, prof = d["steps"], d["onnxruntime_profile"]
+        ops = prof["operators_ms"]
+        top = ", ".join(f"{k} {v / ops:.0%}" for k, v in list(prof["top_operators_ms"].items())[:6])
+        lines.append(f"| {search} | {st['per_token_ms']:.1f} | {st['first_step_s'] * 1e3:.1f} | "
+                     f"{st['cached_step_s'] * 1e3:.1f} | {st['outside_run_s'] / st['wall_s']:.0%} | "
+                     f"{ops / prof['model_run_ms']:.0%} | "
+                     f"{prof['outside_operators_ms'] / prof['model_run_ms']:.0%} | {top} |")
     return [*lines, ""]
 
 
@@ -229,6 +251,9 @@ def render(out: Path, docs: Path) -> Path:
     ctranslate2 = _load(out, "ctranslate2")
     if ctranslate2:
         lines += _ctranslate2_section(ctranslate2)
+    profile = _load(out, "profile")
+    if profile:
+        lines += _profile_section(profile)
     large = _load(out, "large")
     if large:
         ours, theirs = large["onnxmerge"], large.get("optimum_merge_decoders", {})
@@ -268,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--render", action="store_true", help="only render the docs from JSON")
     parser.add_argument("--only", nargs="+",
                         choices=["merge", "sizes", "generate", "generator", "web", "batch",
-                                 "ctranslate2", "large"])
+                                 "ctranslate2", "profile", "large"])
     parser.add_argument("--out", type=Path, default=OUT, help="folder for the JSON results")
     parser.add_argument("--docs", type=Path, default=DOCS, help="folder for benchmarks.md")
     args = parser.parse_args(argv)

@@ -1,0 +1,166 @@
+"""Where the time of one generated token goes: per-step timing and onnxruntime's profiler.
+
+On the opus-mt-fr-en shape (seeded random weights), greedy and 4 beams at batch 1, exactly 32 new
+tokens, 2 threads: the wall time of ``generate()``, the time inside ``InferenceSession.run`` per
+step (first step and cached steps apart), and onnxruntime's own profile of the same calls: time
+per operator type and the part of ``run`` spent outside any operator.
+
+Usage: python benchmarks/profile_generate.py [--quick] [--out benchmarks/out/profile.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks import _common  # noqa: E402
+
+DEFAULT_OUT = REPO_ROOT / "benchmarks" / "out" / "profile.json"
+NEW_TOKENS = 32
+
+
+def _source(config: dict) -> Any:
+    import numpy as np
+
+    rng = np.random.default_rng(_common.SEED)
+    ids = rng.integers(2, config["vocab_size"] - 1, size=(1, 32))
+    ids[0, -1] = config["eos_token_id"]
+    return ids.astype(np.int64)
+
+
+def _timed_steps(model, ids, beams: int, repeats: int) -> dict[str, Any]:
+    """Wall time of generate() and of every session.run inside it (median over repeats)."""
+    session = model._session
+    original = session.session.run
+    calls: list[float] = []
+
+    def timed_run(*args, **kwargs):
+        start = time.perf_counter()
+        result = original(*args, **kwargs)
+        calls.append(time.perf_counter() - start)
+        return result
+
+    def generate():
+        return model.generate(
+            input_ids=ids, num_beams=beams, min_new_tokens=NEW_TOKENS, max_new_tokens=NEW_TOKENS
+        )
+
+    generate()  # warm-up
+    session.session.run = timed_run
+    walls, firsts, cached = [], [], []
+    try:
+        for _ in range(repeats):
+            calls.clear()
+            start = time.perf_counter()
+            generate()
+            walls.append(time.perf_counter() - start)
+            firsts.append(calls[0])
+            cached.append(sum(calls[1:]) / max(1, len(calls) - 1))
+            steps = len(calls)
+    finally:
+        session.session.run = original
+    wall = statistics.median(walls)
+    first, step = statistics.median(firsts), statistics.median(cached)
+    return {
+        "wall_s": wall,
+        "steps": steps,
+        "first_step_s": first,
+        "cached_step_s": step,
+        "outside_run_s": wall - first - step * (steps - 1),
+        "per_token_ms": wall / NEW_TOKENS * 1e3,
+    }
+
+
+def _ort_profile(path: Path, ids, beams: int, threads: int) -> dict[str, Any]:
+    """onnxruntime's profile of one generate(): operator time by type, and time outside them."""
+    import onnxmerge
+    from onnxmerge.runtime.session import default_session_options
+
+    with tempfile.TemporaryDirectory(prefix="profile-") as tmp:
+        options = default_session_options()
+        options.intra_op_num_threads = threads
+        options.enable_profiling = True
+        options.profile_file_prefix = str(Path(tmp) / "ort")
+        model = onnxmerge.Seq2SeqModel(path, session_options=options)
+        model.generate(
+            input_ids=ids, num_beams=beams, min_new_tokens=NEW_TOKENS, max_new_tokens=NEW_TOKENS
+        )
+        events = json.loads(Path(model.session.end_profiling()).read_text())
+    by_op: collections.Counter[str] = collections.Counter()
+    runs = 0.0
+    for event in events:
+        if event.get("cat") == "Session" and event.get("name") == "model_run":
+            runs += event["dur"]
+        elif event.get("cat") == "Node" and event.get("name", "").endswith("_kernel_time"):
+            by_op[event["args"].get("op_name", "?")] += event["dur"]
+    # If nodes contain the branch's nodes; count only leaf operators.
+    leaf = sum(v for k, v in by_op.items() if k != "If")
+    top = dict(
+        sorted(((k, v / 1e3) for k, v in by_op.items() if k != "If"), key=lambda kv: -kv[1])[:12]
+    )
+    return {
+        "model_run_ms": runs / 1e3,
+        "operators_ms": leaf / 1e3,
+        "outside_operators_ms": (runs - leaf) / 1e3,
+        "top_operators_ms": top,
+    }
+
+
+def profile(merged: Path, config: dict, threads: int, repeats: int) -> dict[str, Any]:
+    import onnxmerge
+    from onnxmerge.runtime.session import default_session_options
+
+    options = default_session_options()
+    options.intra_op_num_threads = threads
+    model = onnxmerge.Seq2SeqModel(merged, session_options=options)
+    ids = _source(config)
+    return {
+        search: {
+            "steps": _timed_steps(model, ids, beams, repeats),
+            "onnxruntime_profile": _ort_profile(merged, ids, beams, threads),
+        }
+        for search, beams in (("greedy", 1), ("beam4", 4))
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny Marian model")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+    factory = _common.tiny_marian_config if args.quick else _common.opus_mt_config
+    export = _common.export_cached(factory, "tied")
+    full = factory()
+    config = {k: int(getattr(full, k)) for k in ("vocab_size", "eos_token_id")}
+    import onnxmerge
+
+    with tempfile.TemporaryDirectory(prefix="profile-generate-") as tmp:
+        merged = onnxmerge.merge_seq2seq(export.onnx_dir, Path(tmp) / "model.onnx")
+        result = {
+            "benchmark": "profile",
+            "model": "tiny Marian" if args.quick else "opus-mt-fr-en shape",
+            "threads": args.threads,
+            "new_tokens": NEW_TOKENS,
+            "searches": profile(merged, config, args.threads, args.repeats),
+        }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result["searches"], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

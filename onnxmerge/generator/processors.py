@@ -71,10 +71,11 @@ def apply(ops: Ops, s: GenerationSettings, vocab: int, step: StepValues) -> ir.V
         scores = ban_tokens(ops, scores, valid_eos, ops.op("Less", new, ops.i64(s.min_new_tokens)))
     if s.forced_bos_token_id is not None:
         when = ops.op("Equal", step.cur_len, ops.i64(1))
-        scores = _force(ops, scores, [int(s.forced_bos_token_id)], when)
+        scores = _force(ops, scores, [int(s.forced_bos_token_id)], vocab, when)
     if s.forced_eos_token_id is not None:
         last = ops.op("Sub", step.max_length, ops.i64(1))
-        scores = _force(ops, scores, s.forced_eos_token_id, ops.op("Equal", step.cur_len, last))
+        when = ops.op("Equal", step.cur_len, last)
+        scores = _force(ops, scores, s.forced_eos_token_id, vocab, when)
     if s.suppress_tokens is not None:
         scores = ban_tokens(ops, scores, [t for t in s.suppress_tokens if 0 <= t < vocab])
     if s.begin_suppress_tokens is not None:
@@ -127,9 +128,20 @@ def _vocab_mask(ops: Ops, scores: ir.Value, tokens: list[int]) -> ir.Value:
     return ops.isin(ids, tokens)
 
 
-def _force(ops: Ops, scores: ir.Value, tokens: list[int], when: ir.Value) -> ir.Value:
-    """Every score -inf except ``tokens`` (0), on the step where the scalar ``when`` holds."""
-    row = ops.op("Where", _vocab_mask(ops, scores, tokens), ops.f32(0.0), ops.f32(_NEG_INF))
+def _force(
+    ops: Ops, scores: ir.Value, tokens: list[int], vocab: int, when: ir.Value
+) -> ir.Value:
+    """Every score -inf except ``tokens`` (0), on the step where the scalar ``when`` holds.
+
+    The row is a fill plus a scatter of a few ids: it runs every step, so no vocabulary-wide
+    comparisons (they cost the loop more than the Python runtime's whole search step).
+    """
+    shape = ops.vector(ops.i64(1), ops.dim(scores, 1))
+    row = ops.op("ConstantOfShape", shape, value=ir.tensor(np.array([_NEG_INF], np.float32)))
+    kept = sorted({t for t in tokens if 0 <= t < vocab})
+    if kept:
+        zeros = ops.f32([[0.0] * len(kept)])
+        row = ops.op("ScatterElements", row, ops.i64([kept]), zeros, axis=1)
     return ops.op("Where", when, row, scores)
 
 

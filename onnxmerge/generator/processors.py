@@ -128,9 +128,7 @@ def _vocab_mask(ops: Ops, scores: ir.Value, tokens: list[int]) -> ir.Value:
     return ops.isin(ids, tokens)
 
 
-def _force(
-    ops: Ops, scores: ir.Value, tokens: list[int], vocab: int, when: ir.Value
-) -> ir.Value:
+def _force(ops: Ops, scores: ir.Value, tokens: list[int], vocab: int, when: ir.Value) -> ir.Value:
     """Every score -inf except ``tokens`` (0), on the step where the scalar ``when`` holds.
 
     The row is a fill plus a scatter of a few ids: it runs every step, so no vocabulary-wide

@@ -33,6 +33,7 @@ def _benchmarks(out: Path, quick: bool) -> dict[str, list[str]]:
         "web": ["bench_web.py", *q, "--out", str(out / "web.json")],
         "batch": ["bench_batch.py", *q, "--out", str(out / "batch.json")],
         "ctranslate2": ["bench_ctranslate2.py", *q, "--out", str(out / "ctranslate2.json")],
+        "threads": ["bench_threads.py", *q, "--out", str(out / "threads.json")],
         # A diagnosis, not a comparison: only when asked by --only.
         "profile": ["profile_generate.py", *q, "--out", str(out / "profile.json")],
         # Exports a 2.4 GB model (about 10 minutes, 9 GB of cache): only when asked by --only.
@@ -134,6 +135,23 @@ def _ctranslate2_section(data: dict) -> list[str]:
             lines.append(f"| {precision} | {case} | {theirs:.3f} | {ours:.3f} | **{ratio:.2f}x** "
                          f"| {'' if target is None else f'<= {target}x'} | {agree} |")
     return [*lines, ""]
+
+
+def _threads_section(data: dict) -> list[str]:
+    memory = data["memory"]
+    lines = ["## One model shared by threads", "",
+             f"{data['model']}, greedy, {data['new_tokens']} new tokens, onnxruntime with "
+             f"{data['onnxruntime_threads']} threads; every call's tokens checked against a serial "
+             "call (`benchmarks/bench_threads.py`).", "",
+             "| caller threads | calls | tokens/s | same tokens as serial |", "|---:|---:|---:|---|"]
+    for row in data["throughput"]:
+        lines.append(f"| {row['caller_threads']} | {row['calls']} | {row['tokens_per_s']:.1f} | "
+                     f"{row['same_tokens_as_serial']} |")
+    first, last = memory["samples"][0], memory["samples"][-1]
+    lines += ["", f"Resident memory over {memory['calls']} calls (greedy and 2 beams in turn): "
+              f"{first['rss_mb']:.1f} MB after {first['calls']} calls, {last['rss_mb']:.1f} MB after "
+              f"{last['calls']} ({memory['growth_after_first_tenth_mb']:+.1f} MB).", ""]
+    return lines
 
 
 def _profile_section(data: dict) -> list[str]:
@@ -251,6 +269,9 @@ def render(out: Path, docs: Path) -> Path:
     ctranslate2 = _load(out, "ctranslate2")
     if ctranslate2:
         lines += _ctranslate2_section(ctranslate2)
+    threads = _load(out, "threads")
+    if threads:
+        lines += _threads_section(threads)
     profile = _load(out, "profile")
     if profile:
         lines += _profile_section(profile)
@@ -293,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--render", action="store_true", help="only render the docs from JSON")
     parser.add_argument("--only", nargs="+",
                         choices=["merge", "sizes", "generate", "generator", "web", "batch",
-                                 "ctranslate2", "profile", "large"])
+                                 "ctranslate2", "threads", "profile", "large"])
     parser.add_argument("--out", type=Path, default=OUT, help="folder for the JSON results")
     parser.add_argument("--docs", type=Path, default=DOCS, help="folder for benchmarks.md")
     args = parser.parse_args(argv)

@@ -22,7 +22,7 @@ def test_run_all_quick_writes_results_and_docs(tmp_path):
         capture_output=True, text=True, timeout=900, cwd=REPO_ROOT,
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    for name in ("merge", "sizes", "generate", "generator", "batch", "ctranslate2"):
+    for name in ("merge", "sizes", "generate", "generator", "batch", "ctranslate2", "threads"):
         assert json.loads((tmp_path / "out" / f"{name}.json").read_text())
     merge = json.loads((tmp_path / "out" / "merge.json").read_text())
     for variant in merge["variants"].values():
@@ -41,5 +41,7 @@ def test_run_all_quick_writes_results_and_docs(tmp_path):
     ctranslate2 = json.loads((tmp_path / "out" / "ctranslate2.json").read_text())
     for precision in ("float32", "int8"):
         assert ctranslate2["precisions"][precision]["token_agreement"]["greedy_b1"] > 0.5
+    threads = json.loads((tmp_path / "out" / "threads.json").read_text())
+    assert all(row["same_tokens_as_serial"] for row in threads["throughput"])
     assert "## Generation against CTranslate2" in page
     assert (tmp_path / "docs" / "img" / "sizes.png").stat().st_size > 1000

@@ -141,34 +141,38 @@ def _threads_section(data: dict) -> list[str]:
     memory = data["memory"]
     lines = ["## One model shared by threads", "",
              f"{data['model']}, greedy, {data['new_tokens']} new tokens, onnxruntime with "
-             f"{data['onnxruntime_threads']} threads; every call's tokens checked against a serial "
-             "call (`benchmarks/bench_threads.py`).", "",
-             "| caller threads | calls | tokens/s | same tokens as serial |", "|---:|---:|---:|---|"]
+             f"{data['onnxruntime_threads']} threads; every call's tokens checked against a "
+             "serial call (`benchmarks/bench_threads.py`).", "",
+             "| caller threads | calls | tokens/s | same tokens as serial |",
+             "|---:|---:|---:|---|"]
     for row in data["throughput"]:
         lines.append(f"| {row['caller_threads']} | {row['calls']} | {row['tokens_per_s']:.1f} | "
                      f"{row['same_tokens_as_serial']} |")
     first, last = memory["samples"][0], memory["samples"][-1]
     lines += ["", f"Resident memory over {memory['calls']} calls (greedy and 2 beams in turn): "
-              f"{first['rss_mb']:.1f} MB after {first['calls']} calls, {last['rss_mb']:.1f} MB after "
-              f"{last['calls']} ({memory['growth_after_first_tenth_mb']:+.1f} MB).", ""]
+              f"{first['rss_mb']:.1f} MB after {first['calls']} calls, {last['rss_mb']:.1f} MB "
+              f"after {last['calls']} ({memory['growth_after_first_tenth_mb']:+.1f} MB).", ""]
     return lines
 
 
 def _profile_section(data: dict) -> list[str]:
     lines = ["## Where the time of a token goes", "",
-             f"{data['model']}, batch 1, {data['new_tokens']} new tokens, {data['threads']} threads "
-             "(`benchmarks/profile_generate.py`; run with `--only profile`). Per-step times wrap "
-             "`InferenceSession.run`; the operator split is onnxruntime's profiler over one "
-             "`generate()`. Measured under load, so read the shares, not the absolute times.", "",
+             f"{data['model']}, batch 1, {data['new_tokens']} new tokens, {data['threads']} "
+             "threads (`benchmarks/profile_generate.py`; run with `--only profile`). Per-step "
+             "times wrap `InferenceSession.run`; the operator split is onnxruntime's profiler "
+             "over one `generate()`. Measured under load, so read the shares, not the absolute "
+             "times.", "",
              "| search | per token ms | first step ms | cached step ms | Python outside run | "
              "operators | outside operators (in run) | top operators (share of operator time) |",
              "|---|---:|---:|---:|---:|---:|---:|---|"]
     for search, d in data["searches"].items():
         st, prof = d["steps"], d["onnxruntime_profile"]
         ops = prof["operators_ms"]
-        top = ", ".join(f"{k} {v / ops:.0%}" for k, v in list(prof["top_operators_ms"].items())[:6])
+        top = list(prof["top_operators_ms"].items())[:6]
+        top = ", ".join(f"{k} {v / ops:.0%}" for k, v in top)
         lines.append(f"| {search} | {st['per_token_ms']:.1f} | {st['first_step_s'] * 1e3:.1f} | "
-                     f"{st['cached_step_s'] * 1e3:.1f} | {st['outside_run_s'] / st['wall_s']:.0%} | "
+                     f"{st['cached_step_s'] * 1e3:.1f} | "
+                     f"{st['outside_run_s'] / st['wall_s']:.0%} | "
                      f"{ops / prof['model_run_ms']:.0%} | "
                      f"{prof['outside_operators_ms'] / prof['model_run_ms']:.0%} | {top} |")
     return [*lines, ""]

@@ -372,6 +372,9 @@ def main(argv: list[str] | None = None) -> int:
         "environment": {
             "python": platform.python_version(),
             "cpu_count": os.cpu_count(),
+            # CTranslate2's float32 path slows down far more than onnxruntime when the machine
+            # is oversubscribed: read the ratios together with the load.
+            "load_average_at_end": os.getloadavg(),
             "onnxruntime": onnxruntime.__version__,
             "ctranslate2": ctranslate2.__version__,
         },

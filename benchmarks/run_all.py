@@ -121,7 +121,10 @@ def _ctranslate2_section(data: dict) -> list[str]:
              "PyTorch folder (`TransformersConverter`, float32 and int8). Our int8 file: "
              f"{data['int8_ours']}. Times are seconds ({s['statistic']}); ratios are "
              "onnxmerge / CTranslate2, below 1 is better; agreement is the share of positions "
-             "with the same token (the last, a forced eos on our side, left out).", "",
+             "with the same token (the last, a forced eos on our side, left out). Both sides run "
+             "in the same run, but CTranslate2's float32 path slows down far more than "
+             "onnxruntime on an oversubscribed machine: on a loaded machine, read the float32 "
+             "ratios as a lower bound for us, not as a result.", "",
              "| precision | measure | CTranslate2 | onnxmerge | ratio | target | token agreement |",
              "|---|---|---:|---:|---:|---:|---:|"]
     for precision, p in data["precisions"].items():

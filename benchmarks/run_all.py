@@ -123,8 +123,8 @@ def _ctranslate2_section(data: dict) -> list[str]:
              "onnxmerge / CTranslate2, below 1 is better; agreement is the share of positions "
              "with the same token (the last, a forced eos on our side, left out). Both sides run "
              "in the same run, but CTranslate2's float32 path slows down far more than "
-             "onnxruntime on an oversubscribed machine: on a loaded machine, read the float32 "
-             "ratios as a lower bound for us, not as a result.", "",
+             "onnxruntime on an oversubscribed machine: from a loaded machine, the float32 "
+             "ratios are lower than on a quiet one and are not a result.", "",
              "| precision | measure | CTranslate2 | onnxmerge | ratio | target | token agreement |",
              "|---|---|---:|---:|---:|---:|---:|"]
     for precision, p in data["precisions"].items():

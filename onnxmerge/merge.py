@@ -14,7 +14,7 @@ from pathlib import Path
 
 import onnx_ir as ir
 
-from onnxmerge import compat, contract, dedup, model_io, roles, splice, tied_head
+from onnxmerge import compat, contract, dedup, dims, model_io, roles, splice, tied_head
 from onnxmerge.errors import (
     ExportFolderError,
     InvalidMergedModelError,
@@ -127,6 +127,7 @@ def merge_seq2seq_with_report(
     origins = compat.origins(parts)
     tensors_in = len(origins)
     step("splicing")
+    dims.separate_symbolic_dims(parts)
     spliced = splice.splice(parts, models)
     step("deduplicating")
     report = dedup.store_once(spliced.model)

@@ -7,6 +7,7 @@ from onnxmerge.errors import (
     GenerationError,
     IncompatibleModelsError,
     InvalidMergedModelError,
+    MergedModelRunError,
     ModelNotFoundError,
     OnnxMergeError,
     RefusedOutputError,
@@ -28,7 +29,9 @@ __all__ = [
     "UnsafeExternalDataError",
     "RefusedOutputError",
     "InvalidMergedModelError",
+    "MergedModelRunError",
     "GenerationError",
+    "build_generator",
 ]
 
 
@@ -43,4 +46,8 @@ def __getattr__(name: str):
         from onnxmerge.runtime import Seq2SeqModel
 
         return Seq2SeqModel
+    if name == "build_generator":
+        from onnxmerge.generator import build_generator
+
+        return build_generator
     raise AttributeError(f"module 'onnxmerge' has no attribute {name!r}")

@@ -10,6 +10,7 @@ __all__ = [
     "UnsafeExternalDataError",
     "RefusedOutputError",
     "InvalidMergedModelError",
+    "MergedModelRunError",
     "GenerationError",
     "WireFormatError",
 ]
@@ -50,6 +51,29 @@ class RefusedOutputError(OnnxMergeError):
 
 class InvalidMergedModelError(OnnxMergeError):
     """A file is not a merged seq2seq model, or a produced model failed validation."""
+
+
+class MergedModelRunError(InvalidMergedModelError):
+    """onnxruntime cannot run a merged model the merge produced; nothing was written.
+
+    ``step`` says where it failed: ``"load"``, ``"first"`` (``use_cache_branch = false``: encoder
+    and decoder without past) or ``"cached"`` (``use_cache_branch = true``: decoder with past).
+    """
+
+    STEPS = {
+        "load": "loading it",
+        "first": "the first step (use_cache_branch = false: encoder and decoder without past)",
+        "cached": "a cached step (use_cache_branch = true: decoder with past)",
+    }
+
+    def __init__(self, step: str, reason: str):
+        self.step = step
+        self.reason = reason
+        super().__init__(
+            f"onnxruntime failed on the merged model in {self.STEPS[step]}: {reason}. Nothing "
+            "was written. Check that the source files run in onnxruntime; if they do, please "
+            "report this with the export folder's config.json"
+        )
 
 
 class GenerationError(OnnxMergeError, ValueError):

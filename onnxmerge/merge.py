@@ -14,7 +14,7 @@ from pathlib import Path
 
 import onnx_ir as ir
 
-from onnxmerge import compat, contract, dedup, dims, model_io, roles, splice, tied_head
+from onnxmerge import check, compat, contract, dedup, dims, model_io, roles, splice, tied_head
 from onnxmerge.errors import (
     ExportFolderError,
     InvalidMergedModelError,
@@ -126,6 +126,8 @@ def merge_seq2seq_with_report(
     ]
     origins = compat.origins(parts)
     tensors_in = len(origins)
+    # Operators the checker does not know, which the merged model may hold too.
+    tolerated = check.unknown_operators(models.values())
     step("splicing")
     dims.separate_symbolic_dims(parts)
     spliced = splice.splice(parts, models)
@@ -151,7 +153,7 @@ def merge_seq2seq_with_report(
         spliced.model,
         output,
         external_data=external_data,
-        validate=contract.check_written_model,
+        validate=lambda path: check.check_merged_model(path, tolerated),
         protected=inputs_read,
     )
     output_bytes = model_io.file_bytes(output, model_io.data_files_of(output))

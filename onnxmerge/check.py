@@ -1,0 +1,151 @@
+"""The output check: a merged file is published only if it passes the checker and runs.
+
+The ONNX checker holds the merged model to what its inputs already pass: operators that the
+source files hold and the checker has no schema for (onnxruntime's own, written by its transformer
+optimizer, e.g. ``SimplifiedLayerNormalization``) are not held against it. Then, where onnxruntime
+is installed, both branches run once on tiny inputs, so a model that the runtime refuses (sizes
+that its shapes promise equal but are not, say) is never written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+
+from onnxmerge import contract
+from onnxmerge.errors import MergedModelRunError
+
+# The checker skips operators of domains it does not know; tolerated nodes are checked under this.
+_UNCHECKED_DOMAIN = "onnxmerge.unchecked"
+# Sizes of the trial run: encoder and decoder lengths differ so that mixed-up sizes show.
+_BATCH, _ENCODER_LENGTH, _DECODER_LENGTH = 2, 7, 3
+
+
+def _domain(node: ir.Node) -> str:
+    return "" if node.domain in ("", "ai.onnx") else node.domain
+
+
+def unknown_operators(models: Iterable[ir.Model]) -> frozenset[tuple[str, str]]:
+    """(domain, op_type) of the nodes the ONNX checker has no schema for; functions excepted."""
+    found = set()
+    for model in models:
+        functions = {(f.domain, f.name) for f in model.functions.values()}
+        for node in ir.traversal.RecursiveGraphIterator(model.graph):
+            key = (_domain(node), node.op_type)
+            if key not in functions and not onnx.defs.has(node.op_type, key[0]):
+                found.add(key)
+    return frozenset(found)
+
+
+def check_merged_model(
+    path: Path, tolerated: frozenset[tuple[str, str]] = frozenset(), *, run: bool = True
+) -> None:
+    """Validate a written merged model before it is published.
+
+    Raises:
+        InvalidMergedModelError: the checker refused it.
+        MergedModelRunError: onnxruntime could not run one of its branches.
+    """
+    if tolerated:
+        _check_tolerating(path, tolerated)
+    else:
+        contract.check_written_model(path)
+    if run:
+        run_both_branches(path)
+
+
+def _check_tolerating(path: Path, tolerated: frozenset[tuple[str, str]]) -> None:
+    # Weights are still in the data file here: this reads the graph only.
+    proto = onnx.load(os.fspath(path), load_external_data=False)
+
+    def relabel(graph: onnx.GraphProto) -> None:
+        for node in graph.node:
+            if (node.domain if node.domain != "ai.onnx" else "", node.op_type) in tolerated:
+                node.domain = _UNCHECKED_DOMAIN
+            for attr in node.attribute:
+                if attr.HasField("g"):
+                    relabel(attr.g)
+                for sub in attr.graphs:
+                    relabel(sub)
+
+    relabel(proto.graph)
+    proto.opset_import.append(onnx.helper.make_opsetid(_UNCHECKED_DOMAIN, 1))
+    # Beside the original, so that its external data references resolve.
+    relabelled = path.with_name(f"{path.stem}.relabelled.onnx")
+    onnx.save(proto, os.fspath(relabelled))
+    try:
+        contract.check_written_model(relabelled)
+    finally:
+        relabelled.unlink()
+
+
+def run_both_branches(path: Path) -> None:
+    """Run the first and a cached step once on tiny inputs; skipped without onnxruntime.
+
+    Raises:
+        MergedModelRunError: onnxruntime failed to load the model or to run a step; the message
+            says which step (branch) and gives onnxruntime's reason.
+    """
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        return
+    from onnxmerge.runtime.session import ORT_TO_NUMPY
+    from onnxmerge.verify import sample_encoder_inputs
+
+    options = ort.SessionOptions()
+    # Shapes, kernels and types fail without graph optimisations too, which would only add time.
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.log_severity_level = 4  # the error is raised with its reason; no log lines besides
+    try:
+        session = ort.InferenceSession(os.fspath(path), options, providers=["CPUExecutionProvider"])
+    except Exception as e:  # onnxruntime raises its own types
+        raise MergedModelRunError("load", _reason(e)) from e
+    meta = session.get_modelmeta().custom_metadata_map
+    config = json.loads(meta.get(contract.META_CONFIG, "{}"))
+    inputs = {i.name: i for i in session.get_inputs()}
+    rng = np.random.default_rng(0)
+    feeds = sample_encoder_inputs(session, config, batch=_BATCH, length=_ENCODER_LENGTH, rng=rng)
+    vocab = int(config.get("vocab_size") or 4)
+    ids = rng.integers(0, vocab, (_BATCH, _DECODER_LENGTH)).astype(np.int64)
+    first = dict(feeds, **{contract.DECODER_INPUT_IDS: ids})
+    has_past = contract.USE_CACHE_BRANCH in inputs
+    if has_past:
+        first[contract.USE_CACHE_BRANCH] = np.array([False])
+        for name, info in inputs.items():
+            if contract.is_past_name(name):
+                dims = [d if isinstance(d, int) else 1 for d in info.shape]
+                dims[0], dims[2] = _BATCH, 0
+                first[name] = np.zeros(dims, ORT_TO_NUMPY.get(info.type, np.float32))
+    names = [o.name for o in session.get_outputs()]
+    try:
+        outputs = dict(zip(names, session.run(None, first), strict=True))
+    except Exception as e:
+        raise MergedModelRunError("first", _reason(e)) from e
+    if not has_past:
+        return
+    cached = {
+        name: value if name == contract.ATTENTION_MASK else value[:, ..., :0]
+        for name, value in feeds.items()
+    }
+    cached[contract.DECODER_INPUT_IDS] = ids[:, -1:]
+    cached[contract.USE_CACHE_BRANCH] = np.array([True])
+    for name, value in outputs.items():
+        if contract.is_present_name(name):
+            cached[contract.past_name(*contract.parse_cache_name(name)[1:])] = value
+    try:
+        session.run(None, cached)
+    except Exception as e:
+        raise MergedModelRunError("cached", _reason(e)) from e
+
+
+def _reason(error: Exception) -> str:
+    # onnxruntime's messages carry a source location and advice; the first line says what failed.
+    text = str(error).strip()
+    return text.splitlines()[0].rstrip(".") if text else type(error).__name__

@@ -233,7 +233,7 @@ def test_failed_validation_leaves_no_output_and_no_temporary_files(tmp_path, mon
     folder = tm.write_export(tmp_path / "export")
     before = tm.folder_digest(folder)
 
-    def refuse(path: Path, *args) -> None:
+    def refuse(path: Path) -> None:
         assert path.exists()  # the file is checked where it was written, before it is published
         raise InvalidMergedModelError("refused by the test")
 
@@ -247,7 +247,7 @@ def test_failed_validation_keeps_the_previous_output(tmp_path, monkeypatch):
     folder = tm.write_export(tmp_path / "export")
     previous = merge_seq2seq(folder).read_bytes()
 
-    def refuse(path: Path, *args) -> None:
+    def refuse(path: Path) -> None:
         raise InvalidMergedModelError("refused by the test")
 
     monkeypatch.setattr(contract_module, "check_written_model", refuse)

@@ -49,6 +49,9 @@ def test_a_file_onnxruntime_cannot_read_is_refused(tmp_path):
         (lambda x: {**x, "token_type_ids": x["input_ids"]}, "unknown inputs"),
         (lambda x: {**x, "attention_mask": x["attention_mask"][:1]}, "batch size"),
         (lambda x: {}, "no encoder inputs"),
+        (lambda x: {**x, "attention_mask": x["attention_mask"][:, :-1]}, "one mask value per"),
+        (lambda x: {k: v[:, :0] for k, v in x.items()}, "input_ids is empty"),
+        (lambda x: {k: v[:0] for k, v in x.items()}, "no rows"),
     ],
 )
 def test_bad_inputs(marian, change, match):
@@ -75,6 +78,39 @@ def test_bad_settings(marian, settings, match):
     model, inputs, _ = marian
     with pytest.raises(GenerationError, match=match):
         model.generate(**inputs, **settings)
+
+
+def test_negative_max_new_tokens_is_named_as_given(marian):
+    model, inputs, _ = marian
+    with pytest.raises(GenerationError, match="max_new_tokens must be >= 1, got -3") as caught:
+        model.generate(**inputs, max_new_tokens=-3)
+    assert "max_length" not in str(caught.value)
+
+
+def test_refused_before_onnxruntime_runs(marian, monkeypatch):
+    model, inputs, _ = marian
+
+    def fail(*args, **kwargs):
+        raise AssertionError("onnxruntime ran")
+
+    monkeypatch.setattr(model.session, "run", fail)
+    with pytest.raises(GenerationError):
+        model.generate(**{**inputs, "attention_mask": inputs["attention_mask"][:, :2]})
+    with pytest.raises(GenerationError, match="empty"):
+        model.first_step(inputs, np.zeros((2, 0), dtype=np.int64))
+
+
+def test_whisper_features_of_the_wrong_width_are_refused(tiny_export, tmp_path):
+    import onnxmerge
+    from tests import models as zoo
+
+    export = tiny_export("whisper")
+    model = onnxmerge.Seq2SeqModel(onnxmerge.merge_seq2seq(export.onnx_dir, tmp_path / "m.onnx"))
+    features = zoo.sample_encoder_inputs(export, batch=1)["input_features"]
+    assert model.generate(input_features=features, max_new_tokens=2).shape == (1, 3)
+    for wrong in (features[:, :-1], features[:, :, :-4], np.concatenate([features] * 2, axis=2)):
+        with pytest.raises(GenerationError, match="mel bins, frames"):
+            model.generate(input_features=wrong, max_new_tokens=2)
 
 
 def test_bad_decoder_input_ids(marian):

@@ -143,7 +143,36 @@ class Seq2SeqModel:
             batch = rows
         if batch == 0:
             raise GenerationError("encoder inputs have no rows")
+        self._check_lengths(checked)
         return checked
+
+    def _check_lengths(self, inputs: dict[str, np.ndarray]) -> None:
+        """Refuse lengths the graph cannot run, before onnxruntime fails on them."""
+        ids, mask = inputs.get("input_ids"), inputs.get(c.ATTENTION_MASK)
+        if ids is not None and ids.shape[1] == 0:
+            raise GenerationError(
+                f"input_ids is empty (shape {tuple(ids.shape)}); give every row at least one "
+                "token, e.g. the eos token"
+            )
+        if ids is not None and mask is not None and mask.shape != ids.shape:
+            raise GenerationError(
+                f"attention_mask has shape {tuple(mask.shape)} but input_ids has "
+                f"{tuple(ids.shape)}; give one mask value per token"
+            )
+        features = inputs.get("input_features")
+        if features is not None and self.model_type == "whisper":
+            expected = (
+                self.config.get("num_mel_bins"),
+                2 * self.config["max_source_positions"]
+                if "max_source_positions" in self.config
+                else None,
+            )
+            if any(e is not None and e != got for e, got in zip(expected, features.shape[1:])):
+                raise GenerationError(
+                    f"input_features has shape {tuple(features.shape)}, but this model takes "
+                    f"[batch, {expected[0]}, {expected[1]}] (mel bins, frames); compute them "
+                    "with the model's feature extractor, padded to its frame count"
+                )
 
     def _default_attention_mask(
         self, inputs: dict[str, np.ndarray], settings_pad: int | None, eos: list[int] | None
@@ -307,6 +336,8 @@ class Seq2SeqModel:
             raise GenerationError(
                 f"decoder_input_ids has {ids.shape[0]} rows but the encoder inputs have {batch}"
             )
+        if ids.shape[1] == 0:
+            raise GenerationError("decoder_input_ids is empty; start with the decoder start token")
         if self._session.has_attention_mask and c.ATTENTION_MASK not in inputs:
             first = next(iter(inputs.values()))
             inputs[c.ATTENTION_MASK] = np.ones(first.shape[:2], dtype=np.int64)

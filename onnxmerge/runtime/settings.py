@@ -207,14 +207,14 @@ def validate_settings(s: GenerationSettings) -> None:
             "greedy search returns one sequence per input: set num_beams >= num_return_sequences "
             "or do_sample=True"
         )
+    if s.max_new_tokens is not None and s.max_new_tokens < 1:
+        raise GenerationError(f"max_new_tokens must be >= 1, got {s.max_new_tokens}")
     if s.prompt_length >= s.max_length:
         raise GenerationError(
             f"decoder_input_ids are {s.prompt_length} tokens long but max_length is "
             f"{s.max_length}; "
             "raise max_length or set max_new_tokens"
         )
-    if s.max_new_tokens is not None and s.max_new_tokens < 1:
-        raise GenerationError(f"max_new_tokens must be >= 1, got {s.max_new_tokens}")
     if s.early_stopping not in (True, False, "never"):
         raise GenerationError(
             f"early_stopping must be True, False or 'never', got {s.early_stopping!r}"

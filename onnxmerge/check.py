@@ -33,14 +33,12 @@ def _domain(node: ir.Node) -> str:
 
 def unknown_operators(models: Iterable[ir.Model]) -> frozenset[tuple[str, str]]:
     """(domain, op_type) of the nodes the ONNX checker has no schema for; functions excepted."""
-    found = set()
+    keys = set()
+    functions = set()
     for model in models:
-        functions = {(f.domain, f.name) for f in model.functions.values()}
-        for node in ir.traversal.RecursiveGraphIterator(model.graph):
-            key = (_domain(node), node.op_type)
-            if key not in functions and not onnx.defs.has(node.op_type, key[0]):
-                found.add(key)
-    return frozenset(found)
+        functions |= {(f.domain, f.name) for f in model.functions.values()}
+        keys |= {(_domain(n), n.op_type) for n in ir.traversal.RecursiveGraphIterator(model.graph)}
+    return frozenset(key for key in keys - functions if not onnx.defs.has(key[1], key[0]))
 
 
 def check_merged_model(

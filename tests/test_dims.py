@@ -71,3 +71,15 @@ def test_parts_without_clashes_are_left_alone():
     before = _interior_dims(encoder)
     assert dims.separate_symbolic_dims([encoder]) == 0
     assert _interior_dims(encoder) == before
+
+
+def test_an_untouched_export_keeps_every_name(tiny_export):
+    """Optimum's own files name only interface sizes: the merged bytes stay what they were."""
+    from onnxmerge.merge import load_export
+
+    folder = tiny_export("t5").onnx_dir
+    chosen, models, _ = load_export(folder, folder / "model.onnx")
+    parts = [
+        p for role, path in chosen.items() for p in splice.parts_of_file(models[path], role, path)
+    ]
+    assert dims.separate_symbolic_dims(parts) == 0

@@ -167,7 +167,10 @@ class Seq2SeqModel:
                 if "max_source_positions" in self.config
                 else None,
             )
-            if any(e is not None and e != got for e, got in zip(expected, features.shape[1:])):
+            if any(
+                e is not None and e != got
+                for e, got in zip(expected, features.shape[1:], strict=True)
+            ):
                 raise GenerationError(
                     f"input_features has shape {tuple(features.shape)}, but this model takes "
                     f"[batch, {expected[0]}, {expected[1]}] (mel bins, frames); compute them "

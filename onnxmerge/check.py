@@ -10,8 +10,9 @@ that its shapes promise equal but are not, say) is never written.
 from __future__ import annotations
 
 import json
+import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +21,8 @@ import onnx_ir as ir
 
 from onnxmerge import contract
 from onnxmerge.errors import MergedModelRunError
+
+logger = logging.getLogger(__name__)
 
 # The checker skips operators of domains it does not know; tolerated nodes are checked under this.
 _UNCHECKED_DOMAIN = "onnxmerge.unchecked"
@@ -42,9 +45,16 @@ def unknown_operators(models: Iterable[ir.Model]) -> frozenset[tuple[str, str]]:
 
 
 def check_merged_model(
-    path: Path, tolerated: frozenset[tuple[str, str]] = frozenset(), *, run: bool = True
+    path: Path,
+    tolerated: frozenset[tuple[str, str]] = frozenset(),
+    sources: Sequence[Path] = (),
+    *,
+    run: bool = True,
 ) -> None:
     """Validate a written merged model before it is published.
+
+    ``tolerated`` are operators the checker may not know (see :func:`unknown_operators`);
+    ``sources`` the files merged, which onnxruntime must load for the run to be required.
 
     Raises:
         InvalidMergedModelError: the checker refused it.
@@ -55,7 +65,7 @@ def check_merged_model(
     else:
         contract.check_written_model(path)
     if run:
-        run_both_branches(path)
+        run_both_branches(path, sources)
 
 
 def _check_tolerating(path: Path, tolerated: frozenset[tuple[str, str]]) -> None:
@@ -83,8 +93,11 @@ def _check_tolerating(path: Path, tolerated: frozenset[tuple[str, str]]) -> None
         relabelled.unlink()
 
 
-def run_both_branches(path: Path) -> None:
+def run_both_branches(path: Path, sources: Sequence[Path] = ()) -> None:
     """Run the first and a cached step once on tiny inputs; skipped without onnxruntime.
+
+    A model that onnxruntime cannot load here is refused unless one of ``sources`` cannot be
+    loaded either (operators of another execution provider, say): then it is held to no more.
 
     Raises:
         MergedModelRunError: onnxruntime failed to load the model or to run a step; the message
@@ -104,6 +117,12 @@ def run_both_branches(path: Path) -> None:
     try:
         session = ort.InferenceSession(os.fspath(path), options, providers=["CPUExecutionProvider"])
     except Exception as e:  # onnxruntime raises its own types
+        for source in sources:
+            try:
+                ort.InferenceSession(os.fspath(source), options, providers=["CPUExecutionProvider"])
+            except Exception:
+                logger.info("not run: onnxruntime cannot load %s here either", source)
+                return
         raise MergedModelRunError("load", _reason(e)) from e
     meta = session.get_modelmeta().custom_metadata_map
     config = json.loads(meta.get(contract.META_CONFIG, "{}"))

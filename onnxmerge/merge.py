@@ -153,7 +153,7 @@ def merge_seq2seq_with_report(
         spliced.model,
         output,
         external_data=external_data,
-        validate=lambda path: check.check_merged_model(path, tolerated),
+        validate=lambda path: check.check_merged_model(path, tolerated, list(chosen.values())),
         protected=inputs_read,
     )
     output_bytes = model_io.file_bytes(output, model_io.data_files_of(output))

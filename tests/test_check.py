@@ -103,3 +103,28 @@ def test_unknown_operators_are_those_without_a_schema(tmp_path):
     _edit(folder, tm.ENCODER, _simplified_layer_norm)
     models = [ir.load(folder / f) for f in (tm.ENCODER, tm.DECODER)]
     assert check.unknown_operators(models) == {("", "SimplifiedLayerNormalization")}
+
+
+def _custom_operator(model: onnx.ModelProto) -> None:
+    """A node of a domain that neither the checker nor onnxruntime's CPU provider knows."""
+    graph = model.graph
+    producer = next(n for n in graph.node if "last_hidden_state" in n.output)
+    producer.output[0] = "before_custom"
+    graph.node.append(
+        onnx.helper.make_node(
+            "Scale", ["before_custom"], ["last_hidden_state"], domain="example.accelerator"
+        )
+    )
+    model.opset_import.append(onnx.helper.make_opsetid("example.accelerator", 1))
+
+
+def test_sources_that_do_not_load_here_hold_the_output_to_no_more(tmp_path):
+    folder = tm.write_export(tmp_path / "export")
+    _edit(folder, tm.ENCODER, _custom_operator)
+    path = merge_seq2seq(folder)
+    merged = onnx.load(str(path))
+    assert any(
+        n.domain == "example.accelerator"
+        for g in (a.g for n in merged.graph.node for a in n.attribute)
+        for n in g.node
+    )

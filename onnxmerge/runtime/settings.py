@@ -235,4 +235,3 @@ def validate_settings(s: GenerationSettings) -> None:
         or not all(isinstance(w, (list, tuple)) and w for w in s.bad_words_ids)
     ):
         raise GenerationError("bad_words_ids must be a non-empty list of non-empty lists of ids")
-

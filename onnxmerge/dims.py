@@ -5,8 +5,9 @@ buffers on that promise. Each source file keeps it only within itself: tools tha
 (onnxruntime's symbolic shape inference, which ``quantize_dynamic`` and the transformer optimizer
 run) name the sizes they cannot express ``unk__0``, ``unk__1``, … anew in every file. The names on
 the files' inputs and outputs are optimum's (``batch_size``, ``encoder_sequence_length``, …) and
-do mean one size in every file; every other name that two parts use gets the part's role as a
-prefix. Names used by one part only stay as they are, so an untouched export merges unchanged.
+do mean one size in every file; any other name that an earlier part already uses gets the later
+part's tag as a prefix. Names used by one part only stay as they are, so an untouched export
+merges unchanged.
 """
 
 from __future__ import annotations
@@ -15,7 +16,15 @@ from collections.abc import Iterator
 
 import onnx_ir as ir
 
+from onnxmerge.roles import Role
 from onnxmerge.splice import Part
+
+# Short, since a tag is repeated in every shape that uses the name.
+TAGS = {
+    Role.ENCODER: "encoder",
+    Role.DECODER: "decoder",
+    Role.DECODER_WITH_PAST: "with_past",
+}
 
 
 def _interior_values(part: Part) -> Iterator[ir.Value]:
@@ -42,32 +51,41 @@ def _names(value: ir.Value) -> set[str]:
 
 
 def separate_symbolic_dims(parts: list[Part]) -> int:
-    """Prefix interior symbolic dims that more than one part uses; return how many were renamed."""
+    """Rename interior symbolic dims that an earlier part uses too; return how many were renamed.
+
+    As with value names, the first part to use a name keeps it; later ones get their role's tag.
+    """
     shared = {
         name
         for part in parts
         for value in (*part.inputs.values(), *part.outputs.values())
         for name in _names(value)
     }
-    interior = {id(part): list(_interior_values(part)) for part in parts}
-    users: dict[str, int] = {}
+    taken: set[str] = set()
+    renamed = 0
     for part in parts:
-        for name in {n for v in interior[id(part)] for n in _names(v)} - shared:
-            users[name] = users.get(name, 0) + 1
-    clashing = {name for name, count in users.items() if count > 1}
-    renamed = set()
-    for part in parts:
-        for value in interior[id(part)]:
-            found = _names(value) & clashing
-            if not found:
-                continue
-            renamed |= found
-            value.shape = ir.Shape(
-                [
-                    f"{part.role.value}/{d.value}"
-                    if isinstance(d, ir.SymbolicDim) and d.value in clashing
-                    else d
-                    for d in value.shape
-                ]
-            )
-    return len(renamed)
+        values = list(_interior_values(part))
+        own = {n for v in values for n in _names(v)} - shared
+        clashing = own & taken
+        new_names = {name: _free(f"{TAGS[part.role]}/{name}", taken | own) for name in clashing}
+        taken |= (own - clashing) | set(new_names.values())
+        renamed += len(clashing)
+        for value in values:
+            if _names(value) & clashing:
+                value.shape = ir.Shape(
+                    [
+                        new_names[d.value]
+                        if isinstance(d, ir.SymbolicDim) and d.value in clashing
+                        else d
+                        for d in value.shape
+                    ]
+                )
+    return renamed
+
+
+def _free(name: str, used: set[str]) -> str:
+    candidate, counter = name, 1
+    while candidate in used:
+        counter += 1
+        candidate = f"{name}.{counter}"
+    return candidate

@@ -50,11 +50,11 @@ def _interior_dims(part: splice.Part) -> dict[str, list]:
     }
 
 
-def test_interior_dims_that_two_parts_use_get_the_part_name():
+def test_interior_dims_an_earlier_part_uses_get_the_part_tag():
     encoder, decoder = _part(ENCODER, Role.ENCODER), _part(DECODER, Role.DECODER)
     assert dims.separate_symbolic_dims([encoder, decoder]) == 1
     assert _interior_dims(encoder) == {
-        "t": ["batch_size", "encoder/unk__0"],
+        "t": ["batch_size", "unk__0"],  # the first part keeps its names
         "u": ["batch_size", "only_encoder"],  # one part only: already unique
     }
     assert _interior_dims(decoder) == {

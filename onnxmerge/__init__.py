@@ -9,6 +9,7 @@ from onnxmerge.errors import (
     InvalidMergedModelError,
     ModelNotFoundError,
     OnnxMergeError,
+    QuantizationError,
     RefusedOutputError,
     UnsafeExternalDataError,
 )
@@ -20,6 +21,7 @@ __all__ = [
     "merge_seq2seq",
     "merge_seq2seq_with_report",
     "MergeResult",
+    "quantize",
     "Seq2SeqModel",
     "OnnxMergeError",
     "ExportFolderError",
@@ -29,6 +31,7 @@ __all__ = [
     "RefusedOutputError",
     "InvalidMergedModelError",
     "GenerationError",
+    "QuantizationError",
 ]
 
 
@@ -39,6 +42,10 @@ def __getattr__(name: str):
         from onnxmerge import merge
 
         return getattr(merge, name)
+    if name == "quantize":
+        from onnxmerge.quantization import quantize
+
+        return quantize
     if name == "Seq2SeqModel":
         from onnxmerge.runtime import Seq2SeqModel
 

@@ -12,6 +12,7 @@ __all__ = [
     "InvalidMergedModelError",
     "GenerationError",
     "WireFormatError",
+    "QuantizationError",
 ]
 
 
@@ -58,3 +59,7 @@ class GenerationError(OnnxMergeError, ValueError):
 
 class WireFormatError(OnnxMergeError, ValueError):
     """The bytes of a model file are not a well-formed protobuf message."""
+
+
+class QuantizationError(OnnxMergeError, ValueError):
+    """A model cannot be quantized as asked (unknown precision, already quantized, old opset)."""

@@ -51,7 +51,7 @@ def _part_of(value: ir.Value, logits_producers: set[ir.Node], encoder_nodes: set
     return "decoder" if users else "other"
 
 
-def _encoder_nodes(model: ir.Model) -> set[ir.Node]:
+def encoder_nodes(model: ir.Model) -> set[ir.Node]:
     """The nodes the encoder's output depends on: the encoder, wherever the splice put it."""
     outputs = [
         out
@@ -93,11 +93,11 @@ def inspect_model(path: str | os.PathLike) -> Inspection:
     path = Path(path)
     model, data_files = model_io.load_model(path)
     producers = _logits_producers(model)
-    encoder_nodes = _encoder_nodes(model)
+    in_encoder = encoder_nodes(model)
     by_part = dict.fromkeys(PARTS, 0)
     for value in model.graph.initializers.values():
         if value.const_value is not None:
-            by_part[_part_of(value, producers, encoder_nodes)] += value.const_value.nbytes
+            by_part[_part_of(value, producers, in_encoder)] += value.const_value.nbytes
     return Inspection(
         path=path,
         file_bytes=model_io.file_bytes(path, data_files),

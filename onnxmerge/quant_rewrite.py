@@ -36,6 +36,8 @@ INT4_IR_VERSION = 10
 _SAME_MEANING_SINCE = 18
 
 _ROWS, _COLUMNS = 0, 1
+# Precisions whose MatMuls multiply integers.
+INTEGER_MATMUL = frozenset({"int8", "uint8"})
 
 
 @dataclass(frozen=True)
@@ -80,13 +82,14 @@ def _channel_axis(weight: ir.Value) -> int | None:
 
 
 def _block_axis(weight: ir.Value) -> int:
-    """The axis int4 blocks run along: the last one.
+    """The axis int4 blocks run along: the last one of a matrix, input channels of a kernel.
 
     Blocks along a MatMul weight's first axis would match onnxruntime's fusion into its 4-bit
     MatMul, which (1.32) fails to load when the weight is an outer-scope initializer of an ``If``
     branch, as every weight of a merged model is.
     """
-    return len(weight.shape) - 1 if weight.shape is not None else 1
+    rank = len(weight.shape) if weight.shape is not None else 2
+    return 1 if rank != 2 else rank - 1
 
 
 class _Rewriter:
@@ -300,6 +303,8 @@ def _rewrite_integer(
     rewriter: _Rewriter, weight: ir.Value, array: np.ndarray, precision: str
 ) -> int:
     """Store ``weight`` as integer codes, rewrite its readers; return the bytes now stored."""
+    if precision == "int4" and array.ndim != 2:
+        precision = "int8"  # convolution kernels: blocks along their short axes cost more scales
     axis = _block_axis(weight) if precision == "int4" else _channel_axis(weight)
     q = quant_math.quantize(array, precision, axis)
     codes_type = {"int8": ir.DataType.INT8, "uint8": ir.DataType.UINT8, "int4": ir.DataType.INT4}
@@ -319,7 +324,7 @@ def _rewrite_integer(
     for node, index in list(weight.uses()):
         if precision != "int4" and _reads_rows(node, index) and node.op_type == "Gather":
             rewriter.gather_rows(node, codes, scale, zero)
-        elif precision != "int4" and _reads_columns(node, index) and q.axis != _ROWS:
+        elif precision in INTEGER_MATMUL and _reads_columns(node, index) and q.axis != _ROWS:
             rewriter.integer_matmul(node, codes, scale, zero)
         else:
             floats = rewriter.dequantized(

@@ -81,7 +81,7 @@ def quantize_with_report(
         output: the file to write; by default beside ``source`` with transformers.js's suffix
             (``model_int8.onnx``, ``model_uint8.onnx``, ``model_fp16.onnx``, ``model_q4.onnx``).
         weights: ``"int8"``, ``"uint8"``, ``"fp16"`` or ``"int4"``: the precision of every large
-            weight (embedding, LM head, decoders; the encoder too unless ``encoder`` says otherwise).
+            weight (embedding, LM head, decoders; the encoder too unless ``encoder`` differs).
         encoder: the precision of the weights only the encoder reads: one of ``weights``' values
             or ``"fp32"``; by default the one that keeps quality (docs/quantization.md).
         overwrite: replace an existing output file.

@@ -29,8 +29,6 @@ logger = logging.getLogger(__name__)
 WEIGHT_PRECISIONS = ("int8", "uint8", "fp16", "int4")
 # transformers.js's file name suffixes for each precision.
 SUFFIXES = {"int8": "_int8", "uint8": "_uint8", "fp16": "_fp16", "int4": "_q4"}
-# The encoder's precision when none is given: measured on the demo model (docs/quantization.md).
-DEFAULT_ENCODER = {"int8": None, "uint8": None, "fp16": None, "int4": None}
 
 
 @dataclass(frozen=True)
@@ -83,7 +81,7 @@ def quantize_with_report(
         weights: ``"int8"``, ``"uint8"``, ``"fp16"`` or ``"int4"``: the precision of every large
             weight (embedding, LM head, decoders; the encoder too unless ``encoder`` differs).
         encoder: the precision of the weights only the encoder reads: one of ``weights``' values
-            or ``"fp32"``; by default the one that keeps quality (docs/quantization.md).
+            or ``"fp32"``; by default ``weights`` (measured to keep quality: docs/quantization.md).
         overwrite: replace an existing output file.
 
     Raises:
@@ -96,7 +94,9 @@ def quantize_with_report(
             f"weights={weights!r} is not a precision onnxmerge writes; choose one of "
             f"{', '.join(WEIGHT_PRECISIONS)}"
         )
-    encoder = encoder or DEFAULT_ENCODER[weights] or weights
+    # By default the encoder gets the weights' precision: on the demo model every precision kept
+    # >= 99% of the fp32 translations with a quantized encoder (docs/quantization.md).
+    encoder = encoder or weights
     if encoder not in PRECISIONS:
         raise QuantizationError(
             f"encoder={encoder!r} is not a precision; choose one of {', '.join(PRECISIONS)}"

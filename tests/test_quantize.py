@@ -15,6 +15,7 @@ from onnxmerge import contract, model_io, quant_math, quant_rewrite
 from onnxmerge.dedup import find_duplicates
 from onnxmerge.errors import QuantizationError, RefusedOutputError
 from tests.models import ARCHITECTURES
+from tests.test_cli import demo_export  # noqa: F401, F811 (the cached demo export)
 
 ort = pytest.importorskip("onnxruntime")
 
@@ -297,3 +298,30 @@ def test_refusals_name_the_problem(merged, tmp_path):
         quantize(once, tmp_path / "c.onnx", weights="int8")
     assert source.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b.onnx"]
+
+
+# -- the shipped trained model ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def demo_translations(demo_export, tmp_path_factory):  # noqa: F811
+    """Every held-out number translated by the fp32 file and by each quantized file."""
+    from onnxmerge import merge_seq2seq, quantize
+    from onnxmerge.demo import LARGEST_NUMBER, french_number, is_held_out
+    from onnxmerge.runtime import Seq2SeqModel
+
+    merged = merge_seq2seq(demo_export, tmp_path_factory.mktemp("demo") / "model.onnx")
+    sources = [french_number(n) for n in range(LARGEST_NUMBER + 1) if is_held_out(n)]
+    made = {"fp32": Seq2SeqModel(merged).translate(sources)}
+    for precision in PRECISIONS:
+        made[precision] = Seq2SeqModel(quantize(merged, weights=precision)).translate(sources)
+    return made
+
+
+@pytest.mark.parametrize("precision", ["int8", "uint8", "fp16"])
+def test_demo_model_translates_held_out_numbers_as_fp32_does(demo_translations, precision):
+    reference, got = demo_translations["fp32"], demo_translations[precision]
+    same = sum(a == b for a, b in zip(reference, got, strict=True))
+    assert same >= 0.99 * len(reference), [
+        (a, b) for a, b in zip(reference, got, strict=True) if a != b
+    ][:10]

@@ -69,6 +69,16 @@ def _reads_columns(node: ir.Node, index: int) -> bool:
     return _is_default_domain(node) and node.op_type == "MatMul" and index == 1
 
 
+def _plain_head_gemm(node: ir.Node, index: int) -> bool:
+    """``Gemm(x, W, transB=1)`` with no bias and unit factors: the tied LM head."""
+    if not (_reads_rows(node, index) and node.op_type == "Gemm") or len(node.inputs) > 2:
+        return False
+    return all(
+        node.attributes.get(name) is None or node.attributes[name].value == 1.0
+        for name in ("alpha", "beta")
+    ) and (node.attributes.get("transA") is None or node.attributes["transA"].value == 0)
+
+
 def _channel_axis(weight: ir.Value) -> int | None:
     """One scale per output feature where every reader agrees on which axis that is."""
     uses = list(weight.uses())
@@ -219,6 +229,15 @@ class _Rewriter:
         nodes.append(mul)
         self.replace_result(node, nodes, mul.outputs[0])
 
+    def transposed_codes(self, codes: ir.Value) -> ir.Value:
+        """``codes`` transposed by one main-graph node: onnxruntime folds it once, at load."""
+        key = (id(self.main), "transposed:" + (codes.name or ""))
+        if key not in self._dequantized:
+            node = self.node("Transpose", [codes], ["codes_transposed"], perm=[1, 0])
+            self.main.insert_before(self.main.node(0), node)
+            self._dequantized[key] = node.outputs[0]
+        return self._dequantized[key]
+
     def integer_matmul(
         self, node: ir.Node, codes: ir.Value, scale: ir.Value, zero: ir.Value | None
     ):
@@ -326,6 +345,11 @@ def _rewrite_integer(
             rewriter.gather_rows(node, codes, scale, zero)
         elif precision in INTEGER_MATMUL and _reads_columns(node, index) and q.axis != _ROWS:
             rewriter.integer_matmul(node, codes, scale, zero)
+        elif precision in INTEGER_MATMUL and _plain_head_gemm(node, index):
+            # The tied head multiplies integers too, with the embedding's codes transposed: an
+            # int8 copy at run time (a quarter of a float one), instead of dequantizing the whole
+            # embedding at every step.
+            rewriter.integer_matmul(node, rewriter.transposed_codes(codes), scale, zero)
         else:
             floats = rewriter.dequantized(
                 node.graph,

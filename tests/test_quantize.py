@@ -233,6 +233,8 @@ def test_every_architecture_quantizes_to_every_precision(
     tokens = runtime.generate(**inputs, max_new_tokens=4)
     assert tokens.shape[0] == 1 and tokens.shape[1] >= 2
 
+    if not runtime.has_past:
+        return  # the generator needs a decoder with past; a model merged without one is refused
     generator = build_generator(path, tmp_path / "generator.onnx")
     session = ort.InferenceSession(str(generator), _options(), providers=["CPUExecutionProvider"])
     feeds = {i.name: inputs[i.name] for i in session.get_inputs() if i.name in inputs}

@@ -7,7 +7,8 @@ tensors and nothing is computed on a branch that does not run:
 - ``Gather`` of embedding rows gathers codes and per-row scales, then dequantizes only those rows;
 - ``MatMul`` with an int8/uint8 weight quantizes its input on the fly (``DynamicQuantizeLinear``)
   and multiplies integers (``MatMulInteger``), as onnxruntime's dynamic quantization does;
-- any other reader gets the weight through one ``DequantizeLinear`` (``Cast`` for fp16) per graph.
+- any other reader gets the weight through one ``DequantizeLinear`` per graph;
+- fp16 weights are widened by one ``Cast`` in the main graph, which runtimes fold at load.
 
 All operators are standard ``ai.onnx`` ones.
 """
@@ -298,12 +299,14 @@ def quantize_weights(
         before = tensor.nbytes
         if precision == "fp16":
             stored = rewriter.initializer(weight.name + "_fp16", array.astype(np.float16))
+            # One Cast in the main graph, which onnxruntime folds once at load; a Cast in each
+            # branch would be folded once per branch, a float copy each (1.77x fp32's memory).
+            floats = rewriter.dequantized(
+                model.graph,
+                weight.name,
+                lambda s=stored: rewriter.node("Cast", [s], ["weight"], to=ir.DataType.FLOAT),
+            )
             for node, index in list(weight.uses()):
-                floats = rewriter.dequantized(
-                    node.graph,
-                    weight.name,
-                    lambda s=stored: rewriter.node("Cast", [s], ["weight"], to=ir.DataType.FLOAT),
-                )
                 node.replace_input_with(index, floats)
             after = stored.const_value.nbytes
         else:

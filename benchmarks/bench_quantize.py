@@ -223,12 +223,12 @@ def markdown(results: dict) -> list[str]:
     for name, size in results["sizes"].items():
         precision = name.removeprefix("onnxmerge ")
         target = f"<= {TARGETS[precision]}x" if precision in TARGETS else ""
-        lines.append(f"| {name} | {size / 2**20:.1f} MB | {size / checkpoint:.3f}x | {target} |")
+        lines.append(f"| {name} | {size / 1e6:.1f} MB | {size / checkpoint:.3f}x | {target} |")
     for name, size in results["anchors"].items():
         if size is not None:
-            lines.append(f"| {name} | {size / 2**20:.1f} MB | {size / checkpoint:.3f}x | |")
+            lines.append(f"| {name} | {size / 1e6:.1f} MB | {size / checkpoint:.3f}x | |")
     lines += [
-        f"| model.safetensors | {checkpoint / 2**20:.1f} MB | 1.000x | |",
+        f"| model.safetensors | {checkpoint / 1e6:.1f} MB | 1.000x | |",
         "",
         "Seq2SeqModel per precision, each in a fresh process (batch 1, 32 source tokens, 32 new "
         "tokens, best of the runs); ratios over the fp32 file in the same run:",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -316,7 +317,11 @@ def demo_translations(demo_export, tmp_path_factory):  # noqa: F811
     from onnxmerge.demo import LARGEST_NUMBER, french_number, is_held_out
     from onnxmerge.runtime import Seq2SeqModel
 
-    merged = merge_seq2seq(demo_export, tmp_path_factory.mktemp("demo") / "model.onnx")
+    folder = tmp_path_factory.mktemp("demo")
+    for path in demo_export.iterdir():
+        if path.name.startswith(("tokenizer", "special_tokens")):  # translate() reads it beside
+            shutil.copy2(path, folder / path.name)
+    merged = merge_seq2seq(demo_export, folder / "model.onnx")
     sources = [french_number(n) for n in range(LARGEST_NUMBER + 1) if is_held_out(n)]
     made = {"fp32": Seq2SeqModel(merged).translate(sources)}
     for precision in PRECISIONS:

@@ -16,7 +16,6 @@ from onnxmerge import contract, model_io, quant_math, quant_rewrite
 from onnxmerge.dedup import find_duplicates
 from onnxmerge.errors import QuantizationError, RefusedOutputError
 from tests.models import ARCHITECTURES
-from tests.test_cli import demo_export  # noqa: F401, F811 (the cached demo export)
 
 ort = pytest.importorskip("onnxruntime")
 
@@ -311,7 +310,7 @@ def test_refusals_name_the_problem(merged, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def demo_translations(demo_export, tmp_path_factory):  # noqa: F811
+def demo_translations(demo_export, tmp_path_factory):
     """Every held-out number translated by the fp32 file and by each quantized file."""
     from onnxmerge import merge_seq2seq, quantize
     from onnxmerge.demo import LARGEST_NUMBER, french_number, is_held_out

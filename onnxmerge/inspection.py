@@ -38,12 +38,15 @@ def _info(value: ir.Value) -> TensorInfo:
 
 def _part_of(value: ir.Value, logits_producers: set[ir.Node], encoder_nodes: set[ir.Node]) -> str:
     users = [use.node for use in value.uses()]
+    as_stored = {value}
     # Look through nodes that only re-shape or restore a weight (a tied head's Transpose,
     # torch's Identity, the Cast or DequantizeLinear of a quantized weight).
     for node in list(users):
         if node.op_type in ("Transpose", "Identity", "Cast", "DequantizeLinear"):
             users.extend(use.node for out in node.outputs for use in out.uses())
-    if any(u.op_type == "Gather" and u.inputs[0] is value for u in users):
+            if node.op_type != "Transpose":
+                as_stored.update(node.outputs)
+    if any(u.op_type == "Gather" and u.inputs[0] in as_stored for u in users):
         return "embedding"
     if any(u in logits_producers for u in users):
         return "head"

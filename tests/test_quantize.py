@@ -335,3 +335,19 @@ def test_demo_model_translates_held_out_numbers_as_fp32_does(demo_translations, 
     assert same >= 0.99 * len(reference), [
         (a, b) for a, b in zip(reference, got, strict=True) if a != b
     ][:10]
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_verify_and_inspect_read_quantized_files(tiny_export, merged, precision, tmp_path):
+    from onnxmerge import quantize
+    from onnxmerge.inspection import inspect_model
+    from onnxmerge.verify import RELATIVE_TOLERANCE, verify
+
+    path = quantize(merged("marian"), tmp_path / "m.onnx", weights=precision)
+    report = verify(path, tiny_export("marian").onnx_dir)
+    assert report.relative and report.tolerance == RELATIVE_TOLERANCE[precision]
+    assert report.ok, [(d.name, d.max_abs_diff, d.reference_peak) for d in report.diffs]
+    found = inspect_model(path)
+    assert found.metadata[contract.META_PRECISION]
+    # The quantized embedding still counts as the embedding, read by both Gathers.
+    assert found.bytes_by_part["embedding"] > 0 and found.bytes_by_part["decoder"] > 0

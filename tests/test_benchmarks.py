@@ -22,7 +22,8 @@ def test_run_all_quick_writes_results_and_docs(tmp_path):
         capture_output=True, text=True, timeout=900, cwd=REPO_ROOT,
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    for name in ("merge", "sizes", "generate", "generator", "batch", "ctranslate2", "threads", "quantize"):
+    for name in ("merge", "sizes", "generate", "generator", "batch", "ctranslate2", "threads",
+                 "quantize"):
         assert json.loads((tmp_path / "out" / f"{name}.json").read_text())
     merge = json.loads((tmp_path / "out" / "merge.json").read_text())
     for variant in merge["variants"].values():

@@ -31,6 +31,7 @@ def _benchmarks(out: Path, quick: bool) -> dict[str, list[str]]:
         "generate": ["bench_generate.py", str(out / "generate.json"), *q],
         "generator": ["bench_generator.py", *q, "--out", str(out / "generator.json")],
         "web": ["bench_web.py", *q, "--out", str(out / "web.json")],
+        "quantize": ["bench_quantize.py", *q, "--out", str(out / "quantize.json")],
         "batch": ["bench_batch.py", *q, "--out", str(out / "batch.json")],
         "ctranslate2": ["bench_ctranslate2.py", *q, "--out", str(out / "ctranslate2.json")],
         "threads": ["bench_threads.py", *q, "--out", str(out / "threads.json")],
@@ -282,6 +283,11 @@ def render(out: Path, docs: Path) -> Path:
     profile = _load(out, "profile")
     if profile:
         lines += _profile_section(profile)
+    quantize = _load(out, "quantize")
+    if quantize:
+        from benchmarks.bench_quantize import markdown as quantize_markdown
+
+        lines += quantize_markdown(quantize)
     large = _load(out, "large")
     if large:
         ours, theirs = large["onnxmerge"], large.get("optimum_merge_decoders", {})
@@ -321,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--render", action="store_true", help="only render the docs from JSON")
     parser.add_argument("--only", nargs="+",
                         choices=["merge", "sizes", "generate", "generator", "web", "batch",
-                                 "ctranslate2", "threads", "profile", "large"])
+                                 "ctranslate2", "threads", "profile", "quantize", "large"])
     parser.add_argument("--out", type=Path, default=OUT, help="folder for the JSON results")
     parser.add_argument("--docs", type=Path, default=DOCS, help="folder for benchmarks.md")
     args = parser.parse_args(argv)

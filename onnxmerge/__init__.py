@@ -10,6 +10,7 @@ from onnxmerge.errors import (
     MergedModelRunError,
     ModelNotFoundError,
     OnnxMergeError,
+    QuantizationError,
     RefusedOutputError,
     UnsafeExternalDataError,
 )
@@ -21,6 +22,7 @@ __all__ = [
     "merge_seq2seq",
     "merge_seq2seq_with_report",
     "MergeResult",
+    "quantize",
     "Seq2SeqModel",
     "OnnxMergeError",
     "ExportFolderError",
@@ -31,6 +33,7 @@ __all__ = [
     "InvalidMergedModelError",
     "MergedModelRunError",
     "GenerationError",
+    "QuantizationError",
     "build_generator",
 ]
 
@@ -42,6 +45,10 @@ def __getattr__(name: str):
         from onnxmerge import merge
 
         return getattr(merge, name)
+    if name == "quantize":
+        from onnxmerge.quantization import quantize
+
+        return quantize
     if name == "Seq2SeqModel":
         from onnxmerge.runtime import Seq2SeqModel
 

@@ -187,6 +187,15 @@ def cmd_merge(args: argparse.Namespace) -> int:
         steps.finish()
     data = _result_json(result)
     summary = _merge_summary(result)
+    if args.weights:
+        steps(f"storing the weights as {args.weights}")
+        try:
+            quantized = _quantize(result.path, None, args)
+        finally:
+            steps.finish()
+        data["quantized"] = _jsonable(quantized)
+        summary += "\n" + _quantize_summary(quantized)
+        result = quantized  # the generator below runs on the quantized file
     if args.generation:
         from onnxmerge.generator import build_generator
 
@@ -231,6 +240,34 @@ def _refuse_existing_generator(merged: Path, overwrite: bool) -> None:
         )
 
 
+def _quantize(source, output, args: argparse.Namespace):
+    from onnxmerge.quantization import quantize_with_report
+
+    return quantize_with_report(
+        source, output, weights=args.weights, encoder=args.encoder, overwrite=args.overwrite
+    )
+
+
+def _quantize_summary(result) -> str:
+    parts = ", ".join(f"{part} {p}" for part, p in sorted(result.precision.items()))
+    return (
+        f"wrote {result.path} ({_human(result.bytes_after)}, "
+        f"{result.bytes_after / max(1, result.bytes_before):.2f}x the float file): "
+        f"{len(result.weights)} weights stored quantized ({parts}), each once"
+    )
+
+
+def cmd_quantize(args: argparse.Namespace) -> int:
+    steps = _Steps(quiet=args.json)
+    steps(f"storing the weights as {args.weights}")
+    try:
+        result = _quantize(args.file, args.output, args)
+    finally:
+        steps.finish()
+    _emit(args, _jsonable(result), lambda: _quantize_summary(result))
+    return EXIT_OK
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     from onnxmerge.verify import verify
 
@@ -254,7 +291,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         return (
             table(rows, ("step", "output", "shape", "max |diff|"))
             + f"\n\n{verdict}: max |diff| {report.max_abs_diff:.3g} "
-            f"(tolerance {report.tolerance:g}) against {against}"
+            f"(tolerance {report.tolerance:g}{' of each largest value' if report.relative else ''})"
+            f" against {against}"
         )
 
     _emit(args, dict(_jsonable(report), ok=report.ok, max_abs_diff=report.max_abs_diff), text)
@@ -594,6 +632,25 @@ def _check_merge_args(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _precision_arguments(p: argparse.ArgumentParser, *, required: bool) -> None:
+    from onnxmerge.quant_math import PRECISIONS
+    from onnxmerge.quantization import WEIGHT_PRECISIONS
+
+    p.add_argument(
+        "--weights",
+        choices=WEIGHT_PRECISIONS,
+        required=required,
+        help="also write MODEL_<precision>.onnx with the weights stored in this precision"
+        if not required
+        else "precision of the stored weights",
+    )
+    p.add_argument(
+        "--encoder",
+        choices=PRECISIONS,
+        help="precision of the encoder's own weights (default: docs/quantization.md)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="onnxmerge",
@@ -642,12 +699,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--num-beams", type=_at_least(2), help="beams for --generation beam (default 4)")
     p.set_defaults(check=_check_merge_args)
+    _precision_arguments(p, required=False)
+
+    p = add("quantize", cmd_quantize, "store a merged model's weights as int8, uint8, fp16 or int4")
+    p.add_argument("file", help="merged model (or an export folder, merged first)")
+    p.add_argument("-o", "--output", help="output file (default: model_int8.onnx etc. beside FILE)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    _precision_arguments(p, required=True)
 
     p = add("verify", cmd_verify, "compare a merged model with the files it came from")
     p.add_argument("file", help="merged model")
     p.add_argument("--against", help="export folder (default: the model's folder)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tolerance", type=float, default=1e-4)
+    p.add_argument(
+        "--tolerance",
+        type=float,
+        help="max |diff| (default: 1e-4; for quantized files a share of each output's largest "
+        "value that fits the precision)",
+    )
 
     p = add("inspect", cmd_inspect, "show a model's inputs, outputs, metadata and size by part")
     p.add_argument("file")

@@ -11,6 +11,9 @@ import re
 from dataclasses import dataclass, field
 
 FORMAT_VERSION = "1"
+# Version 2 is version 1 plus weights stored below float32 and META_PRECISION saying which.
+QUANTIZED_FORMAT_VERSION = "2"
+READABLE_FORMAT_VERSIONS = (FORMAT_VERSION, QUANTIZED_FORMAT_VERSION)
 
 # metadata_props keys
 META_FORMAT_VERSION = "onnxmerge.format_version"
@@ -19,6 +22,7 @@ META_CONFIG = "onnxmerge.config"
 META_GENERATION_CONFIG = "onnxmerge.generation_config"
 META_ENCODER_INPUTS = "onnxmerge.encoder_inputs"
 META_GENERATOR = "onnxmerge.generator"  # a generator model (docs/generator.md), not a merged one
+META_PRECISION = "onnxmerge.precision"  # version 2: precision per part (docs/format.md)
 
 LAYOUT_WITH_PAST = "with_past"
 LAYOUT_WITHOUT_PAST = "without_past"
@@ -80,6 +84,7 @@ class ContractInfo:
     num_layers: int
     config: dict = field(default_factory=dict)
     generation_config: dict = field(default_factory=dict)
+    precision: dict = field(default_factory=dict)
 
     @property
     def has_past(self) -> bool:
@@ -112,10 +117,10 @@ def read_contract(
             f"{path} has no {META_FORMAT_VERSION!r} metadata, so it is not a merged model: "
             "merge its export folder first (`onnxmerge merge DIR`, or onnxmerge.merge_seq2seq)"
         )
-    if version != FORMAT_VERSION:
+    if version not in READABLE_FORMAT_VERSIONS:
         raise InvalidMergedModelError(
-            f"the model uses merged-format version {version}, this onnxmerge reads version "
-            f"{FORMAT_VERSION}; upgrade onnxmerge or merge the export again"
+            f"the model uses merged-format version {version}, this onnxmerge reads versions "
+            f"{', '.join(READABLE_FORMAT_VERSIONS)}; upgrade onnxmerge or merge the export again"
         )
     if DECODER_INPUT_IDS not in input_names or LOGITS not in output_names:
         raise InvalidMergedModelError(
@@ -126,6 +131,7 @@ def read_contract(
         encoder_inputs = tuple(json.loads(metadata.get(META_ENCODER_INPUTS, "[]")))
         config = json.loads(metadata.get(META_CONFIG, "{}"))
         generation_config = json.loads(metadata.get(META_GENERATION_CONFIG, "{}"))
+        precision = json.loads(metadata.get(META_PRECISION, "{}"))
     except ValueError as e:
         raise InvalidMergedModelError(
             f"the model's onnxmerge metadata is not valid JSON: {e}"
@@ -137,6 +143,7 @@ def read_contract(
         num_layers=len(layers),
         config=config,
         generation_config=generation_config,
+        precision=precision,
     )
 
 

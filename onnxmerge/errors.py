@@ -13,6 +13,7 @@ __all__ = [
     "MergedModelRunError",
     "GenerationError",
     "WireFormatError",
+    "QuantizationError",
 ]
 
 
@@ -82,3 +83,7 @@ class GenerationError(OnnxMergeError, ValueError):
 
 class WireFormatError(OnnxMergeError, ValueError):
     """The bytes of a model file are not a well-formed protobuf message."""
+
+
+class QuantizationError(OnnxMergeError, ValueError):
+    """A model cannot be quantized as asked (unknown precision, already quantized, old opset)."""

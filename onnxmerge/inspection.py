@@ -38,11 +38,15 @@ def _info(value: ir.Value) -> TensorInfo:
 
 def _part_of(value: ir.Value, logits_producers: set[ir.Node], encoder_nodes: set[ir.Node]) -> str:
     users = [use.node for use in value.uses()]
-    # Look through nodes that only re-shape a weight (a tied head's Transpose, torch's Identity).
+    as_stored = {value}
+    # Look through nodes that only re-shape or restore a weight (a tied head's Transpose,
+    # torch's Identity, the Cast or DequantizeLinear of a quantized weight).
     for node in list(users):
-        if node.op_type in ("Transpose", "Identity", "Cast"):
+        if node.op_type in ("Transpose", "Identity", "Cast", "DequantizeLinear"):
             users.extend(use.node for out in node.outputs for use in out.uses())
-    if any(u.op_type == "Gather" and u.inputs[0] is value for u in users):
+            if node.op_type != "Transpose":
+                as_stored.update(node.outputs)
+    if any(u.op_type == "Gather" and u.inputs[0] in as_stored for u in users):
         return "embedding"
     if any(u in logits_producers for u in users):
         return "head"
@@ -51,7 +55,7 @@ def _part_of(value: ir.Value, logits_producers: set[ir.Node], encoder_nodes: set
     return "decoder" if users else "other"
 
 
-def _encoder_nodes(model: ir.Model) -> set[ir.Node]:
+def encoder_nodes(model: ir.Model) -> set[ir.Node]:
     """The nodes the encoder's output depends on: the encoder, wherever the splice put it."""
     outputs = [
         out
@@ -93,11 +97,11 @@ def inspect_model(path: str | os.PathLike) -> Inspection:
     path = Path(path)
     model, data_files = model_io.load_model(path)
     producers = _logits_producers(model)
-    encoder_nodes = _encoder_nodes(model)
+    in_encoder = encoder_nodes(model)
     by_part = dict.fromkeys(PARTS, 0)
     for value in model.graph.initializers.values():
         if value.const_value is not None:
-            by_part[_part_of(value, producers, encoder_nodes)] += value.const_value.nbytes
+            by_part[_part_of(value, producers, in_encoder)] += value.const_value.nbytes
     return Inspection(
         path=path,
         file_bytes=model_io.file_bytes(path, data_files),

@@ -18,6 +18,9 @@ from onnxmerge.runtime.session import ORT_TO_NUMPY
 logger = logging.getLogger(__name__)
 
 DEFAULT_TOLERANCE = 1e-4
+# For files whose weights were quantized: the bound on max |diff| as a share of the largest
+# |value| of that output in the original files (measured on the test zoo, with room to spare).
+RELATIVE_TOLERANCE = {"fp16": 0.02, "int8": 0.25, "uint8": 0.15, "int4": 0.6}
 
 
 @dataclass(frozen=True)
@@ -26,12 +29,14 @@ class OutputDiff:
     name: str
     shape: tuple[int, ...]
     max_abs_diff: float
+    reference_peak: float = 0.0  # the original's largest |value|, the scale of a relative bound
 
 
 @dataclass(frozen=True)
 class VerifyReport:
     diffs: tuple[OutputDiff, ...]
     tolerance: float
+    relative: bool = False  # tolerance as a share of each output's reference_peak
 
     @property
     def max_abs_diff(self) -> float:
@@ -39,7 +44,10 @@ class VerifyReport:
 
     @property
     def ok(self) -> bool:
-        return bool(self.diffs) and self.max_abs_diff <= self.tolerance
+        return bool(self.diffs) and all(
+            d.max_abs_diff <= self.tolerance * (d.reference_peak if self.relative else 1.0)
+            for d in self.diffs
+        )
 
 
 def _session(path: Path, optimized: bool):
@@ -104,12 +112,14 @@ def verify(
     decoder_length: int = 3,
     seed: int = 0,
     optimized: bool = False,
-    tolerance: float = DEFAULT_TOLERANCE,
+    tolerance: float | None = None,
 ) -> VerifyReport:
     """Compare both branches of ``merged`` with the original files of ``export_dir``.
 
     The first step (``use_cache_branch = false``) runs against encoder + decoder; the cached step
-    runs against the decoder with past, both fed the same past key/values.
+    runs against the decoder with past, both fed the same past key/values. ``tolerance`` bounds
+    max |diff|: by default 1e-4 for a float32 file; for a quantized file, a share of each output's
+    largest |value| that fits its precision (:data:`RELATIVE_TOLERANCE`).
     """
     from onnxmerge.merge import load_export
 
@@ -126,6 +136,15 @@ def verify(
         meta, [i.name for i in model.get_inputs()], [o.name for o in model.get_outputs()], merged
     )
     config = json.loads(meta.get(contract.META_CONFIG, "{}"))
+    precision = json.loads(meta.get(contract.META_PRECISION, "{}"))
+    coarsest = max(
+        precision.values(),
+        key=lambda p: RELATIVE_TOLERANCE.get(p, 0.0),
+        default=None,
+    )
+    relative = coarsest in RELATIVE_TOLERANCE
+    if tolerance is None:
+        tolerance = RELATIVE_TOLERANCE[coarsest] if relative else DEFAULT_TOLERANCE
     chosen, _, _ = load_export(export_dir, merged, ignore_merged=True)
     feeds = sample_encoder_inputs(model, config, batch=batch, length=encoder_length, rng=rng)
     vocab = model.get_outputs()[0].shape[-1]
@@ -172,7 +191,7 @@ def verify(
             for n, ref in cached_ref.items()
             if n in cached and not (contract.is_present_name(n) and ".encoder." in n)
         ]
-    report = VerifyReport(tuple(diffs), tolerance)
+    report = VerifyReport(tuple(diffs), tolerance, relative)
     logger.info("verified %s: %d outputs, max |diff| %.3g", merged, len(diffs), report.max_abs_diff)
     return report
 
@@ -180,8 +199,11 @@ def verify(
 def _diff(step: str, name: str, actual: np.ndarray, expected: np.ndarray) -> OutputDiff:
     if actual.shape != expected.shape:
         return OutputDiff(step, name, tuple(actual.shape), float("inf"))
+    if not expected.size:
+        return OutputDiff(step, name, tuple(actual.shape), 0.0)
     delta = np.abs(actual.astype(np.float64) - expected.astype(np.float64))
-    return OutputDiff(step, name, tuple(actual.shape), float(delta.max()) if delta.size else 0.0)
+    peak = float(np.abs(expected).max())
+    return OutputDiff(step, name, tuple(actual.shape), float(delta.max()), peak)
 
 
 def _run_decoder(chosen, optimized, ids, mask, hidden, past) -> dict[str, np.ndarray]:

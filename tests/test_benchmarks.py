@@ -22,7 +22,8 @@ def test_run_all_quick_writes_results_and_docs(tmp_path):
         capture_output=True, text=True, timeout=900, cwd=REPO_ROOT,
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    for name in ("merge", "sizes", "generate", "generator", "batch", "ctranslate2", "threads"):
+    for name in ("merge", "sizes", "generate", "generator", "batch", "ctranslate2", "threads",
+                 "quantize"):
         assert json.loads((tmp_path / "out" / f"{name}.json").read_text())
     merge = json.loads((tmp_path / "out" / "merge.json").read_text())
     for variant in merge["variants"].values():
@@ -44,4 +45,9 @@ def test_run_all_quick_writes_results_and_docs(tmp_path):
     threads = json.loads((tmp_path / "out" / "threads.json").read_text())
     assert all(row["same_tokens_as_serial"] for row in threads["throughput"])
     assert "## Generation against CTranslate2" in page
+    quantize = json.loads((tmp_path / "out" / "quantize.json").read_text())
+    sizes = quantize["sizes"]
+    assert sizes["onnxmerge int4"] < sizes["onnxmerge int8"] < sizes["onnxmerge fp32"]
+    assert quantize["demo_quality"]["rows"]["int8"]["same_as_fp32"] >= 0.9
+    assert "## Quantized" in page
     assert (tmp_path / "docs" / "img" / "sizes.png").stat().st_size > 1000

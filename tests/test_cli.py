@@ -242,7 +242,8 @@ def test_verify_json_lists_every_output_diff(merged_model) -> None:
     assert 0 <= report["max_abs_diff"] <= 1e-4
     # 2 layers: logits + 8 present tensors on the first step, logits + 4 decoder ones cached.
     assert len(report["diffs"]) == 9 + 5
-    assert {"step", "name", "shape", "max_abs_diff"} == set(report["diffs"][0])
+    assert {"step", "name", "shape", "max_abs_diff", "reference_peak"} == set(report["diffs"][0])
+    assert report["relative"] is False  # a float32 file: the tolerance is absolute
 
 
 def test_verify_finds_a_tampered_tensor_and_exits_1(tampered_model, marian) -> None:

@@ -96,6 +96,16 @@ class Seq2SeqModel:
         return self._session.has_past
 
     @property
+    def precision(self) -> dict[str, str]:
+        """The precision of the loaded weights per part, e.g. ``{"encoder": "fp32", "decoder":
+        "int8"}``; a file that was not quantized reports its float type for both."""
+        if self.info.precision:
+            return dict(self.info.precision)
+        logits = next(o for o in self.session.get_outputs() if o.name == c.LOGITS)
+        as_stored = "fp16" if logits.type == "tensor(float16)" else "fp32"
+        return {"encoder": as_stored, "decoder": as_stored}
+
+    @property
     def model_type(self) -> str | None:
         return self.config.get("model_type")
 

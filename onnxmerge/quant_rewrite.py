@@ -1,0 +1,363 @@
+"""Rewrite a merged model so that its weights are stored quantized, each still once.
+
+Every large float weight of the main graph is replaced by its codes (and scales, zero points) in the
+main graph. Each reader is rewritten in its own graph, so both ``If`` branches read the same stored
+tensors and nothing is computed on a branch that does not run:
+
+- ``Gather`` of embedding rows gathers codes and per-row scales, then dequantizes only those rows;
+- ``MatMul`` with an int8/uint8 weight quantizes its input on the fly (``DynamicQuantizeLinear``)
+  and multiplies integers (``MatMulInteger``), as onnxruntime's dynamic quantization does;
+- any other reader gets the weight through one ``DequantizeLinear`` per graph;
+- fp16 weights are widened by one ``Cast`` in the main graph, which runtimes fold at load.
+
+All operators are standard ``ai.onnx`` ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_ir as ir
+
+from onnxmerge import quant_math
+from onnxmerge.errors import QuantizationError
+
+logger = logging.getLogger(__name__)
+
+# Smaller weights (norms, biases, small position tables) stay in float: they cost little.
+MIN_QUANTIZED_BYTES = 1024
+# Blocked DequantizeLinear and the int4 type arrived with opset 21 and IR version 10.
+INT4_OPSET = 21
+INT4_IR_VERSION = 10
+# Opsets 18..21 changed no operator's meaning, only added types; older opsets need a converter.
+_SAME_MEANING_SINCE = 18
+
+_ROWS, _COLUMNS = 0, 1
+# Precisions whose MatMuls multiply integers.
+INTEGER_MATMUL = frozenset({"int8", "uint8"})
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    name: str
+    precision: str
+    bytes_before: int
+    bytes_after: int
+
+
+def _is_default_domain(node: ir.Node) -> bool:
+    return node.domain in ("", "ai.onnx")
+
+
+def _reads_rows(node: ir.Node, index: int) -> bool:
+    """Whether this use reads the weight row by row: an embedding Gather or ``Gemm(transB=1)``."""
+    if not _is_default_domain(node):
+        return False
+    if node.op_type == "Gather" and index == 0:
+        axis = node.attributes.get("axis")
+        return axis is None or axis.value == 0
+    if node.op_type == "Gemm" and index == 1:
+        trans_b = node.attributes.get("transB")
+        return trans_b is not None and trans_b.value == 1
+    return False
+
+
+def _reads_columns(node: ir.Node, index: int) -> bool:
+    return _is_default_domain(node) and node.op_type == "MatMul" and index == 1
+
+
+def _plain_head_gemm(node: ir.Node, index: int) -> bool:
+    """``Gemm(x, W, transB=1)`` with no bias and unit factors: the tied LM head."""
+    if not (_reads_rows(node, index) and node.op_type == "Gemm") or len(node.inputs) > 2:
+        return False
+    return all(
+        node.attributes.get(name) is None or node.attributes[name].value == 1.0
+        for name in ("alpha", "beta")
+    ) and (node.attributes.get("transA") is None or node.attributes["transA"].value == 0)
+
+
+def _channel_axis(weight: ir.Value) -> int | None:
+    """One scale per output feature where every reader agrees on which axis that is."""
+    uses = list(weight.uses())
+    if weight.shape is None or len(weight.shape) != 2:
+        return 0 if uses else None
+    if all(_reads_rows(n, i) for n, i in uses):
+        return _ROWS
+    if all(_reads_columns(n, i) for n, i in uses):
+        return _COLUMNS
+    return None
+
+
+def _block_axis(weight: ir.Value) -> int:
+    """The axis int4 blocks run along: the last one of a matrix, input channels of a kernel.
+
+    Blocks along a MatMul weight's first axis would match onnxruntime's fusion into its 4-bit
+    MatMul, which (1.32) fails to load when the weight is an outer-scope initializer of an ``If``
+    branch, as every weight of a merged model is.
+    """
+    rank = len(weight.shape) if weight.shape is not None else 2
+    return 1 if rank != 2 else rank - 1
+
+
+class _Rewriter:
+    def __init__(self, model: ir.Model):
+        self.model = model
+        self.main = model.graph
+        self.names: set[str] = {
+            v.name
+            for node in ir.traversal.RecursiveGraphIterator(self.main)
+            for v in (*node.inputs, *node.outputs)
+            if v is not None and v.name
+        } | set(self.main.initializers)
+        self._dequantized: dict[tuple[int, str], ir.Value] = {}
+
+    def fresh(self, base: str) -> str:
+        name, k = base, 0
+        while name in self.names:
+            k += 1
+            name = f"{base}_{k}"
+        self.names.add(name)
+        return name
+
+    def initializer(
+        self, base: str, array: np.ndarray, dtype: ir.DataType | None = None
+    ) -> ir.Value:
+        name = self.fresh(base)
+        tensor = ir.Tensor(array, dtype=dtype, name=name) if dtype else ir.tensor(array, name=name)
+        value = ir.Value(
+            name=name,
+            type=ir.TensorType(tensor.dtype),
+            shape=ir.Shape(array.shape),
+            const_value=tensor,
+        )
+        self.main.register_initializer(value)
+        return value
+
+    def constant(self, name: str, array: np.ndarray) -> ir.Value:
+        """A small shared main-graph constant (axes, shapes), created once."""
+        if name not in self.main.initializers:
+            self.names.add(name)
+            self.main.register_initializer(
+                ir.Value(
+                    name=name,
+                    type=ir.TensorType(ir.DataType.INT64),
+                    shape=ir.Shape(array.shape),
+                    const_value=ir.tensor(array, name=name),
+                )
+            )
+        return self.main.initializers[name]
+
+    def node(self, op: str, inputs: list, outputs: int | list[str] = 1, **attrs) -> ir.Node:
+        attributes = [
+            ir.AttrInt64s(k, v) if isinstance(v, list | tuple) else ir.AttrInt64(k, int(v))
+            for k, v in attrs.items()
+        ]
+        names = outputs if isinstance(outputs, list) else [op.lower()] * outputs
+        while inputs and inputs[-1] is None:
+            inputs = inputs[:-1]
+        values = [ir.Value(name=self.fresh(f"onnxmerge.q/{n}")) for n in names]
+        return ir.Node(
+            "",
+            op,
+            inputs,
+            attributes=attributes,
+            outputs=values,
+            name=self.fresh(f"onnxmerge.q/{op}"),
+        )
+
+    # -- readers -------------------------------------------------------------------------------
+
+    def dequantized(self, graph: ir.Graph, key: str, make: Callable[[], ir.Node]) -> ir.Value:
+        """The weight in float inside ``graph``: one node per graph, before all others."""
+        cache_key = (id(graph), key)
+        if cache_key not in self._dequantized:
+            node = make()
+            graph.insert_before(graph.node(0), node)
+            self._dequantized[cache_key] = node.outputs[0]
+        return self._dequantized[cache_key]
+
+    def replace_result(self, old: ir.Node, new_nodes: list[ir.Node], result: ir.Value) -> None:
+        graph = old.graph
+        graph.insert_before(old, new_nodes)
+        output = old.outputs[0]
+        result.type, result.shape = output.type, output.shape
+        is_output = output in graph.outputs
+        if is_output:
+            graph.outputs[graph.outputs.index(output)] = result
+        ir.convenience.replace_all_uses_with(output, result)
+        graph.remove(old, safe=True)
+        if is_output:
+            name, output.name = output.name, None
+            result.name = name
+
+    def gather_rows(self, node: ir.Node, codes: ir.Value, scale: ir.Value, zero: ir.Value | None):
+        indices = node.inputs[1]
+        rows = self.node("Gather", [codes, indices], ["rows"], axis=0)
+        values = self.node("Cast", [rows.outputs[0]], ["rows_float"], to=ir.DataType.FLOAT)
+        nodes = [rows, values]
+        current = values.outputs[0]
+        per_row = scale.shape is not None and len(scale.shape) == 1
+        last_axis = self.constant("onnxmerge.last_axis", np.array([-1], np.int64))
+
+        def row_values(param: ir.Value, label: str) -> ir.Value:
+            if not per_row:
+                return param
+            picked = self.node("Gather", [param, indices], [label], axis=0)
+            nodes.append(picked)
+            out = picked.outputs[0]
+            if param.dtype != ir.DataType.FLOAT:
+                cast = self.node("Cast", [out], [label + "_float"], to=ir.DataType.FLOAT)
+                nodes.append(cast)
+                out = cast.outputs[0]
+            column = self.node("Unsqueeze", [out, last_axis], [label + "_column"])
+            nodes.append(column)
+            return column.outputs[0]
+
+        if zero is not None:
+            zero_value = zero
+            if not per_row:
+                cast = self.node("Cast", [zero], ["zero_float"], to=ir.DataType.FLOAT)
+                nodes.append(cast)
+                zero_value = cast.outputs[0]
+            sub = self.node("Sub", [current, row_values(zero_value, "row_zero")], ["centered"])
+            nodes.append(sub)
+            current = sub.outputs[0]
+        mul = self.node("Mul", [current, row_values(scale, "row_scale")], ["embedding"])
+        nodes.append(mul)
+        self.replace_result(node, nodes, mul.outputs[0])
+
+    def transposed_codes(self, codes: ir.Value) -> ir.Value:
+        """``codes`` transposed by one main-graph node: onnxruntime folds it once, at load."""
+        key = (id(self.main), "transposed:" + (codes.name or ""))
+        if key not in self._dequantized:
+            node = self.node("Transpose", [codes], ["codes_transposed"], perm=[1, 0])
+            self.main.insert_before(self.main.node(0), node)
+            self._dequantized[key] = node.outputs[0]
+        return self._dequantized[key]
+
+    def integer_matmul(
+        self, node: ir.Node, codes: ir.Value, scale: ir.Value, zero: ir.Value | None
+    ):
+        quant = self.node("DynamicQuantizeLinear", [node.inputs[0]], ["x_q", "x_scale", "x_zero"])
+        x_q, x_scale, x_zero = quant.outputs
+        product = self.node("MatMulInteger", [x_q, codes, x_zero, zero], ["product"])
+        as_float = self.node("Cast", [product.outputs[0]], ["product_float"], to=ir.DataType.FLOAT)
+        scales = self.node("Mul", [x_scale, scale], ["scales"])
+        result = self.node("Mul", [as_float.outputs[0], scales.outputs[0]], ["result"])
+        self.replace_result(node, [quant, product, as_float, scales, result], result.outputs[0])
+
+
+def raise_opset_for_int4(model: ir.Model) -> None:
+    """Blocked int4 weights need opset 21; raise the model's opset where that changes no meaning."""
+    current = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 0))
+    if current >= INT4_OPSET:
+        return
+    if current < _SAME_MEANING_SINCE:
+        raise QuantizationError(
+            f"int4 weights need ONNX opset {INT4_OPSET}; the model uses opset {current}, whose "
+            f"operators changed meaning before opset {_SAME_MEANING_SINCE}. Export with "
+            f"--opset {_SAME_MEANING_SINCE} or later, or choose int8"
+        )
+    model.opset_imports[""] = INT4_OPSET
+    model.opset_imports.pop("ai.onnx", None)
+    model.ir_version = max(model.ir_version or 0, INT4_IR_VERSION)
+
+
+def quantizable(value: ir.Value) -> bool:
+    tensor = value.const_value
+    return (
+        tensor is not None
+        and tensor.dtype == ir.DataType.FLOAT
+        and len(tensor.shape) >= 2
+        and tensor.nbytes >= MIN_QUANTIZED_BYTES
+        and not value.is_graph_input()
+        and not value.is_graph_output()
+        and bool(value.uses())
+    )
+
+
+def quantize_weights(
+    model: ir.Model, precision_of: Callable[[ir.Value], str]
+) -> list[QuantizedWeight]:
+    """Store each large float weight of the main graph in ``precision_of(weight)``; return them.
+
+    ``precision_of`` returns one of :data:`quant_math.PRECISIONS`; ``"fp32"`` leaves the weight
+    as it is. The caller raises the opset first when any weight becomes int4.
+    """
+    rewriter = _Rewriter(model)
+    done: list[QuantizedWeight] = []
+    for weight in [v for v in model.graph.initializers.values() if quantizable(v)]:
+        precision = precision_of(weight)
+        if precision == "fp32":
+            continue
+        tensor = weight.const_value
+        array = tensor.numpy()
+        before = tensor.nbytes
+        if precision == "fp16":
+            stored = rewriter.initializer(weight.name + "_fp16", array.astype(np.float16))
+            # One Cast in the main graph, which onnxruntime folds once at load; a Cast in each
+            # branch would be folded once per branch, a float copy each (1.77x fp32's memory).
+            floats = rewriter.dequantized(
+                model.graph,
+                weight.name,
+                lambda s=stored: rewriter.node("Cast", [s], ["weight"], to=ir.DataType.FLOAT),
+            )
+            for node, index in list(weight.uses()):
+                node.replace_input_with(index, floats)
+            after = stored.const_value.nbytes
+        else:
+            after = _rewrite_integer(rewriter, weight, array, precision)
+        del array
+        if isinstance(tensor, ir.ExternalTensor):
+            with contextlib.suppress(BufferError):  # unmapped later if a view is still alive
+                tensor.release()
+        model.graph.initializers.pop(weight.name)
+        done.append(QuantizedWeight(weight.name, precision, before, after))
+    logger.debug("quantized %d weights", len(done))
+    return done
+
+
+def _rewrite_integer(
+    rewriter: _Rewriter, weight: ir.Value, array: np.ndarray, precision: str
+) -> int:
+    """Store ``weight`` as integer codes, rewrite its readers; return the bytes now stored."""
+    if precision == "int4" and array.ndim != 2:
+        precision = "int8"  # convolution kernels: blocks along their short axes cost more scales
+    axis = _block_axis(weight) if precision == "int4" else _channel_axis(weight)
+    q = quant_math.quantize(array, precision, axis)
+    codes_type = {"int8": ir.DataType.INT8, "uint8": ir.DataType.UINT8, "int4": ir.DataType.INT4}
+    codes = rewriter.initializer(f"{weight.name}_{precision}", q.codes, codes_type[precision])
+    scale = rewriter.initializer(f"{weight.name}_scale", q.scale.astype(np.float32))
+    zero = (
+        rewriter.initializer(f"{weight.name}_zero_point", q.zero_point)
+        if q.zero_point is not None
+        else None
+    )
+    attrs: dict[str, int] = {}
+    if q.axis is not None and len(q.scale.shape) > 0:
+        attrs["axis"] = q.axis
+    if q.block_size is not None:
+        attrs["block_size"] = q.block_size
+    inputs = [codes, scale] + ([zero] if zero is not None else [])
+    for node, index in list(weight.uses()):
+        if precision != "int4" and _reads_rows(node, index) and node.op_type == "Gather":
+            rewriter.gather_rows(node, codes, scale, zero)
+        elif precision in INTEGER_MATMUL and _reads_columns(node, index) and q.axis != _ROWS:
+            rewriter.integer_matmul(node, codes, scale, zero)
+        elif precision in INTEGER_MATMUL and _plain_head_gemm(node, index):
+            # The tied head multiplies integers too, with the embedding's codes transposed: an
+            # int8 copy at run time (a quarter of a float one), instead of dequantizing the whole
+            # embedding at every step.
+            rewriter.integer_matmul(node, rewriter.transposed_codes(codes), scale, zero)
+        else:
+            floats = rewriter.dequantized(
+                node.graph,
+                weight.name,
+                lambda: rewriter.node("DequantizeLinear", inputs, ["weight"], **attrs),
+            )
+            node.replace_input_with(index, floats)
+    return sum(v.const_value.nbytes for v in inputs)

@@ -1,0 +1,353 @@
+"""Quantized merged files: every weight stored once, quantized; standard operators; quality kept."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+
+from onnxmerge import contract, model_io, quant_math, quant_rewrite
+from onnxmerge.dedup import find_duplicates
+from onnxmerge.errors import QuantizationError, RefusedOutputError
+from tests.models import ARCHITECTURES
+
+ort = pytest.importorskip("onnxruntime")
+
+PRECISIONS = ("int8", "uint8", "fp16", "int4")
+
+# Floors on the cosine similarity between fp32 and quantized logits of a teacher-forced sequence,
+# per precision and architecture. The tiny models have wide random weights (std 0.5), harder to
+# quantize than trained ones; docs/benchmarks.md reports the measured values.
+COSINE_FLOOR = {"fp16": 0.9999, "int8": 0.96, "uint8": 0.975, "int4": 0.85}
+COSINE_FLOOR_BY_ARCH: dict[tuple[str, str], float] = {
+    ("mbart", "int4"): 0.64,
+    ("m2m100", "int4"): 0.77,
+    ("blenderbot", "int4"): 0.77,
+    ("whisper", "int4"): 0.72,
+    ("vision-encoder-decoder", "int4"): 0.68,
+}
+# Tensor bytes of the quantized file over the float32 file's, at most (small tensors stay float).
+TENSOR_BYTES_RATIO = {"fp16": 0.55, "int8": 0.35, "uint8": 0.35, "int4": 0.25}
+
+
+# -- the arithmetic --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("precision", ["int8", "uint8", "int4"])
+@pytest.mark.parametrize("axis", [0, 1])
+def test_codes_restore_the_weight_within_half_a_step(precision, axis):
+    weight = np.random.default_rng(0).standard_normal((70, 130)).astype(np.float32)
+    weight[3] = 0.0  # an all-zero channel must not divide by zero
+    q = quant_math.quantize(weight, precision, axis)
+    restored = quant_math.dequantize(q)
+    assert restored.shape == weight.shape
+    step = quant_math._expand(q.scale, q, weight.shape)
+    assert np.all(np.abs(restored - weight) <= step / 2 + 1e-6)
+
+
+def test_uint8_zero_is_exact():
+    weight = np.array([[0.0, 1.0, -3.0], [0.5, 0.0, 2.0]], np.float32)
+    restored = quant_math.dequantize(quant_math.quantize(weight, "uint8", 0))
+    assert restored[0, 0] == 0.0 and restored[1, 1] == 0.0
+
+
+# -- shared initializers read by several subgraphs (onnxruntime #19418) ----------------------
+
+_SHARED = """
+<ir_version: 8, opset_import: ["" : 18]>
+shared (int64[N] ids, float[N, 16] x, bool[1] cond) => (float[N, 16] y)
+    <float[32, 16] table = {TABLE}, float[16, 16] w = {W}>
+{
+    y = If (cond) <
+        then_branch = g1 () => (float[N, 16] a) {
+            rows = Gather (table, ids)
+            a = MatMul (rows, w)
+        },
+        else_branch = g2 () => (float[N, 16] b) {
+            h = MatMul (x, w)
+            b = Gemm <transB: int = 1> (h, table)
+        }
+    >
+}
+"""
+
+
+def _shared_model() -> tuple[onnx.ModelProto, np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(1)
+    table = rng.standard_normal((32, 16)).astype(np.float32)
+    w = rng.standard_normal((16, 16)).astype(np.float32)
+    text = _SHARED.replace("{TABLE}", "{" + ",".join(map(str, table.ravel().tolist())) + "}")
+    text = text.replace("{W}", "{" + ",".join(map(str, w.ravel().tolist())) + "}")
+    # The else branch's Gemm reads 16 columns from a 32-row table: keep shapes consistent.
+    text = text.replace("float[N, 16] b", "float[N, 32] b").replace(
+        "(float[N, 16] y)", "(float[N, ?] y)"
+    )
+    return onnx.parser.parse_model(text), table, w
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_weights_shared_by_both_branches_are_quantized_once(precision):
+    proto, table, w = _shared_model()
+    model = ir.serde.deserialize_model(proto)
+    if precision == "int4":
+        quant_rewrite.raise_opset_for_int4(model)
+    done = quant_rewrite.quantize_weights(model, lambda _: precision)
+    assert {d.name for d in done} == {"table", "w"}
+    main = model.graph
+    # No float copy left, no initializer inside a branch, one stored tensor per weight and part.
+    assert "table" not in main.initializers and "w" not in main.initializers
+    for branch in main.subgraphs():
+        assert len(branch.initializers) == 0
+    stored = [
+        v.name
+        for v in main.initializers.values()
+        if len(v.const_value.shape) == 2 and v.const_value.dtype != ir.DataType.FLOAT
+    ]
+    assert len(stored) == 2, stored
+    assert find_duplicates(main, min_bytes=64) == []
+    # Both branches read the very same stored tensors from the outer scope.
+    for branch in main.subgraphs():
+        outer = [i for n in branch for i in n.inputs if i is not None and i.graph is main]
+        # Directly, or through the one main-graph Cast of an fp16 weight.
+        stored = {v.name for v in outer} | {
+            i.name for v in outer if v.producer() is not None for i in v.producer().inputs
+        }
+        assert any(name.startswith("table_") for name in stored)
+
+    out = ir.serde.serialize_model(model)
+    onnx.checker.check_model(out, full_check=True)
+    session = ort.InferenceSession(out.SerializeToString(), providers=["CPUExecutionProvider"])
+    ids = np.array([0, 5, 31], np.int64)
+    x = np.random.default_rng(2).standard_normal((3, 16)).astype(np.float32)
+    for cond, expected in ((True, table[ids] @ w), (False, (x @ w) @ table.T)):
+        (got,) = session.run(None, {"ids": ids, "x": x, "cond": np.array([cond])})
+        cosine = np.dot(got.ravel(), expected.ravel()) / (
+            np.linalg.norm(got) * np.linalg.norm(expected)
+        )
+        assert cosine > COSINE_FLOOR[precision], (cond, cosine)
+
+
+# -- the zoo ---------------------------------------------------------------------------------
+
+
+def _variant(arch: str) -> str:
+    # GPT-2 decoders re-read the encoder states every cached step: merged without past only.
+    return "no-past" if arch == "vision-encoder-decoder" else "default"
+
+
+@pytest.fixture(scope="module")
+def merged(tiny_export, tmp_path_factory):
+    from onnxmerge import merge_seq2seq
+
+    made: dict[str, Path] = {}
+
+    def get(arch: str) -> Path:
+        if arch not in made:
+            folder = tmp_path_factory.mktemp(arch)
+            export = tiny_export(arch, _variant(arch)).onnx_dir
+            made[arch] = merge_seq2seq(export, folder / "model.onnx")
+        return made[arch]
+
+    return get
+
+
+def _options():
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    options.log_severity_level = 3
+    return options
+
+
+def _teacher_forced_logits(path: Path, length: int = 8) -> np.ndarray:
+    from onnxmerge.runtime import Seq2SeqModel
+    from onnxmerge.verify import sample_encoder_inputs
+
+    model = Seq2SeqModel(path, session_options=_options())
+    rng = np.random.default_rng(0)
+    inputs = sample_encoder_inputs(model.session, model.config, batch=2, length=7, rng=rng)
+    vocab = int(model.config.get("vocab_size") or model.config["decoder"]["vocab_size"])
+    ids = rng.integers(3, vocab, (2, length)).astype(np.int64)
+    return model.first_step(inputs, ids).logits
+
+
+def _cosine(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = a.astype(np.float64).ravel(), b.astype(np.float64).ravel()
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+@pytest.fixture(scope="module")
+def reference_logits(merged):
+    made: dict[str, np.ndarray] = {}
+
+    def get(arch: str) -> np.ndarray:
+        if arch not in made:
+            made[arch] = _teacher_forced_logits(merged(arch))
+        return made[arch]
+
+    return get
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_every_architecture_quantizes_to_every_precision(
+    merged, reference_logits, arch, precision, tmp_path
+):
+    from onnxmerge import quantize
+    from onnxmerge.generator import build_generator
+    from onnxmerge.runtime import Seq2SeqModel
+
+    source = merged(arch)
+    path = quantize(source, tmp_path / "model.onnx", weights=precision)
+
+    onnx.checker.check_model(os.fspath(path), full_check=True)
+    model = ir.load(path)
+    assert find_duplicates(model.graph) == []
+    for graph in model.graph.subgraphs():
+        assert len(graph.initializers) == 0
+    ops = {(n.domain, n.op_type) for n in ir.traversal.RecursiveGraphIterator(model.graph)}
+    assert {domain for domain, _ in ops} <= {"", "ai.onnx"}
+    left_in_float = [
+        v.name
+        for v in model.graph.initializers.values()
+        if v.const_value.dtype == ir.DataType.FLOAT
+        and v.const_value.nbytes >= 1024
+        and len(v.const_value.shape) >= 2
+        and not v.name.endswith("_scale")
+    ]
+    assert left_in_float == []
+    ratio = model_io.tensor_bytes(model) / model_io.tensor_bytes(ir.load(source))
+    assert ratio <= TENSOR_BYTES_RATIO[precision]
+
+    cosine = _cosine(reference_logits(arch), _teacher_forced_logits(path))
+    floor = COSINE_FLOOR_BY_ARCH.get((arch, precision), COSINE_FLOOR[precision])
+    assert cosine >= floor, cosine
+
+    runtime = Seq2SeqModel(path, session_options=_options())
+    assert runtime.precision == {"encoder": precision, "decoder": precision}
+    rng = np.random.default_rng(3)
+    from onnxmerge.verify import sample_encoder_inputs
+
+    inputs = sample_encoder_inputs(runtime.session, runtime.config, batch=1, length=5, rng=rng)
+    tokens = runtime.generate(**inputs, max_new_tokens=4)
+    assert tokens.shape[0] == 1 and tokens.shape[1] >= 2
+
+    if not runtime.has_past:
+        return  # the generator needs a decoder with past; a model merged without one is refused
+    generator = build_generator(path, tmp_path / "generator.onnx")
+    session = ort.InferenceSession(str(generator), _options(), providers=["CPUExecutionProvider"])
+    feeds = {i.name: inputs[i.name] for i in session.get_inputs() if i.name in inputs}
+    feeds["max_new_tokens"] = np.array(4, np.int64)
+    (out, *_) = session.run(None, feeds)
+    assert out.shape[0] == 1
+
+
+# -- the API ---------------------------------------------------------------------------------
+
+
+def test_default_output_uses_transformers_js_suffixes(merged):
+    from onnxmerge import quantize
+
+    source = merged("marian")
+    names = {p: quantize(source, weights=p).name for p in PRECISIONS}
+    assert names == {
+        "int8": "model_int8.onnx",
+        "uint8": "model_uint8.onnx",
+        "fp16": "model_fp16.onnx",
+        "int4": "model_q4.onnx",
+    }
+    with pytest.raises(RefusedOutputError, match="exists"):
+        quantize(source, weights="int8")
+
+
+def test_encoder_keeps_its_own_precision(merged, tmp_path):
+    from onnxmerge import quantize
+    from onnxmerge.runtime import Seq2SeqModel
+
+    path = quantize(merged("marian"), tmp_path / "m.onnx", weights="int8", encoder="fp32")
+    meta = {p.key: p.value for p in onnx.load(str(path), load_external_data=False).metadata_props}
+    assert meta[contract.META_FORMAT_VERSION] == contract.QUANTIZED_FORMAT_VERSION
+    assert json.loads(meta[contract.META_PRECISION]) == {"encoder": "fp32", "decoder": "int8"}
+    assert Seq2SeqModel(path).precision == {"encoder": "fp32", "decoder": "int8"}
+    model = ir.load(path)
+    assert any(
+        v.const_value.dtype == ir.DataType.FLOAT
+        and v.const_value.nbytes >= 1024
+        and len(v.const_value.shape) == 2
+        for v in model.graph.initializers.values()
+    )
+
+
+def test_export_folder_is_merged_then_quantized(tiny_export, tmp_path):
+    from onnxmerge import quantize
+
+    export = tiny_export("bart")
+    path = quantize(export.onnx_dir, tmp_path / "out.onnx", weights="uint8")
+    assert path.is_file() and sorted(p.name for p in tmp_path.iterdir()) == ["out.onnx"]
+    assert not (export.onnx_dir / "model_uint8.onnx").exists()
+
+
+def test_refusals_name_the_problem(merged, tmp_path):
+    from onnxmerge import quantize
+
+    source = merged("t5")
+    before = source.read_bytes()
+    with pytest.raises(QuantizationError, match="int8, uint8, fp16, int4"):
+        quantize(source, tmp_path / "a.onnx", weights="int3")
+    once = quantize(source, tmp_path / "b.onnx", weights="int8")
+    with pytest.raises(QuantizationError, match="already quantized"):
+        quantize(once, tmp_path / "c.onnx", weights="int8")
+    assert source.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b.onnx"]
+
+
+# -- the shipped trained model ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def demo_translations(demo_export, tmp_path_factory):
+    """Every held-out number translated by the fp32 file and by each quantized file."""
+    from onnxmerge import merge_seq2seq, quantize
+    from onnxmerge.demo import LARGEST_NUMBER, french_number, is_held_out
+    from onnxmerge.runtime import Seq2SeqModel
+
+    folder = tmp_path_factory.mktemp("demo")
+    for path in demo_export.iterdir():
+        if path.name.startswith(("tokenizer", "special_tokens")):  # translate() reads it beside
+            shutil.copy2(path, folder / path.name)
+    merged = merge_seq2seq(demo_export, folder / "model.onnx")
+    sources = [french_number(n) for n in range(LARGEST_NUMBER + 1) if is_held_out(n)]
+    made = {"fp32": Seq2SeqModel(merged).translate(sources)}
+    for precision in PRECISIONS:
+        made[precision] = Seq2SeqModel(quantize(merged, weights=precision)).translate(sources)
+    return made
+
+
+@pytest.mark.parametrize("precision", ["int8", "uint8", "fp16"])
+def test_demo_model_translates_held_out_numbers_as_fp32_does(demo_translations, precision):
+    reference, got = demo_translations["fp32"], demo_translations[precision]
+    same = sum(a == b for a, b in zip(reference, got, strict=True))
+    assert same >= 0.99 * len(reference), [
+        (a, b) for a, b in zip(reference, got, strict=True) if a != b
+    ][:10]
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_verify_and_inspect_read_quantized_files(tiny_export, merged, precision, tmp_path):
+    from onnxmerge import quantize
+    from onnxmerge.inspection import inspect_model
+    from onnxmerge.verify import RELATIVE_TOLERANCE, verify
+
+    path = quantize(merged("marian"), tmp_path / "m.onnx", weights=precision)
+    report = verify(path, tiny_export("marian").onnx_dir)
+    assert report.relative and report.tolerance == RELATIVE_TOLERANCE[precision]
+    assert report.ok, [(d.name, d.max_abs_diff, d.reference_peak) for d in report.diffs]
+    found = inspect_model(path)
+    assert found.metadata[contract.META_PRECISION]
+    # The quantized embedding still counts as the embedding, read by both Gathers.
+    assert found.bytes_by_part["embedding"] > 0 and found.bytes_by_part["decoder"] > 0

@@ -21,30 +21,29 @@ merges should not pay for them.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import importlib
-import importlib.metadata
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from onnxmerge.testing import exports
+from onnxmerge.testing.exports import export_onnx, staging
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CACHE_DIR = REPO_ROOT / ".cache" / "bench"
 # Bump to invalidate cached exports after a change in how models are built or exported.
 CACHE_VERSION = "1"
 EXPORT_VARIANTS = ("tied", "untied")
+_VERSIONED = ("torch", "transformers", "optimum", "optimum-onnx", "onnx", "accelerate")
 SEED = 0
 
 ENCODER_FILE = "encoder_model.onnx"
@@ -127,13 +126,7 @@ class Export:
 
 
 def package_versions() -> dict[str, str]:
-    versions = {}
-    for name in ("torch", "transformers", "optimum", "optimum-onnx", "onnx", "accelerate"):
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            versions[name] = "absent"
-    return versions
+    return exports.package_versions(_VERSIONED)
 
 
 def cache_key(config: Any, variant: str) -> str:
@@ -174,11 +167,11 @@ def export_cached(
     key = cache_key(config, f"{variant}:{task}")
     onnx_dir = cache_dir / f"{name}-{model_key}" / f"onnx-{variant}-{key}"
     if not (pytorch_dir / CHECKPOINT_FILE).exists():
-        with _staging(pytorch_dir) as staging:
-            build_pytorch(config, staging)
+        with staging(pytorch_dir) as folder:
+            build_pytorch(config, folder)
     if not (onnx_dir / ENCODER_FILE).exists():
-        with _staging(onnx_dir) as staging:
-            _run_main_export(pytorch_dir, staging, variant, task)
+        with staging(onnx_dir) as folder:
+            _run_main_export(pytorch_dir, folder, variant, task)
     return Export(key=key, variant=variant, pytorch_dir=pytorch_dir, onnx_dir=onnx_dir)
 
 
@@ -193,47 +186,8 @@ def build_pytorch(config: Any, out_dir: Path) -> None:
     model.save_pretrained(out_dir)
 
 
-@contextlib.contextmanager
-def _staging(final: Path) -> Iterator[Path]:
-    final.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
-    try:
-        yield staging
-        if final.exists():
-            shutil.rmtree(final)
-        staging.rename(final)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def tied_weight_pass(enabled: bool) -> Iterator[None]:
-    """Force optimum's post-export tied-weight deduplication on or off.
-
-    optimum runs it from ``OnnxConfig.post_process_exported_models`` only when
-    ``is_accelerate_available()`` (as imported into ``optimum.exporters.onnx.base``) is true; it
-    uses ``accelerate.utils.find_tied_parameters``, so "on" needs accelerate installed, while "off"
-    is what a user without accelerate gets.
-    """
-    import optimum.exporters.onnx.base as optimum_base
-
-    if enabled and not optimum_base.is_accelerate_available():
-        raise RuntimeError("optimum's tied-weight pass needs accelerate; pip install accelerate")
-    original = optimum_base.is_accelerate_available
-    optimum_base.is_accelerate_available = lambda: enabled
-    try:
-        yield
-    finally:
-        optimum_base.is_accelerate_available = original
-
-
 def _run_main_export(pytorch_dir: Path, out_dir: Path, variant: str, task: str) -> None:
-    from optimum.exporters.onnx import main_export
-
-    with tied_weight_pass(variant == "tied"), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        main_export(str(pytorch_dir), output=out_dir, task=task, do_validation=False)
+    export_onnx(pytorch_dir, out_dir, task, tied=variant == "tied")
 
 
 def files_bytes(folder: Path, names: Sequence[str]) -> int:

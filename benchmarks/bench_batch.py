@@ -95,7 +95,7 @@ def pytorch_folder(config_factory, cache_dir: Path) -> Path:
     name = config_factory.__name__.removesuffix("_config")
     folder = cache_dir / f"{name}-{_common.cache_key(config, 'pytorch')}" / "pytorch"
     if not (folder / _common.CHECKPOINT_FILE).exists():
-        with _common._staging(folder) as staging:
+        with _common.staging(folder) as staging:
             _common.build_pytorch(config, staging)
     return folder
 
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args(argv)
 
-    from tests.models import ARCHITECTURES, tiny_export
+    from onnxmerge.testing.zoo import ARCHITECTURES, tiny_export
 
     load_before = os.getloadavg()[0]
     archs = QUICK_ARCHS if args.quick else ARCHITECTURES

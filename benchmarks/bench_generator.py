@@ -65,17 +65,13 @@ def _timed(fn, repeats: int) -> tuple[float, Any]:
 def measure(export_dir: Path, batch: int, length: int, new_tokens: int, repeats: int,
             threads: int) -> dict[str, Any]:
     import numpy as np
-    import onnxruntime as ort
 
     import onnxmerge
     from onnxmerge.generator import build_generator
+    from onnxmerge.sessions import open_session, session_options
 
-    def options() -> ort.SessionOptions:
-        opts = ort.SessionOptions()
-        opts.log_severity_level = 3
-        if threads:
-            opts.intra_op_num_threads = threads
-        return opts
+    def options():
+        return session_options(threads=threads)
 
     with tempfile.TemporaryDirectory(prefix="bench-generator-") as tmp:
         merged = onnxmerge.merge_seq2seq(export_dir, Path(tmp) / "model.onnx")
@@ -86,9 +82,7 @@ def measure(export_dir: Path, batch: int, length: int, new_tokens: int, repeats:
         generator_bytes = generator.stat().st_size
 
         model = onnxmerge.Seq2SeqModel(merged, session_options=options())
-        session = ort.InferenceSession(
-            str(generator), options(), providers=["CPUExecutionProvider"]
-        )
+        session = open_session(generator, options())
         inputs = _inputs(model.config, batch, length, seed=0)
         feeds = {**inputs, "max_new_tokens": np.array(new_tokens, np.int64)}
         python_s, python_out = _timed(

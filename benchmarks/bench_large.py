@@ -102,7 +102,7 @@ def export_large(cache_dir: Path) -> dict[str, Any]:
     record: dict[str, Any] = {"pytorch_dir": str(pytorch_dir), "onnx_dir": str(onnx_dir)}
     if not (pytorch_dir / _common.CHECKPOINT_FILE).exists():
         start = time.perf_counter()
-        with _common._staging(pytorch_dir) as staging:
+        with _common.staging(pytorch_dir) as staging:
             _common.build_pytorch(mbart_large_50_config(), staging)
         record["build_s"] = time.perf_counter() - start
     onnx_dir.parent.mkdir(parents=True, exist_ok=True)

@@ -208,17 +208,13 @@ def profile_ours(export_dir: str, output: str, top: int = 25) -> dict[str, Any]:
 def ort_check(export_dir: Path, merged: Path) -> dict[str, Any]:
     """Run the merged file for one first step and one cached step; compare with the export files."""
     import numpy as np
-    import onnxruntime as ort
 
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    providers = ["CPUExecutionProvider"]
-    model = ort.InferenceSession(str(merged), options, providers=providers)
-    encoder = ort.InferenceSession(str(export_dir / ENCODER_FILE), options, providers=providers)
-    decoder = ort.InferenceSession(str(export_dir / DECODER_FILE), options, providers=providers)
-    with_past = ort.InferenceSession(
-        str(export_dir / DECODER_WITH_PAST_FILE), options, providers=providers
-    )
+    from onnxmerge.sessions import open_session
+
+    model = open_session(merged)
+    encoder = open_session(export_dir / ENCODER_FILE)
+    decoder = open_session(export_dir / DECODER_FILE)
+    with_past = open_session(export_dir / DECODER_WITH_PAST_FILE)
     config = json.loads((export_dir / "config.json").read_text(encoding="utf-8"))
     start_token = config["decoder_start_token_id"]
     rng = np.random.default_rng(0)

@@ -46,7 +46,7 @@ def checkpoint_tensor_bytes(pytorch_dir: Path) -> int:
 
 def measure(arch: str, variant: str) -> dict:
     from onnxmerge import merge_seq2seq_with_report
-    from tests.models import tiny_export
+    from onnxmerge.testing.zoo import tiny_export
 
     export = tiny_export(arch, variant)
     checkpoint = checkpoint_tensor_bytes(export.pytorch_dir)
@@ -75,7 +75,7 @@ def markdown(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tests.models import ARCHITECTURES
+    from onnxmerge.testing.zoo import ARCHITECTURES
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)

@@ -66,7 +66,7 @@ def demo_export(cache_dir: Path = _common.DEFAULT_CACHE_DIR) -> Path:
         digest.update(path.name.encode() + path.read_bytes())
     folder = cache_dir / f"demo-{digest.hexdigest()[:16]}" / "onnx"
     if not (folder / _common.ENCODER_FILE).exists():
-        with _common._staging(folder) as staging:
+        with _common.staging(folder) as staging:
             _common._run_main_export(
                 DEMO_MODEL_DIR, staging, "tied", "text2text-generation-with-past"
             )
@@ -100,13 +100,11 @@ def python_side(
     merged: Path, generator: Path, ids: list[list[int]], new_tokens: int, threads: int, repeats: int
 ) -> dict[str, Any]:
     import numpy as np
-    import onnxruntime as ort
 
     from onnxmerge import Seq2SeqModel
+    from onnxmerge.sessions import open_session, session_options
 
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    options.intra_op_num_threads = threads
+    options = session_options(threads=threads)
     inputs = {
         "input_ids": np.array(ids, np.int64),
         "attention_mask": np.ones((1, len(ids[0])), np.int64),
@@ -115,7 +113,7 @@ def python_side(
     model = Seq2SeqModel(merged, session_options=options)
     runtime_session_s = time.perf_counter() - start
     start = time.perf_counter()
-    session = ort.InferenceSession(str(generator), options, providers=["CPUExecutionProvider"])
+    session = open_session(generator, options)
     generator_session_s = time.perf_counter() - start
     feeds = {**inputs, "max_new_tokens": np.array(new_tokens, np.int64)}
     runtime_s, sequences = _timed(

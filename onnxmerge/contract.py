@@ -38,6 +38,7 @@ OPTIMUM_ENCODER_ATTENTION_MASK = "encoder_attention_mask"
 OPTIMUM_ENCODER_HIDDEN_STATES = "encoder_hidden_states"
 OPTIMUM_ENCODER_OUTPUT = "last_hidden_state"
 
+CACHE_KINDS = ("key", "value")
 _CACHE_NAME = re.compile(r"^(past_key_values|present)\.(\d+)\.(decoder|encoder)\.(key|value)$")
 
 
@@ -58,6 +59,22 @@ def parse_cache_name(name: str) -> tuple[str, int, str, str] | None:
         return None
     prefix, layer, part, kind = match.groups()
     return prefix, int(layer), part, kind
+
+
+def past_names(num_layers: int, part: str) -> list[str]:
+    """Every layer's past key and value of ``part`` (decoder|encoder), in the graph's order."""
+    return [past_name(i, part, k) for i in range(num_layers) for k in CACHE_KINDS]
+
+
+def present_names(num_layers: int, part: str) -> list[str]:
+    """Every layer's present key and value of ``part`` (decoder|encoder), in the graph's order."""
+    return [present_name(i, part, k) for i in range(num_layers) for k in CACHE_KINDS]
+
+
+def is_encoder_present(name: str) -> bool:
+    """A cross-attention present: cached steps return it empty, the caller keeps the first one."""
+    parsed = parse_cache_name(name)
+    return parsed is not None and parsed[0] == "present" and parsed[2] == "encoder"
 
 
 def cache_layer(name: str) -> int | None:

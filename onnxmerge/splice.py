@@ -75,7 +75,7 @@ def parts_of_file(model: ir.Model, role: Role, source: Path) -> list[Part]:
             outputs = {
                 k: v
                 for k, v in outputs.items()
-                if not (contract.is_present_name(k) and ".encoder." in k)
+                if not contract.is_encoder_present(k)
             }
         # Other tools may keep initializers inside the branches; they move out like the rest.
         parts.append(
@@ -354,7 +354,7 @@ def splice(parts: list[Part], models: dict[Path, ir.Model]) -> SplicedModel:
         for name, value in zip(output_names, first_step_outputs, strict=True):
             if name in with_past.outputs:
                 cached_outputs.append(with_past.outputs[name])
-            elif contract.is_present_name(name) and ".encoder." in name:
+            elif contract.is_encoder_present(name):
                 empty = _empty_like(values.claim(f"{name}.empty", "decoder_with_past"), value)
                 cached_nodes.append(empty)
                 cached_outputs.append(empty.outputs[0])

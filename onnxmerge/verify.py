@@ -13,7 +13,7 @@ import numpy as np
 from onnxmerge import contract
 from onnxmerge.errors import ExportFolderError, InvalidMergedModelError
 from onnxmerge.roles import Role
-from onnxmerge.runtime.session import ORT_TO_NUMPY
+from onnxmerge.sessions import ORT_TO_NUMPY, open_session, session_options
 
 logger = logging.getLogger(__name__)
 
@@ -51,13 +51,7 @@ class VerifyReport:
 
 
 def _session(path: Path, optimized: bool):
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    if not optimized:
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    options.log_severity_level = 3
-    return ort.InferenceSession(os.fspath(path), options, providers=["CPUExecutionProvider"])
+    return open_session(path, session_options(optimize=optimized))
 
 
 def _dims(shape: list, sizes: dict[str, int], default: int) -> list[int]:
@@ -189,7 +183,7 @@ def verify(
         diffs += [
             _diff("cached", n, cached[n], ref)
             for n, ref in cached_ref.items()
-            if n in cached and not (contract.is_present_name(n) and ".encoder." in n)
+            if n in cached and not contract.is_encoder_present(n)
         ]
     report = VerifyReport(tuple(diffs), tolerance, relative)
     logger.info("verified %s: %d outputs, max |diff| %.3g", merged, len(diffs), report.max_abs_diff)

@@ -1,20 +1,19 @@
-"""Session-wide access to the tiny model zoo in tests/models.py and to the demo model's export."""
+"""Session-wide access to the tiny model zoo of onnxmerge/testing/zoo.py and to the demo model's
+export."""
 
 from __future__ import annotations
 
 import functools
 import hashlib
-import importlib.metadata
-import os
 import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from onnxmerge.demo import DEMO_MODEL_DIR
-from tests.models import ARCHITECTURES, TinyExport
+from onnxmerge.testing.exports import export_onnx, package_versions, staging
+from onnxmerge.testing.zoo import ARCHITECTURES, TinyExport, cache_root
 
 
 @pytest.fixture(scope="session")
@@ -26,9 +25,9 @@ def tiny_export() -> Callable[..., TinyExport]:
     pytest.importorskip("torch", reason="building test models needs torch")
     pytest.importorskip("transformers", reason="building test models needs transformers")
     pytest.importorskip("optimum.exporters.onnx", reason="exporting test models needs optimum-onnx")
-    from tests import models
+    from onnxmerge.testing import zoo
 
-    return functools.cache(models.tiny_export)
+    return functools.cache(zoo.tiny_export)
 
 
 @pytest.fixture(params=ARCHITECTURES)
@@ -41,11 +40,9 @@ def _demo_export_key() -> str:
     digest = hashlib.sha256()
     for path in sorted(DEMO_MODEL_DIR.iterdir()):
         digest.update(path.name.encode() + path.read_bytes())
-    for name in ("torch", "transformers", "optimum", "optimum-onnx", "onnx"):
-        try:
-            digest.update(f"{name}={importlib.metadata.version(name)}".encode())
-        except importlib.metadata.PackageNotFoundError:
-            digest.update(f"{name}=absent".encode())
+    versions = package_versions(("torch", "transformers", "optimum", "optimum-onnx", "onnx"))
+    for name, version in versions.items():
+        digest.update(f"{name}={version}".encode())
     return digest.hexdigest()[:16]
 
 
@@ -57,28 +54,12 @@ def demo_export() -> Path:
 
 
 def cached_demo_export() -> Path:
-    from tests.models import cache_root
-
     entry = cache_root() / f"demo--{_demo_export_key()}"
     if entry.is_dir():
         return entry
-    from optimum.exporters.onnx import main_export
-
-    entry.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".demo.", dir=entry.parent))
-    try:
-        main_export(
-            os.fspath(DEMO_MODEL_DIR), output=staging, task="text2text-generation-with-past",
-            do_validation=False,
-        )
+    with staging(entry) as folder:
+        export_onnx(DEMO_MODEL_DIR, folder, "text2text-generation-with-past")
         for path in DEMO_MODEL_DIR.iterdir():
             if path.name.startswith(("tokenizer", "special_tokens")):
-                shutil.copy2(path, staging / path.name)
-        try:
-            os.replace(staging, entry)
-        except OSError:
-            if not entry.is_dir():  # another process cached the same export first
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+                shutil.copy2(path, folder / path.name)
     return entry

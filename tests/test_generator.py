@@ -11,7 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.models import ARCHITECTURES
+from onnxmerge.sessions import open_session, session_options
+from onnxmerge.testing import zoo as tiny_zoo
+from onnxmerge.testing.zoo import ARCHITECTURES
 
 ort = pytest.importorskip("onnxruntime")
 torch = pytest.importorskip("torch")
@@ -31,12 +33,8 @@ BEAM_CASES = {
 
 
 def _session(path: Path):
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 1
-    # Idle onnxruntime threads spinning would slow torch down in the same process.
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    options.log_severity_level = 3
-    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    # One thread, no spin-waiting: idle onnxruntime threads would slow torch down in turn.
+    return open_session(path, session_options(threads=1, spinning=False))
 
 
 def _run(session, inputs: dict[str, np.ndarray], max_new_tokens: int) -> list[np.ndarray]:
@@ -88,15 +86,11 @@ class _Zoo:
     def pytorch(self, arch: str):
         key = ("pytorch", arch)
         if key not in self.cache:
-            from tests import models
-
-            self.cache[key] = models.load_pytorch(self.tiny_export(arch))
+            self.cache[key] = tiny_zoo.load_pytorch(self.tiny_export(arch))
         return self.cache[key]
 
     def inputs(self, arch: str, seed: int, batch: int = 2) -> dict[str, np.ndarray]:
-        from tests import models
-
-        return models.sample_encoder_inputs(self.tiny_export(arch), batch=batch, seq=7, seed=seed)
+        return tiny_zoo.sample_encoder_inputs(self.tiny_export(arch), batch=batch, seq=7, seed=seed)
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,7 @@ pytest.importorskip("onnxruntime")
 @pytest.fixture(scope="module")
 def marian(tiny_export, tmp_path_factory):
     import onnxmerge
-    from tests import models as zoo
+    from onnxmerge.testing import zoo
 
     export = tiny_export("marian")
     out = onnxmerge.merge_seq2seq(export.onnx_dir, tmp_path_factory.mktemp("errors") / "m.onnx")

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from onnxmerge.runtime.processors import build_processors
-from tests.models import ARCHITECTURES
+from onnxmerge.testing.zoo import ARCHITECTURES
 
 pytest.importorskip("onnxruntime")
 torch = pytest.importorskip("torch")
@@ -55,20 +55,16 @@ _models: dict = {}
 
 def _quiet_options():
     """One thread, no spin-waiting: onnxruntime's idle threads would slow torch down in turn."""
-    import onnxruntime as ort
+    from onnxmerge.sessions import session_options
 
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 1
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    options.log_severity_level = 3
-    return options
+    return session_options(threads=1, spinning=False)
 
 
 @pytest.fixture(scope="session")
 def merged(tiny_export, tmp_path_factory):
     """``merged(arch, variant)`` -> (Seq2SeqModel, transformers model, export), built once."""
     import onnxmerge
-    from tests import models as zoo
+    from onnxmerge.testing import zoo
 
     def get(arch: str, variant: str = "default"):
         key = (arch, variant)
@@ -110,7 +106,7 @@ def _check(model, pt_model, inputs, **kwargs) -> np.ndarray:
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("arch", WITH_PAST)
 def test_generate_matches_transformers(merged, arch, case):
-    from tests import models as zoo
+    from onnxmerge.testing import zoo
 
     model, pt_model, export = merged(arch)
     inputs = zoo.sample_encoder_inputs(export, batch=2, seq=7, seed=1)
@@ -122,7 +118,7 @@ def test_generate_matches_transformers(merged, arch, case):
 @pytest.mark.parametrize("case", list(MORE_CASES))
 @pytest.mark.parametrize("arch", MORE_CASES_ARCHS)
 def test_search_options_match_transformers(merged, arch, case):
-    from tests import models as zoo
+    from onnxmerge.testing import zoo
 
     model, pt_model, export = merged(arch)
     inputs = zoo.sample_encoder_inputs(export, batch=2, seq=7, seed=2)
@@ -141,7 +137,7 @@ def test_search_options_match_transformers(merged, arch, case):
     ],
 )
 def test_generate_other_layouts(merged, arch, variant):
-    from tests import models as zoo
+    from onnxmerge.testing import zoo
 
     model, pt_model, export = merged(arch, variant)
     inputs = zoo.sample_encoder_inputs(export, batch=2, seq=6, seed=2)
@@ -151,7 +147,7 @@ def test_generate_other_layouts(merged, arch, variant):
 
 def test_generation_config_defaults_are_used(merged):
     """Settings come from the embedded generation config: blenderbot's encoder n-gram ban."""
-    from tests import models as zoo
+    from onnxmerge.testing import zoo
 
     model, pt_model, export = merged("blenderbot")
     assert model.resolve_settings().encoder_no_repeat_ngram_size == 3
@@ -160,7 +156,7 @@ def test_generation_config_defaults_are_used(merged):
 
 
 def test_default_max_length_is_twenty_new_tokens(merged):
-    from tests import models as zoo
+    from onnxmerge.testing import zoo
 
     model, pt_model, export = merged("t5")
     settings = model.resolve_settings()
@@ -172,7 +168,7 @@ def test_default_max_length_is_twenty_new_tokens(merged):
 
 
 def test_decoder_prompt_is_continued(merged):
-    from tests import models as zoo
+    from onnxmerge.testing import zoo
 
     model, pt_model, export = merged("bart")
     inputs = zoo.sample_encoder_inputs(export, batch=2, seq=7, seed=4)
@@ -186,7 +182,7 @@ def test_decoder_prompt_is_continued(merged):
 
 
 def test_whisper_tokens_match_whispers_own_generate(merged):
-    from tests import models as zoo
+    from onnxmerge.testing import zoo
 
     model, pt_model, export = merged("whisper")
     inputs = zoo.sample_encoder_inputs(export, batch=2, seed=5)
@@ -201,7 +197,7 @@ def test_whisper_tokens_match_whispers_own_generate(merged):
 
 
 def test_attention_mask_is_inferred_from_padding(merged):
-    from tests import models as zoo
+    from onnxmerge.testing import zoo
 
     model, pt_model, export = merged("marian")
     inputs = zoo.sample_encoder_inputs(export, batch=2, seq=7, seed=6)
@@ -213,7 +209,7 @@ def test_attention_mask_is_inferred_from_padding(merged):
 
 
 def test_sampling_is_reproducible_with_a_seed(merged):
-    from tests import models as zoo
+    from onnxmerge.testing import zoo
 
     model, _, export = merged("marian")
     inputs = zoo.sample_encoder_inputs(export, batch=2, seq=7, seed=7)
@@ -227,7 +223,7 @@ def test_sampling_is_reproducible_with_a_seed(merged):
 
 
 def test_sampling_with_top_k_one_is_greedy(merged):
-    from tests import models as zoo
+    from onnxmerge.testing import zoo
 
     model, _, export = merged("t5")
     inputs = zoo.sample_encoder_inputs(export, batch=2, seq=7, seed=8)
@@ -248,7 +244,7 @@ def test_sampled_tokens_stay_in_the_filtered_distribution(merged, filters):
     """Replay sampled sequences with the step API: each token is among the top_k most likely
     and inside the top_p nucleus of the distribution before filtering."""
     from onnxmerge.runtime.processors import softmax
-    from tests import models as zoo
+    from onnxmerge.testing import zoo
 
     model, _, export = merged("marian")
     inputs = zoo.sample_encoder_inputs(export, batch=2, seq=7, seed=10)
@@ -281,7 +277,7 @@ def test_sampled_tokens_stay_in_the_filtered_distribution(merged, filters):
 
 
 def test_step_api_greedy_loop_matches_generate(merged):
-    from tests import models as zoo
+    from onnxmerge.testing import zoo
 
     model, _, export = merged("t5")  # no forced eos in its generation config
     inputs = zoo.sample_encoder_inputs(export, batch=2, seq=7, seed=11)
@@ -298,7 +294,7 @@ def test_step_api_greedy_loop_matches_generate(merged):
 
 
 def test_cache_reorder_and_expand(merged):
-    from tests import models as zoo
+    from onnxmerge.testing import zoo
 
     model, _, export = merged("bart")
     inputs = zoo.sample_encoder_inputs(export, batch=2, seq=7, seed=12)

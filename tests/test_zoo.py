@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from tests.models import (
+from onnxmerge.testing.zoo import (
     DECODER_FILE,
     DECODER_MERGED_FILE,
     DECODER_WITH_PAST_FILE,
@@ -87,12 +87,12 @@ def test_io_names_follow_optimum(tiny_export, arch):
 
 @pytest.mark.parametrize("arch_name", ["marian", "t5", "whisper", "vision-encoder-decoder"])
 def test_sample_encoder_inputs_match_the_encoder(tiny_export, arch_name):
-    ort = pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxruntime")
+    from onnxmerge.sessions import open_session
+
     export = tiny_export(arch_name)
     inputs = sample_encoder_inputs(export, batch=2, seq=7)
-    session = ort.InferenceSession(
-        str(export.onnx_dir / ENCODER_FILE), providers=["CPUExecutionProvider"]
-    )
+    session = open_session(export.onnx_dir / ENCODER_FILE)
     assert [i.name for i in session.get_inputs()] == list(inputs)
     (hidden,) = session.run(None, inputs)
     assert hidden.shape[0] == 2

@@ -422,14 +422,9 @@ def write_export(
 
 def session(path_or_bytes, *, optimize: bool = False):
     """An onnxruntime CPU session, graph optimisations off unless asked."""
-    import onnxruntime as ort
+    from onnxmerge.sessions import open_session, session_options
 
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    if not optimize:
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    source = os.fspath(path_or_bytes) if isinstance(path_or_bytes, Path) else path_or_bytes
-    return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
+    return open_session(path_or_bytes, session_options(optimize=optimize))
 
 
 def sample_inputs(seed: int = 1, *, batch: int = 2, encoder_length: int = 5, past_length: int = 3

@@ -29,7 +29,7 @@ from onnxmerge.errors import (
 )
 from onnxmerge.generator import processors, search
 from onnxmerge.generator.ops import Names, Ops, typed_input
-from onnxmerge.runtime.settings import GenerationSettings, resolve_settings
+from onnxmerge.settings import GenerationSettings, resolve_settings
 
 logger = logging.getLogger(__name__)
 
@@ -189,7 +189,6 @@ def _assemble(
     if vocab <= 0:
         raise InvalidMergedModelError("cannot tell the vocabulary size from the logits or config")
     layers = info.num_layers
-    kinds = ("key", "value")
 
     names = Names()
     main = Ops(names)
@@ -208,12 +207,8 @@ def _assemble(
     encoder_ids = inputs.get("input_ids") if "input_ids" in info.encoder_inputs else None
     first_logits = main.op("Gather", logits_value, main.i64(-1), axis=1)
 
-    decoder_presents = [
-        first_out[contract.present_name(i, "decoder", k)] for i in range(layers) for k in kinds
-    ]
-    encoder_presents = [
-        first_out[contract.present_name(i, "encoder", k)] for i in range(layers) for k in kinds
-    ]
+    decoder_presents = [first_out[n] for n in contract.present_names(layers, "decoder")]
+    encoder_presents = [first_out[n] for n in contract.present_names(layers, "encoder")]
     if num_beams > 1:
         # Every beam of an input shares its encoder output: repeat rows once, before the loop.
         expand_rows = main.op(
@@ -241,19 +236,14 @@ def _assemble(
     cache_dtype = decoder_presents[0].dtype or ir.DataType.FLOAT
     past_in = [typed_input(names, "past", cache_dtype, 4) for _ in decoder_presents]
     _redirect(inputs[contract.DECODER_INPUT_IDS], cached_all, tokens_in)
-    for i in range(layers):
-        for j, k in enumerate(kinds):
-            index = 2 * i + j
-            _redirect(inputs[contract.past_name(i, "decoder", k)], cached_all, past_in[index])
-            _redirect(
-                inputs[contract.past_name(i, "encoder", k)], cached_all, encoder_presents[index]
-            )
+    for name, value in zip(contract.past_names(layers, "decoder"), past_in, strict=True):
+        _redirect(inputs[name], cached_all, value)
+    for name, value in zip(contract.past_names(layers, "encoder"), encoder_presents, strict=True):
+        _redirect(inputs[name], cached_all, value)
     if mask is not None and cached_mask is not mask:
         _redirect(mask, cached_all, cached_mask)
     body_logits = body.op("Gather", cached_out[contract.LOGITS], body.i64(-1), axis=1)
-    body_presents = [
-        cached_out[contract.present_name(i, "decoder", k)] for i in range(layers) for k in kinds
-    ]
+    body_presents = [cached_out[n] for n in contract.present_names(layers, "decoder")]
 
     if num_beams == 1:
         outputs = _greedy_loop(

@@ -16,7 +16,7 @@ import onnx_ir as ir
 
 from onnxmerge.errors import GenerationError
 from onnxmerge.generator.ops import Ops
-from onnxmerge.runtime.settings import GenerationSettings
+from onnxmerge.settings import GenerationSettings
 
 _NEG_INF = float("-inf")
 _END = np.iinfo(np.int64).max

@@ -14,7 +14,7 @@ import onnx_ir as ir
 
 from onnxmerge.generator import processors
 from onnxmerge.generator.ops import Ops
-from onnxmerge.runtime.settings import GenerationSettings
+from onnxmerge.settings import GenerationSettings
 
 # transformers' stand-in for -inf in beam bookkeeping (finite, so sums stay ordered).
 _NEG = -1.0e9

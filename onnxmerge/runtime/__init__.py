@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from onnxmerge.runtime.model import Seq2SeqModel
 from onnxmerge.runtime.session import Cache, StepOutput
-from onnxmerge.runtime.settings import GenerationSettings
 from onnxmerge.runtime.text import TextGenerator
+from onnxmerge.settings import GenerationSettings
 
 __all__ = ["Seq2SeqModel", "Cache", "StepOutput", "GenerationSettings", "TextGenerator"]

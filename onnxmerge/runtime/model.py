@@ -14,7 +14,7 @@ from onnxmerge.errors import GenerationError
 from onnxmerge.runtime.processors import build_processors
 from onnxmerge.runtime.search import beam_search, greedy_or_sample
 from onnxmerge.runtime.session import Cache, MergedSession, StepOutput
-from onnxmerge.runtime.settings import GenerationSettings, resolve_settings
+from onnxmerge.settings import GenerationSettings, resolve_settings
 
 logger = logging.getLogger(__name__)
 

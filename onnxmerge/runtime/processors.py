@@ -17,7 +17,7 @@ import numpy as np
 from onnxmerge.errors import GenerationError
 
 if TYPE_CHECKING:
-    from onnxmerge.runtime.settings import GenerationSettings
+    from onnxmerge.settings import GenerationSettings
 
 NEG_INF = np.float32(-np.inf)
 

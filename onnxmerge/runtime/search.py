@@ -12,7 +12,7 @@ from typing import Protocol
 import numpy as np
 
 from onnxmerge.runtime.processors import ProcessorList, log_softmax, softmax
-from onnxmerge.runtime.settings import GenerationSettings
+from onnxmerge.settings import GenerationSettings
 
 _NEG = np.float32(-1.0e9)
 

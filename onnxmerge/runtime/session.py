@@ -22,19 +22,9 @@ import numpy as np
 
 from onnxmerge import contract as c
 from onnxmerge.errors import GenerationError, InvalidMergedModelError
+from onnxmerge.sessions import ORT_TO_NUMPY, open_session
 
 logger = logging.getLogger(__name__)
-
-# onnxruntime's type strings, as NodeArg.type gives them, to numpy dtypes.
-ORT_TO_NUMPY = {
-    "tensor(int64)": np.int64,
-    "tensor(int32)": np.int32,
-    "tensor(float)": np.float32,
-    "tensor(float16)": np.float16,
-    "tensor(double)": np.float64,
-    "tensor(bool)": np.bool_,
-}
-
 
 @dataclass(frozen=True)
 class InputSpec:
@@ -159,7 +149,7 @@ class MergedSession:
         session_options: Any | None = None,
     ):
         try:
-            import onnxruntime as ort
+            import onnxruntime  # noqa: F401 - say what to install before anything else fails
         except ImportError as error:  # pragma: no cover - depends on the environment
             raise ImportError(
                 "running a merged model needs onnxruntime: pip install 'onnxmerge[runtime]'"
@@ -169,11 +159,7 @@ class MergedSession:
             raise InvalidMergedModelError(f"{self.path} is not a file; pass the merged .onnx file")
         options = session_options if session_options is not None else default_session_options()
         try:
-            self.session = ort.InferenceSession(
-                str(self.path),
-                sess_options=options,
-                providers=list(providers) if providers else ["CPUExecutionProvider"],
-            )
+            self.session = open_session(self.path, options, providers)
         except Exception as error:
             raise InvalidMergedModelError(
                 f"onnxruntime cannot load {self.path}: {error}"
@@ -202,19 +188,11 @@ class MergedSession:
             )
         self.has_attention_mask = c.ATTENTION_MASK in self.inputs
         self.has_past = self.info.has_past
-        layers = range(self.info.num_layers)
-        self.past_decoder_names = [
-            c.past_name(i, "decoder", k) for i in layers for k in ("key", "value")
-        ]
-        self.past_encoder_names = [
-            c.past_name(i, "encoder", k) for i in layers for k in ("key", "value")
-        ]
-        self.present_decoder_names = [
-            c.present_name(i, "decoder", k) for i in layers for k in ("key", "value")
-        ]
-        self.present_encoder_names = [
-            c.present_name(i, "encoder", k) for i in layers for k in ("key", "value")
-        ]
+        layers = self.info.num_layers
+        self.past_decoder_names = c.past_names(layers, "decoder")
+        self.past_encoder_names = c.past_names(layers, "encoder")
+        self.present_decoder_names = c.present_names(layers, "decoder")
+        self.present_encoder_names = c.present_names(layers, "encoder")
         if self.has_past:
             absent = [
                 n

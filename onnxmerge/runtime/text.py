@@ -5,12 +5,20 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
+
+import numpy as np
 
 from onnxmerge.errors import GenerationError
 
-if TYPE_CHECKING:
-    from onnxmerge.runtime.model import Seq2SeqModel
+
+class Generates(Protocol):
+    """What text generation needs of a model (``Seq2SeqModel`` has it)."""
+
+    path: Path
+    encoder_input_names: Sequence[str]
+
+    def generate(self, inputs: dict[str, np.ndarray], **kwargs: Any) -> np.ndarray: ...
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -23,7 +31,7 @@ class TextGenerator:
     export folder holds it); pass ``tokenizer`` to use another one. Needs ``transformers``.
     """
 
-    def __init__(self, model: Seq2SeqModel, tokenizer: Any | None = None):
+    def __init__(self, model: Generates, tokenizer: Any | None = None):
         if tokenizer is not None and not (
             callable(tokenizer) and hasattr(tokenizer, "batch_decode")
         ):

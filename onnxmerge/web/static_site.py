@@ -205,7 +205,7 @@ def _quantize(merged: Path, work: Path, weights: str, step: Callable[[str], None
 
 def _page_settings(model: Path) -> dict:
     """What the page needs to know: the model file, the encoder inputs and how long to generate."""
-    from onnxmerge.runtime.settings import resolve_settings
+    from onnxmerge.settings import resolve_settings
 
     if model.stat().st_size > MAX_MODEL_BYTES:
         raise OnnxMergeError(f"{model.name} is {model.stat().st_size} bytes; {_TOO_LARGE}")

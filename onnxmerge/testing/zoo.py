@@ -22,21 +22,18 @@ Variants of one architecture:
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import importlib.metadata
 import json
 import logging
 import os
-import shutil
-import tempfile
-import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from onnxmerge.testing.exports import export_onnx, package_versions, staging
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +123,7 @@ def cache_root() -> Path:
     env = os.environ.get("ONNXMERGE_TEST_CACHE")
     if env:
         return Path(env)
-    return Path(__file__).resolve().parents[1] / ".cache" / "tiny-models"
+    return Path(__file__).resolve().parents[2] / ".cache" / "tiny-models"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -316,17 +313,9 @@ def _model_class(arch: str) -> Any:
 # cache
 
 
-def _versions() -> dict[str, str]:
-    names = (
-        "torch", "transformers", "optimum", "optimum-onnx", "onnx", "onnxruntime", "accelerate"
-    )
-    found = {}
-    for name in names:
-        try:
-            found[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            found[name] = "absent"
-    return found
+_VERSIONED = (
+    "torch", "transformers", "optimum", "optimum-onnx", "onnx", "onnxruntime", "accelerate"
+)
 
 
 def cache_key(arch: str, variant: str) -> str:
@@ -338,29 +327,12 @@ def cache_key(arch: str, variant: str) -> str:
             "arch": arch,
             "variant": variant,
             "config": config,
-            "versions": _versions(),
+            "versions": package_versions(_VERSIONED),
         },
         sort_keys=True,
         default=str,
     )
     return f"{arch}--{variant}--{hashlib.sha256(payload.encode()).hexdigest()[:16]}"
-
-
-@contextlib.contextmanager
-def _staging(final: Path) -> Iterator[Path]:
-    """A temporary folder beside ``final`` that becomes ``final`` only if the block succeeds."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
-    try:
-        yield staging
-        try:
-            os.replace(staging, final)
-        except OSError:
-            # Another process finished the same entry first; its copy is as good as ours.
-            if not final.is_dir():
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -411,49 +383,21 @@ def _weights_to_tie_any_embedding(
     return with_kind, to_tie, ignored
 
 
-@contextlib.contextmanager
-def _tied_weight_pass(enabled: bool) -> Iterator[None]:
-    """Switch optimum's post-export tied-weight deduplication off, or on for every embedding."""
-    import optimum.exporters.onnx.base as optimum_base
-    import optimum.onnx.graph_transformations as optimum_graph
-
-    if enabled and not optimum_base.is_accelerate_available():
-        raise RuntimeError(
-            "the 'head-tied' variant needs optimum's tied-weight pass, which needs accelerate; "
-            "install accelerate"
-        )
-    originals = (optimum_base.is_accelerate_available, optimum_graph._get_weights_to_tie)
-    optimum_base.is_accelerate_available = lambda: enabled
-    if enabled:
-        optimum_graph._get_weights_to_tie = _weights_to_tie_any_embedding
-    try:
-        yield
-    finally:
-        optimum_base.is_accelerate_available, optimum_graph._get_weights_to_tie = originals
-
-
 def _run_main_export(pytorch_dir: Path, out_dir: Path, arch: str, variant: str) -> None:
-    from optimum.exporters.onnx import main_export
-
     kwargs: dict[str, Any] = {}
     if arch == "whisper":
         kwargs["nb_max_frames"] = 2 * WHISPER_SOURCE_POSITIONS
     if variant == "fp16":
         kwargs["dtype"] = "fp16"
-    tied = contextlib.nullcontext()
-    if variant == "head-copy":
-        tied = _tied_weight_pass(False)
-    elif variant == "head-tied":
-        tied = _tied_weight_pass(True)
-    with tied, warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        main_export(
-            str(pytorch_dir),
-            output=out_dir,
-            task=export_task(arch, variant),
-            do_validation=False,
-            **kwargs,
-        )
+    tied = {"head-copy": False, "head-tied": True}.get(variant)
+    export_onnx(
+        pytorch_dir,
+        out_dir,
+        export_task(arch, variant),
+        tied=tied,
+        weights_to_tie=_weights_to_tie_any_embedding,
+        **kwargs,
+    )
 
 
 def _quantize_int8(onnx_dir: Path) -> None:
@@ -499,9 +443,9 @@ def tiny_export(arch: str, variant: str = "default") -> TinyExport:
     if entry.is_dir():
         return export
     logger.info("building tiny %s export (%s) in %s", arch, variant, entry)
-    with _staging(entry) as staging:
-        pytorch_dir = staging / "pytorch"
-        onnx_dir = staging / "onnx"
+    with staging(entry) as folder:
+        pytorch_dir = folder / "pytorch"
+        onnx_dir = folder / "onnx"
         build_pytorch(arch, pytorch_dir)
         _run_main_export(pytorch_dir, onnx_dir, arch, variant)
         post = _POST_EXPORT.get(variant)

@@ -1,0 +1,60 @@
+"""The one way onnxmerge opens an onnxruntime session, and onnxruntime's type names as numpy's."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+# onnxruntime's type strings, as NodeArg.type gives them, to numpy dtypes.
+ORT_TO_NUMPY = {
+    "tensor(int64)": np.int64,
+    "tensor(int32)": np.int32,
+    "tensor(float)": np.float32,
+    "tensor(float16)": np.float16,
+    "tensor(double)": np.float64,
+    "tensor(bool)": np.bool_,
+}
+
+
+def session_options(
+    *, optimize: bool = True, threads: int | None = None, spinning: bool = True
+) -> Any:
+    """``onnxruntime.SessionOptions`` that log errors only.
+
+    ``optimize=False`` runs the graph as written (a comparison must not test the optimiser);
+    ``threads`` caps intra-op threads; ``spinning=False`` stops idle threads busy-waiting, which
+    slows down torch running in the same process.
+    """
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    # onnxruntime warns about names it cannot rewrite inside If branches while optimizing; the
+    # graph is still correct.
+    options.log_severity_level = 3
+    if not optimize:
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    if threads:
+        options.intra_op_num_threads = threads
+    if not spinning:
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return options
+
+
+def open_session(
+    source: str | os.PathLike | bytes,
+    options: Any | None = None,
+    providers: Sequence[Any] | None = None,
+) -> Any:
+    """An ``onnxruntime.InferenceSession`` on a model file or its bytes; CPU unless told."""
+    import onnxruntime as ort
+
+    if not isinstance(source, bytes):
+        source = os.fspath(source)
+    return ort.InferenceSession(
+        source,
+        sess_options=options if options is not None else session_options(),
+        providers=list(providers) if providers else ["CPUExecutionProvider"],
+    )

@@ -15,6 +15,15 @@ from onnxmerge.demo import DEMO_MODEL_DIR
 from onnxmerge.testing.exports import export_onnx, package_versions, staging
 from onnxmerge.testing.zoo import ARCHITECTURES, TinyExport, cache_root
 
+# Tests that build models with torch and optimum; `pytest -m "not export"` leaves them out.
+EXPORT_FIXTURES = {"tiny_export", "demo_export"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if EXPORT_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.export)
+
 
 @pytest.fixture(scope="session")
 def tiny_export() -> Callable[..., TinyExport]:

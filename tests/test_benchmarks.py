@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.export
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 pytest.importorskip("optimum.onnx")

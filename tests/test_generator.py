@@ -15,6 +15,8 @@ from onnxmerge.sessions import open_session, session_options
 from onnxmerge.testing import zoo as tiny_zoo
 from onnxmerge.testing.zoo import ARCHITECTURES
 
+pytestmark = pytest.mark.export
+
 ort = pytest.importorskip("onnxruntime")
 torch = pytest.importorskip("torch")
 

@@ -8,6 +8,8 @@ import pytest
 from onnxmerge.runtime.processors import build_processors
 from onnxmerge.testing.zoo import ARCHITECTURES
 
+pytestmark = pytest.mark.export
+
 pytest.importorskip("onnxruntime")
 torch = pytest.importorskip("torch")
 

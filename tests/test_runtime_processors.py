@@ -8,6 +8,8 @@ import pytest
 from onnxmerge.runtime import processors as p
 from onnxmerge.runtime.search import sample_tokens
 
+pytestmark = pytest.mark.export
+
 torch = pytest.importorskip("torch")
 tlp = pytest.importorskip("transformers.generation.logits_process")
 

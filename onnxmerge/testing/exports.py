@@ -95,9 +95,7 @@ def export_onnx(
     """
     from optimum.exporters.onnx import main_export
 
-    tied_pass = (
-        contextlib.nullcontext() if tied is None else tied_weight_pass(tied, weights_to_tie)
-    )
+    tied_pass = contextlib.nullcontext() if tied is None else tied_weight_pass(tied, weights_to_tie)
     with tied_pass, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         main_export(str(pytorch_dir), output=out_dir, task=task, do_validation=False, **kwargs)

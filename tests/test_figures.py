@@ -1,0 +1,113 @@
+"""Figures quoted in README.md, docs/architecture.md and the demo's note are the benchmarks' own.
+
+They are written from benchmarks/out/*.json (what `python benchmarks/run_all.py` produces); after a
+benchmark run changes them, update the prose to the values these tests print.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+OUT = REPO / "benchmarks" / "out"
+
+
+def _load(name: str) -> dict:
+    path = OUT / f"{name}.json"
+    if not path.exists():
+        pytest.skip(f"{path} is not there (run benchmarks/run_all.py)")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:.1f} MB"
+
+
+def _span(values: list[float], digits: int = 2) -> str:
+    low, high = f"{min(values):.{digits}f}", f"{max(values):.{digits}f}"
+    return low if low == high else f"{low}–{high}"
+
+
+def _assert_quoted(text: str, expected: str, where: str) -> None:
+    assert expected in text, f"{where} should say {expected!r} (from benchmarks/out)"
+
+
+def test_readme_sizes_and_merge_cost_are_the_merge_benchmark() -> None:
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    variants = _load("merge")["variants"]
+    tied, untied = variants["tied"]["layouts"], variants["untied"]["layouts"]
+    rows = {
+        "optimum: encoder + decoder + decoder_with_past": tied["encoder+decoder+decoder_with_past"],
+        "optimum: all four files": tied["all four files"],
+        "optimum: encoder + decoder_model_merged (its leanest)": tied[
+            "encoder+decoder_model_merged"
+        ],
+        "optimum without `accelerate` (untied LM head): all four files": untied["all four files"],
+    }
+    for label, layout in rows.items():
+        row = f"| {label} | {_mb(layout['bytes'])} | {layout['ratio_to_safetensors']:.2f}× |"
+        _assert_quoted(readme, row, "README.md")
+    ours = tied["onnxmerge model.onnx"]
+    _assert_quoted(
+        readme,
+        f"| **onnxmerge: model.onnx** | **{_mb(ours['bytes'])}** | "
+        f"**{ours['ratio_to_safetensors']:.3f}×** |",
+        "README.md",
+    )
+    checkpoint = variants["tied"]["checkpoint_bytes"]
+    _assert_quoted(readme, f"`model.safetensors` = {_mb(checkpoint)}", "README.md")
+    ratios = [v["merge_time_memory"]["ratios_ours_over_optimum"] for v in variants.values()]
+    time = _span([r["call_s"] for r in ratios], 1)
+    memory = _span([r["peak_rss_bytes"] for r in ratios])
+    _assert_quoted(readme, f"takes {time}× the time and {memory}× the peak memory", "README.md")
+
+
+def test_readme_generation_ratios_are_the_generate_benchmark() -> None:
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    ratios = _load("generate")["ratios"]
+    for label, key in (
+        ("greedy time", "greedy_time"),
+        ("beam-4 time", "beam4_time"),
+        ("memory after load", "rss_after_load_mb"),
+        ("load time", "load_time"),
+    ):
+        _assert_quoted(readme, f"| {label} | {ratios[key]:.2f}× |", "README.md")
+
+
+def test_large_model_figures_are_the_large_benchmark() -> None:
+    large = _load("large")
+    private = f"{large['onnxmerge']['peak_private_bytes'] / 2**30:.2f} GiB"
+    for doc in ("README.md", "docs/architecture.md"):
+        _assert_quoted((REPO / doc).read_text(encoding="utf-8"), private, doc)
+
+
+def test_architecture_merge_peaks_are_the_merge_benchmark() -> None:
+    text = (REPO / "docs" / "architecture.md").read_text(encoding="utf-8")
+    variants = _load("merge")["variants"].values()
+    medians = [v["merge_time_memory"] for v in variants]
+    ours = _span([m["onnxmerge"]["median"]["peak_private_bytes"] / 1e9 for m in medians])
+    theirs = _span(
+        [m["optimum_merge_decoders"]["median"]["peak_private_bytes"] / 1e9 for m in medians]
+    )
+    _assert_quoted(text, f"the merge peaks at {ours} GB against {theirs} GB", "architecture.md")
+
+
+def test_demo_note_quotes_the_merge_benchmark() -> None:
+    from onnxmerge import cli
+
+    ours = _load("merge")["variants"]["tied"]["layouts"]["onnxmerge model.onnx"]
+    _assert_quoted(
+        cli._DEMO_SIZE_NOTE,
+        f"the merged file is {ours['ratio_to_safetensors']:.3f}x the checkpoint",
+        "cli._DEMO_SIZE_NOTE",
+    )
+
+
+def test_architecture_session_memory_is_the_generate_benchmark() -> None:
+    text = (REPO / "docs" / "architecture.md").read_text(encoding="utf-8")
+    generate = _load("generate")
+    ours, theirs = (generate[side]["rss_after_load_mb"] for side in ("ours", "optimum"))
+    _assert_quoted(text, f"holds {ours:.0f} MB against {theirs:.0f} MB", "architecture.md")

@@ -56,23 +56,22 @@ CHECKPOINT_FILE = "model.safetensors"
 # ---------------------------------------------------------------- reference configs
 
 
-def opus_mt_config() -> Any:
-    """The shape of Helsinki-NLP/opus-mt-fr-en (about 75 M parameters, 298.7 MB of safetensors)."""
+def _marian_config(vocab: int, d_model: int, layers: int, heads: int, ffn: int, positions: int):
     from transformers import MarianConfig
 
     return MarianConfig(
-        vocab_size=59514,
-        decoder_vocab_size=59514,
-        d_model=512,
-        encoder_layers=6,
-        decoder_layers=6,
-        encoder_attention_heads=8,
-        decoder_attention_heads=8,
-        encoder_ffn_dim=2048,
-        decoder_ffn_dim=2048,
-        max_position_embeddings=512,
-        pad_token_id=59513,
-        decoder_start_token_id=59513,
+        vocab_size=vocab,
+        decoder_vocab_size=vocab,
+        d_model=d_model,
+        encoder_layers=layers,
+        decoder_layers=layers,
+        encoder_attention_heads=heads,
+        decoder_attention_heads=heads,
+        encoder_ffn_dim=ffn,
+        decoder_ffn_dim=ffn,
+        max_position_embeddings=positions,
+        pad_token_id=vocab - 1,
+        decoder_start_token_id=vocab - 1,
         eos_token_id=0,
         forced_eos_token_id=0,
         activation_function="swish",
@@ -80,32 +79,16 @@ def opus_mt_config() -> Any:
         static_position_embeddings=True,
         share_encoder_decoder_embeddings=True,
     )
+
+
+def opus_mt_config() -> Any:
+    """The shape of Helsinki-NLP/opus-mt-fr-en (about 75 M parameters, 298.7 MB of safetensors)."""
+    return _marian_config(vocab=59514, d_model=512, layers=6, heads=8, ffn=2048, positions=512)
 
 
 def tiny_marian_config() -> Any:
     """A Marian model small enough to build, export and merge in seconds."""
-    from transformers import MarianConfig
-
-    return MarianConfig(
-        vocab_size=200,
-        decoder_vocab_size=200,
-        d_model=32,
-        encoder_layers=2,
-        decoder_layers=2,
-        encoder_attention_heads=4,
-        decoder_attention_heads=4,
-        encoder_ffn_dim=64,
-        decoder_ffn_dim=64,
-        max_position_embeddings=64,
-        pad_token_id=199,
-        decoder_start_token_id=199,
-        eos_token_id=0,
-        forced_eos_token_id=0,
-        activation_function="swish",
-        scale_embedding=True,
-        static_position_embeddings=True,
-        share_encoder_decoder_embeddings=True,
-    )
+    return _marian_config(vocab=200, d_model=32, layers=2, heads=4, ffn=64, positions=64)
 
 
 # ---------------------------------------------------------------- exports on disk

@@ -72,11 +72,7 @@ def parts_of_file(model: ir.Model, role: Role, source: Path) -> list[Part]:
         outputs = dict(zip(names, branch.outputs, strict=True))
         if reads_past:
             # Cached steps return empty encoder presents; the splice makes its own.
-            outputs = {
-                k: v
-                for k, v in outputs.items()
-                if not contract.is_encoder_present(k)
-            }
+            outputs = {k: v for k, v in outputs.items() if not contract.is_encoder_present(k)}
         # Other tools may keep initializers inside the branches; they move out like the rest.
         parts.append(
             Part(part_role, source, branch, inputs, outputs, list(branch.initializers.values()))
@@ -237,20 +233,70 @@ def splice(parts: list[Part], models: dict[Path, ir.Model]) -> SplicedModel:
     encoder = by_role[Role.ENCODER]
     decoder = by_role[Role.DECODER]
     with_past = by_role.get(Role.DECODER_WITH_PAST)
+    decoder_parts = [decoder] + ([with_past] if with_past else [])
     opsets, ir_version = _check_opsets(models)
 
     encoder_output = encoder.outputs.get(contract.OPTIMUM_ENCODER_OUTPUT)
     if encoder_output is None:
         raise ExportFolderError(f"{encoder.source} has no last_hidden_state output")
+    main_inputs, renames, problems = _main_inputs(encoder, decoder_parts, with_past is not None)
+    problems += _hidden_state_problems(encoder, decoder, with_past, encoder_output)
+    if problems:
+        raise IncompatibleModelsError("the encoder and decoders do not fit together:", problems)
+    encoder_inputs = list(encoder.inputs)
+    if with_past is not None:
+        main_inputs[contract.USE_CACHE_BRANCH] = ir.Value(
+            name=contract.USE_CACHE_BRANCH,
+            type=ir.TensorType(ir.DataType.BOOL),
+            shape=ir.Shape([1]),
+        )
+    output_names = _output_names(decoder, with_past is not None)
 
-    # Main-graph inputs, in the contract's order.
+    # Names: contract names are reserved; every part keeps its own where it is free.
+    values = _rename_parts(parts, set(main_inputs) | set(output_names))
+    main = ir.Graph(
+        list(main_inputs.values()), [], nodes=[], opset_imports=dict(opsets), name=GRAPH_NAME
+    )
+    _move_initializers(parts, main)
+    _wire(encoder, decoder_parts, main_inputs, renames, encoder_output)
+
+    first_step_nodes = _take_nodes(encoder) + _take_nodes(decoder)
+    first_step_outputs = [decoder.outputs[n] for n in output_names]
+    if with_past is None:
+        _add_first_step(main, first_step_nodes, output_names, first_step_outputs)
+        layout = contract.LAYOUT_WITHOUT_PAST
+    else:
+        if_node = _use_cache_if(
+            main_inputs[contract.USE_CACHE_BRANCH],
+            (first_step_nodes, first_step_outputs),
+            with_past,
+            decoder,
+            output_names,
+            values,
+        )
+        main.append(if_node)
+        main.outputs.extend(if_node.outputs)
+        layout = contract.LAYOUT_WITH_PAST
+    model = ir.Model(
+        main,
+        ir_version=ir_version,
+        producer_name="onnxmerge",
+        producer_version=__version__,
+        functions=_local_functions(models),
+    )
+    return SplicedModel(model, encoder_inputs, layout)
+
+
+def _main_inputs(
+    encoder: Part, decoder_parts: list[Part], cached: bool
+) -> tuple[dict[str, ir.Value], dict[str, str], list[str]]:
+    """The merged graph's inputs in the contract's order, the decoders' renames, and problems."""
     main_inputs: dict[str, ir.Value] = {
         name: _placeholder_friendly_input(name, v)
-        if with_past is not None and name != contract.ATTENTION_MASK
+        if cached and name != contract.ATTENTION_MASK
         else _input_like(name, v)
         for name, v in encoder.inputs.items()
     }
-    encoder_inputs = list(main_inputs)
     mask_name = (
         contract.ATTENTION_MASK
         if contract.ATTENTION_MASK in main_inputs
@@ -260,7 +306,6 @@ def splice(parts: list[Part], models: dict[Path, ir.Model]) -> SplicedModel:
         contract.OPTIMUM_DECODER_INPUT_IDS: contract.DECODER_INPUT_IDS,
         contract.OPTIMUM_ENCODER_ATTENTION_MASK: mask_name,
     }
-    decoder_parts = [decoder] + ([with_past] if with_past else [])
     problems: list[str] = []
     for part in decoder_parts:
         for name, value in part.inputs.items():
@@ -275,6 +320,14 @@ def splice(parts: list[Part], models: dict[Path, ir.Model]) -> SplicedModel:
                     f"{part.source.name} input {name!r} is {value.dtype}, but {target!r} is "
                     f"{existing.dtype} elsewhere"
                 )
+    return main_inputs, renames, problems
+
+
+def _hidden_state_problems(
+    encoder: Part, decoder: Part, with_past: Part | None, encoder_output: ir.Value
+) -> list[str]:
+    """Why the decoders cannot read the encoder's hidden states as format 1 hands them over."""
+    problems = []
     hidden = decoder.inputs.get(contract.OPTIMUM_ENCODER_HIDDEN_STATES)
     if hidden is None:
         problems.append(f"{decoder.source.name} has no encoder_hidden_states input")
@@ -291,39 +344,41 @@ def splice(parts: list[Part], models: dict[Path, ir.Model]) -> SplicedModel:
                 "vision-encoder-decoder models); format 1 runs the encoder only on the first "
                 "step. Export without past (--task image-to-text) to merge such a model"
             )
-    if problems:
-        raise IncompatibleModelsError("the encoder and decoders do not fit together:", problems)
-    if with_past is not None:
-        main_inputs[contract.USE_CACHE_BRANCH] = ir.Value(
-            name=contract.USE_CACHE_BRANCH,
-            type=ir.TensorType(ir.DataType.BOOL),
-            shape=ir.Shape([1]),
-        )
-    output_names = [
-        n for n in decoder.outputs if with_past is not None or not contract.is_present_name(n)
-    ]
-    if with_past is None and len(output_names) != len(decoder.outputs):
+    return problems
+
+
+def _output_names(decoder: Part, cached: bool) -> list[str]:
+    """The decoder's outputs the merged model returns: no presents without a cached branch."""
+    names = [n for n in decoder.outputs if cached or not contract.is_present_name(n)]
+    if not cached and len(names) != len(decoder.outputs):
         logger.warning(
             "%s returns present key/values but no decoder with past was found: the merged "
             "model will have no cache",
             decoder.source.name,
         )
+    return names
 
-    # Names: contract names are reserved; every part keeps its own where it is free.
-    values = _Names(set(main_inputs) | set(output_names))
+
+def _rename_parts(parts: list[Part], reserved: set[str]) -> _Names:
+    """Give every value and node a name unique in the merged model; return the value names."""
+    values = _Names(reserved)
     nodes = _Names(set())
     seen_initializers: set[int] = set()
     for part in parts:
         part.initializers = [v for v in part.initializers if id(v) not in seen_initializers]
         seen_initializers.update(id(v) for v in part.initializers)
         _rename_part(part, values, nodes)
+    return values
 
-    main = ir.Graph(
-        list(main_inputs.values()), [], nodes=[], opset_imports=dict(opsets), name=GRAPH_NAME
-    )
-    _move_initializers(parts, main)
 
-    # Wire: part inputs read main inputs; the decoder reads the encoder's output.
+def _wire(
+    encoder: Part,
+    decoder_parts: list[Part],
+    main_inputs: dict[str, ir.Value],
+    renames: dict[str, str],
+    encoder_output: ir.Value,
+) -> None:
+    """Part inputs read the main inputs; the decoders read the encoder's output."""
     for part in [encoder, *decoder_parts]:
         for name, value in part.inputs.items():
             if name == contract.OPTIMUM_ENCODER_HIDDEN_STATES:
@@ -335,56 +390,66 @@ def splice(parts: list[Part], models: dict[Path, ir.Model]) -> SplicedModel:
             if value is not replacement and value.uses():
                 ir.convenience.replace_all_uses_with(value, replacement)
 
-    first_step_nodes = _take_nodes(encoder) + _take_nodes(decoder)
-    first_step_outputs = [decoder.outputs[n] for n in output_names]
-    if with_past is None:
-        main.extend(first_step_nodes)
-        for name, value in zip(output_names, first_step_outputs, strict=True):
-            if not _produced_in(value, set(first_step_nodes)) or value in main.outputs:
-                identity = ir.Node("", "Identity", [value], outputs=[_input_like(name, value)])
-                main.append(identity)
-                value = identity.outputs[0]
-            else:
-                value.name = name
-            main.outputs.append(value)
-        layout = contract.LAYOUT_WITHOUT_PAST
-    else:
-        cached_nodes = _take_nodes(with_past)
-        cached_outputs = []
-        for name, value in zip(output_names, first_step_outputs, strict=True):
-            if name in with_past.outputs:
-                cached_outputs.append(with_past.outputs[name])
-            elif contract.is_encoder_present(name):
-                empty = _empty_like(values.claim(f"{name}.empty", "decoder_with_past"), value)
-                cached_nodes.append(empty)
-                cached_outputs.append(empty.outputs[0])
-            else:
-                raise IncompatibleModelsError(
-                    f"{with_past.source.name} lacks the output {name!r} that "
-                    f"{decoder.source.name} has; the two decoders are not from one export"
-                )
-        cache_problems = _cache_mismatches(output_names, with_past)
-        if cache_problems:
-            raise IncompatibleModelsError("the decoders' caches do not match:", cache_problems)
-        then_branch = _branch("with_past", cached_nodes, cached_outputs)
-        else_branch = _branch("no_past", first_step_nodes, first_step_outputs)
-        if_node = ir.Node(
-            "",
-            "If",
-            [main_inputs[contract.USE_CACHE_BRANCH]],
-            attributes=[
-                ir.AttrGraph("then_branch", then_branch),
-                ir.AttrGraph("else_branch", else_branch),
-            ],
-            outputs=[
-                _input_like(n, v) for n, v in zip(output_names, first_step_outputs, strict=True)
-            ],
-            name="use_cache_branch",
-        )
-        main.append(if_node)
-        main.outputs.extend(if_node.outputs)
-        layout = contract.LAYOUT_WITH_PAST
 
+def _add_first_step(
+    main: ir.Graph, nodes: list[ir.Node], names: list[str], outputs: list[ir.Value]
+) -> None:
+    """Without a cache the first step is the whole model: its nodes go into the main graph."""
+    main.extend(nodes)
+    for name, value in zip(names, outputs, strict=True):
+        if not _produced_in(value, set(nodes)) or value in main.outputs:
+            identity = ir.Node("", "Identity", [value], outputs=[_input_like(name, value)])
+            main.append(identity)
+            value = identity.outputs[0]
+        else:
+            value.name = name
+        main.outputs.append(value)
+
+
+def _use_cache_if(
+    condition: ir.Value,
+    first_step: tuple[list[ir.Node], list[ir.Value]],
+    with_past: Part,
+    decoder: Part,
+    output_names: list[str],
+    values: _Names,
+) -> ir.Node:
+    """The ``If`` on ``use_cache_branch``: cached step in ``then``, first step in ``else``."""
+    first_step_nodes, first_step_outputs = first_step
+    cached_nodes = _take_nodes(with_past)
+    cached_outputs = []
+    for name, value in zip(output_names, first_step_outputs, strict=True):
+        if name in with_past.outputs:
+            cached_outputs.append(with_past.outputs[name])
+        elif contract.is_encoder_present(name):
+            empty = _empty_like(values.claim(f"{name}.empty", "decoder_with_past"), value)
+            cached_nodes.append(empty)
+            cached_outputs.append(empty.outputs[0])
+        else:
+            raise IncompatibleModelsError(
+                f"{with_past.source.name} lacks the output {name!r} that "
+                f"{decoder.source.name} has; the two decoders are not from one export"
+            )
+    cache_problems = _cache_mismatches(output_names, with_past)
+    if cache_problems:
+        raise IncompatibleModelsError("the decoders' caches do not match:", cache_problems)
+    then_branch = _branch("with_past", cached_nodes, cached_outputs)
+    else_branch = _branch("no_past", first_step_nodes, first_step_outputs)
+    return ir.Node(
+        "",
+        "If",
+        [condition],
+        attributes=[
+            ir.AttrGraph("then_branch", then_branch),
+            ir.AttrGraph("else_branch", else_branch),
+        ],
+        outputs=[_input_like(n, v) for n, v in zip(output_names, first_step_outputs, strict=True)],
+        name="use_cache_branch",
+    )
+
+
+def _local_functions(models: dict[Path, ir.Model]) -> list[ir.Function]:
+    """Every file's local functions; one key defined twice cannot be told apart."""
     functions = {}
     for model in models.values():
         for key, function in model.functions.items():
@@ -393,14 +458,7 @@ def splice(parts: list[Part], models: dict[Path, ir.Model]) -> SplicedModel:
                     f"two files define the local function {key}; merge cannot tell them apart"
                 )
             functions[key] = function
-    model = ir.Model(
-        main,
-        ir_version=ir_version,
-        producer_name="onnxmerge",
-        producer_version=__version__,
-        functions=list(functions.values()),
-    )
-    return SplicedModel(model, encoder_inputs, layout)
+    return list(functions.values())
 
 
 def _read_by(part: Part, value: ir.Value) -> list[ir.Node]:

@@ -281,3 +281,101 @@ def test_merged_model_loads_in_onnx_ir_and_round_trips(tmp_path):
     model = ir.load(path)
     assert model.graph.name == "onnxmerge"
     assert model.opset_imports[""] == tm.OPSET
+
+
+# ---------------------------------------------------------------- splice's steps, alone
+
+
+def _export_parts() -> tuple[list, dict]:
+    """The parts of a small with-past export written as ONNX text, without touching disk."""
+    from onnxmerge.roles import Role
+    from onnxmerge.splice import parts_of_file
+
+    weights = tm.make_weights()
+    protos = {
+        Role.ENCODER: tm.make_encoder(weights),
+        Role.DECODER: tm.make_decoder(weights),
+        Role.DECODER_WITH_PAST: tm.make_decoder_with_past(weights),
+    }
+    models = {}
+    parts = []
+    for role, proto in protos.items():
+        path = Path(f"{role.value}.onnx")
+        models[path] = ir.serde.deserialize_model(proto)
+        parts += parts_of_file(models[path], role, path)
+    return parts, models
+
+
+def test_splice_called_directly_follows_the_contract():
+    from onnxmerge.splice import splice
+
+    parts, models = _export_parts()
+    spliced = splice(parts, models)
+    graph = spliced.model.graph
+    assert spliced.layout == contract.LAYOUT_WITH_PAST
+    assert spliced.encoder_inputs == ["input_ids", "attention_mask"]
+    names = [v.name for v in graph.inputs]
+    assert names[:3] == ["input_ids", "attention_mask", "decoder_input_ids"]
+    assert names[-1] == contract.USE_CACHE_BRANCH
+    outputs = [v.name for v in graph.outputs]
+    presents = contract.present_names(tm.LAYERS, "decoder") + contract.present_names(
+        tm.LAYERS, "encoder"
+    )
+    assert outputs[0] == "logits" and sorted(outputs[1:]) == sorted(presents)
+    (if_node,) = [n for n in graph if n.op_type == "If"]
+    assert if_node.inputs[0].name == contract.USE_CACHE_BRANCH
+
+
+def test_main_inputs_rename_optimum_names_and_report_dtype_clashes():
+    from onnxmerge.splice import _main_inputs
+
+    parts, _ = _export_parts()
+    encoder, decoder, with_past = parts
+    inputs, renames, problems = _main_inputs(encoder, [decoder, with_past], cached=True)
+    assert renames[contract.OPTIMUM_DECODER_INPUT_IDS] == contract.DECODER_INPUT_IDS
+    assert renames[contract.OPTIMUM_ENCODER_ATTENTION_MASK] == contract.ATTENTION_MASK
+    assert contract.OPTIMUM_ENCODER_HIDDEN_STATES not in inputs and problems == []
+    decoder.inputs["input_ids"].dtype = ir.DataType.INT32
+    _, _, problems = _main_inputs(encoder, [decoder, with_past], cached=True)
+    assert problems == [
+        "decoder_with_past.onnx input 'input_ids' is INT64, but 'decoder_input_ids' is INT32 "
+        "elsewhere"
+    ]
+
+
+def test_output_names_drop_presents_without_a_cached_branch():
+    from onnxmerge.splice import _output_names
+
+    parts, _ = _export_parts()
+    decoder = parts[1]
+    assert _output_names(decoder, cached=True) == list(decoder.outputs)
+    assert _output_names(decoder, cached=False) == ["logits"]
+
+
+def test_hidden_state_problems_name_the_files():
+    from onnxmerge.splice import _hidden_state_problems
+
+    parts, _ = _export_parts()
+    encoder, decoder, with_past = parts
+    output = encoder.outputs[contract.OPTIMUM_ENCODER_OUTPUT]
+    assert _hidden_state_problems(encoder, decoder, with_past, output) == []
+    del decoder.inputs[contract.OPTIMUM_ENCODER_HIDDEN_STATES]
+    assert _hidden_state_problems(encoder, decoder, with_past, output) == [
+        "decoder.onnx has no encoder_hidden_states input"
+    ]
+
+
+def test_two_files_defining_one_local_function_are_refused():
+    from onnxmerge.errors import IncompatibleModelsError
+    from onnxmerge.splice import _local_functions
+
+    text = """
+<ir_version: 8, opset_import: ["" : 17, "local" : 1]>
+g (float[2] x) => (float[2] y) { y = local.twice(x) }
+<domain: "local", opset_import: ["" : 17]>
+twice (a) => (b) { b = Add(a, a) }
+"""
+    models = {Path("a.onnx"): tm.ir_from_text(text), Path("b.onnx"): tm.ir_from_text(text)}
+    assert len(_local_functions({Path("a.onnx"): models[Path("a.onnx")]})) == 1
+    with pytest.raises(IncompatibleModelsError, match="local function"):
+        _local_functions(models)

@@ -189,7 +189,7 @@ def demo_quality(cache_dir: Path, scratch: Path, every: int) -> dict:
 def cosine_table(archs: list[str], scratch: Path) -> dict[str, dict[str, float]]:
     """Cosine similarity of fp32 and quantized logits, teacher-forced, per tiny architecture."""
     from onnxmerge import merge_seq2seq, quantize
-    from tests import models
+    from onnxmerge.testing import zoo as models
     from tests.test_quantize import _cosine, _teacher_forced_logits, _variant
 
     table = {}
@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from benchmarks.bench_generate import source_ids
     from onnxmerge import merge_seq2seq, quantize
-    from tests.models import ARCHITECTURES
+    from onnxmerge.testing.zoo import ARCHITECTURES
 
     factory = _common.tiny_marian_config if args.quick else _common.opus_mt_config
     export = _common.export_cached(factory, "tied", args.cache_dir)

@@ -107,7 +107,7 @@ def run_both_branches(path: Path, sources: Sequence[Path] = ()) -> None:
         import onnxruntime as ort
     except ImportError:
         return
-    from onnxmerge.runtime.session import ORT_TO_NUMPY
+    from onnxmerge.sessions import ORT_TO_NUMPY
     from onnxmerge.verify import sample_encoder_inputs
 
     options = ort.SessionOptions()

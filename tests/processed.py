@@ -19,8 +19,8 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-from tests import models
-from tests.models import TinyExport
+from onnxmerge.testing import zoo as models
+from onnxmerge.testing.zoo import TinyExport
 
 # Bump to invalidate every cached processed export after a change in how tools are run.
 PROCESSED_VERSION = "1"

@@ -20,8 +20,9 @@ from onnxmerge.dedup import MIN_SHARED_BYTES
 from onnxmerge.errors import MergedModelRunError
 from onnxmerge.runtime.processors import build_processors
 from onnxmerge.runtime.search import greedy_or_sample
-from tests import models, processed
-from tests.models import ARCHITECTURES
+from onnxmerge.testing import zoo as models
+from onnxmerge.testing.zoo import ARCHITECTURES
+from tests import processed
 
 ort = pytest.importorskip("onnxruntime")
 

@@ -15,7 +15,7 @@ import pytest
 from onnxmerge import contract, model_io, quant_math, quant_rewrite
 from onnxmerge.dedup import find_duplicates
 from onnxmerge.errors import QuantizationError, RefusedOutputError
-from tests.models import ARCHITECTURES
+from onnxmerge.testing.zoo import ARCHITECTURES
 
 ort = pytest.importorskip("onnxruntime")
 

@@ -9,6 +9,7 @@ that its shapes promise equal but are not, say) is never written.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -21,6 +22,8 @@ import onnx_ir as ir
 
 from onnxmerge import contract
 from onnxmerge.errors import MergedModelRunError
+from onnxmerge.samples import sample_encoder_inputs
+from onnxmerge.sessions import ORT_TO_NUMPY, open_session, session_options
 
 logger = logging.getLogger(__name__)
 
@@ -103,25 +106,19 @@ def run_both_branches(path: Path, sources: Sequence[Path] = ()) -> None:
         MergedModelRunError: onnxruntime failed to load the model or to run a step; the message
             says which step (branch) and gives onnxruntime's reason.
     """
-    try:
-        import onnxruntime as ort
-    except ImportError:
+    if importlib.util.find_spec("onnxruntime") is None:
         return
-    from onnxmerge.sessions import ORT_TO_NUMPY
-    from onnxmerge.verify import sample_encoder_inputs
-
-    options = ort.SessionOptions()
     # Shapes, kernels and types fail without graph optimisations too, which would only add time.
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options = session_options(optimize=False)
     options.log_severity_level = 4  # the error is raised with its reason; no log lines besides
     # One run needs no pre-packed copies of the weights.
     options.add_session_config_entry("session.disable_prepacking", "1")
     try:
-        session = ort.InferenceSession(os.fspath(path), options, providers=["CPUExecutionProvider"])
+        session = open_session(path, options)
     except Exception as e:  # onnxruntime raises its own types
         for source in sources:
             try:
-                ort.InferenceSession(os.fspath(source), options, providers=["CPUExecutionProvider"])
+                open_session(source, options)
             except Exception:
                 logger.info("not run: onnxruntime cannot load %s here either", source)
                 return

@@ -166,7 +166,7 @@ def _options():
 
 def _teacher_forced_logits(path: Path, length: int = 8) -> np.ndarray:
     from onnxmerge.runtime import Seq2SeqModel
-    from onnxmerge.verify import sample_encoder_inputs
+    from onnxmerge.samples import sample_encoder_inputs
 
     model = Seq2SeqModel(path, session_options=_options())
     rng = np.random.default_rng(0)
@@ -231,7 +231,7 @@ def test_every_architecture_quantizes_to_every_precision(
     runtime = Seq2SeqModel(path, session_options=_options())
     assert runtime.precision == {"encoder": precision, "decoder": precision}
     rng = np.random.default_rng(3)
-    from onnxmerge.verify import sample_encoder_inputs
+    from onnxmerge.samples import sample_encoder_inputs
 
     inputs = sample_encoder_inputs(runtime.session, runtime.config, batch=1, length=5, rng=rng)
     tokens = runtime.generate(**inputs, max_new_tokens=4)

@@ -190,18 +190,18 @@ def cosine_table(archs: list[str], scratch: Path) -> dict[str, dict[str, float]]
     """Cosine similarity of fp32 and quantized logits, teacher-forced, per tiny architecture."""
     from onnxmerge import merge_seq2seq, quantize
     from onnxmerge.testing import zoo as models
-    from tests.test_quantize import _cosine, _teacher_forced_logits, _variant
+    from onnxmerge.testing.quality import cosine, mergeable_variant, teacher_forced_logits
 
     table = {}
     for arch in archs:
         merged = merge_seq2seq(
-            models.tiny_export(arch, _variant(arch)).onnx_dir, scratch / f"{arch}.onnx"
+            models.tiny_export(arch, mergeable_variant(arch)).onnx_dir, scratch / f"{arch}.onnx"
         )
-        reference = _teacher_forced_logits(merged)
+        reference = teacher_forced_logits(merged)
         table[arch] = {
-            p: _cosine(
+            p: cosine(
                 reference,
-                _teacher_forced_logits(quantize(merged, scratch / f"{arch}_{p}.onnx", weights=p)),
+                teacher_forced_logits(quantize(merged, scratch / f"{arch}_{p}.onnx", weights=p)),
             )
             for p in PRECISIONS
         }

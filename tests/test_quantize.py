@@ -15,6 +15,8 @@ import pytest
 from onnxmerge import contract, model_io, quant_math, quant_rewrite
 from onnxmerge.dedup import find_duplicates
 from onnxmerge.errors import QuantizationError, RefusedOutputError
+from onnxmerge.sessions import open_session, session_options
+from onnxmerge.testing import quality
 from onnxmerge.testing.zoo import ARCHITECTURES
 
 ort = pytest.importorskip("onnxruntime")
@@ -136,11 +138,6 @@ def test_weights_shared_by_both_branches_are_quantized_once(precision):
 # -- the zoo ---------------------------------------------------------------------------------
 
 
-def _variant(arch: str) -> str:
-    # GPT-2 decoders re-read the encoder states every cached step: merged without past only.
-    return "no-past" if arch == "vision-encoder-decoder" else "default"
-
-
 @pytest.fixture(scope="module")
 def merged(tiny_export, tmp_path_factory):
     from onnxmerge import merge_seq2seq
@@ -150,35 +147,11 @@ def merged(tiny_export, tmp_path_factory):
     def get(arch: str) -> Path:
         if arch not in made:
             folder = tmp_path_factory.mktemp(arch)
-            export = tiny_export(arch, _variant(arch)).onnx_dir
+            export = tiny_export(arch, quality.mergeable_variant(arch)).onnx_dir
             made[arch] = merge_seq2seq(export, folder / "model.onnx")
         return made[arch]
 
     return get
-
-
-def _options():
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 1
-    options.log_severity_level = 3
-    return options
-
-
-def _teacher_forced_logits(path: Path, length: int = 8) -> np.ndarray:
-    from onnxmerge.runtime import Seq2SeqModel
-    from onnxmerge.samples import sample_encoder_inputs
-
-    model = Seq2SeqModel(path, session_options=_options())
-    rng = np.random.default_rng(0)
-    inputs = sample_encoder_inputs(model.session, model.config, batch=2, length=7, rng=rng)
-    vocab = int(model.config.get("vocab_size") or model.config["decoder"]["vocab_size"])
-    ids = rng.integers(3, vocab, (2, length)).astype(np.int64)
-    return model.first_step(inputs, ids).logits
-
-
-def _cosine(a: np.ndarray, b: np.ndarray) -> float:
-    a, b = a.astype(np.float64).ravel(), b.astype(np.float64).ravel()
-    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
 
 
 @pytest.fixture(scope="module")
@@ -187,7 +160,7 @@ def reference_logits(merged):
 
     def get(arch: str) -> np.ndarray:
         if arch not in made:
-            made[arch] = _teacher_forced_logits(merged(arch))
+            made[arch] = quality.teacher_forced_logits(merged(arch))
         return made[arch]
 
     return get
@@ -224,11 +197,11 @@ def test_every_architecture_quantizes_to_every_precision(
     ratio = model_io.tensor_bytes(model) / model_io.tensor_bytes(ir.load(source))
     assert ratio <= TENSOR_BYTES_RATIO[precision]
 
-    cosine = _cosine(reference_logits(arch), _teacher_forced_logits(path))
+    cosine = quality.cosine(reference_logits(arch), quality.teacher_forced_logits(path))
     floor = COSINE_FLOOR_BY_ARCH.get((arch, precision), COSINE_FLOOR[precision])
     assert cosine >= floor, cosine
 
-    runtime = Seq2SeqModel(path, session_options=_options())
+    runtime = Seq2SeqModel(path, session_options=session_options(threads=1))
     assert runtime.precision == {"encoder": precision, "decoder": precision}
     rng = np.random.default_rng(3)
     from onnxmerge.samples import sample_encoder_inputs
@@ -240,7 +213,7 @@ def test_every_architecture_quantizes_to_every_precision(
     if not runtime.has_past:
         return  # the generator needs a decoder with past; a model merged without one is refused
     generator = build_generator(path, tmp_path / "generator.onnx")
-    session = ort.InferenceSession(str(generator), _options(), providers=["CPUExecutionProvider"])
+    session = open_session(generator, session_options(threads=1))
     feeds = {i.name: inputs[i.name] for i in session.get_inputs() if i.name in inputs}
     feeds["max_new_tokens"] = np.array(4, np.int64)
     (out, *_) = session.run(None, feeds)

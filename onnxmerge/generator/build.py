@@ -191,7 +191,8 @@ def _assemble(
     layers = info.num_layers
 
     names = Names()
-    main = Ops(names)
+    opset = model.opset_imports.get("", 18)
+    main = Ops(names, opset)
     max_new = ir.Value(
         name=MAX_NEW_TOKENS, type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([])
     )
@@ -229,7 +230,7 @@ def _assemble(
         cached_mask = mask
 
     # The cached decoder reads the loop's state and the first step's encoder key/values.
-    body = Ops(names)
+    body = Ops(names, opset)
     iteration = typed_input(names, "iteration", ir.DataType.INT64, 0)
     condition = typed_input(names, "condition", ir.DataType.BOOL, 0)
     tokens_in = typed_input(names, "tokens", ir.DataType.INT64, 2)

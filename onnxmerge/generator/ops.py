@@ -30,8 +30,9 @@ class Names:
 class Ops:
     """Appends nodes to ``self.nodes``; the caller places them in a graph."""
 
-    def __init__(self, names: Names):
+    def __init__(self, names: Names, opset: int = 18):
         self.names = names
+        self.opset = opset  # the model's ai.onnx version: some operators changed form
         self.nodes: list[ir.Node] = []
 
     def op(self, op_type: str, *inputs: ir.Value | None, **attributes: Any) -> ir.Value:
@@ -98,17 +99,26 @@ class Ops:
             return value if _is_vector(value) else self.unsqueeze(value, 0)
         return self.i64([value])
 
+    def reduce(
+        self, op_type: str, value: ir.Value, axis: int | None = None, keepdims: bool = False
+    ) -> ir.Value:
+        """``ReduceMax``/``ReduceMin`` over ``axis`` (all axes when None), in the model's opset:
+        the axes are an input from opset 18 on and an attribute before."""
+        if axis is None:
+            return self.op(op_type, value, keepdims=int(keepdims))
+        if self.opset >= 18:
+            return self.op(op_type, value, self.i64([axis]), keepdims=int(keepdims))
+        return self.op(op_type, value, axes=[axis], keepdims=int(keepdims))
+
     def any(self, flags: ir.Value, axis: int | None = None, keepdims: bool = False) -> ir.Value:
         """Logical OR over ``axis`` (all axes when None) of a bool tensor."""
         as_int = self.op("Cast", flags, to=ir.DataType.INT64)
-        axes = [self.i64([axis])] if axis is not None else []
-        reduced = self.op("ReduceMax", as_int, *axes, keepdims=int(keepdims))
+        reduced = self.reduce("ReduceMax", as_int, axis, keepdims)
         return self.op("Cast", reduced, to=ir.DataType.BOOL)
 
     def all(self, flags: ir.Value, axis: int | None = None, keepdims: bool = False) -> ir.Value:
         as_int = self.op("Cast", flags, to=ir.DataType.INT64)
-        axes = [self.i64([axis])] if axis is not None else []
-        reduced = self.op("ReduceMin", as_int, *axes, keepdims=int(keepdims))
+        reduced = self.reduce("ReduceMin", as_int, axis, keepdims)
         return self.op("Cast", reduced, to=ir.DataType.BOOL)
 
     def isin(self, tokens: ir.Value, choices: Sequence[int]) -> ir.Value:

@@ -241,7 +241,7 @@ def beam_step(
     best_running = ops.op(
         "Div", ops.slice(running_scores, 0, 1, axis=1), _length_penalty(ops, best_length, lp)
     )
-    worst = ops.op("ReduceMin", scores, ops.i64([1]), keepdims=1)
+    worst = ops.reduce("ReduceMin", scores, axis=1, keepdims=True)
     worst_finished = ops.op("Where", finished, worst, ops.f32(_NEG))
     improvable = ops.any(ops.op("Greater", best_running, worst_finished), axis=1, keepdims=True)
     unsatisfied = ops.op("And", state.unsatisfied, improvable)
@@ -271,7 +271,7 @@ def _length_penalty(ops: Ops, length: ir.Value, penalty: float) -> ir.Value:
 def best_sequences(ops: Ops, state: Beams, prompt_len: int) -> tuple[ir.Value, ir.Value]:
     """The best finished hypothesis of each input, cut to the longest one, and its score."""
     best = ops.squeeze(ops.slice(state.sequences, 0, 1, axis=1), 1)
-    longest = ops.op("ReduceMax", ops.slice(state.lengths, 0, 1, axis=1), keepdims=0)
+    longest = ops.reduce("ReduceMax", ops.slice(state.lengths, 0, 1, axis=1))
     end = ops.op("Add", longest, ops.i64(prompt_len))
     sequences = ops.slice(best, 0, end, axis=1)
     score = ops.squeeze(ops.slice(state.scores, 0, 1, axis=1), 1)

@@ -74,8 +74,7 @@ def merge_ours(export_dir: str, output: str) -> dict[str, Any]:
         "shared_bytes_removed": sum(s.nbytes for s in result.shared),
         "transposed": len(result.transposed),
         "transposed_tensors": [
-            {"kept": s.kept, "removed": s.removed, "nbytes": s.nbytes}
-            for s in result.transposed
+            {"kept": s.kept, "removed": s.removed, "nbytes": s.nbytes} for s in result.transposed
         ],
     }
 
@@ -88,8 +87,9 @@ def merge_optimum(export_dir: str, output: str) -> dict[str, Any]:
     from optimum.onnx import merge_decoders
 
     folder = Path(export_dir)
-    merge_decoders(folder / DECODER_FILE, folder / DECODER_WITH_PAST_FILE, save_path=output,
-                   strict=False)
+    merge_decoders(
+        folder / DECODER_FILE, folder / DECODER_WITH_PAST_FILE, save_path=output, strict=False
+    )
     out = Path(output)
     return {"output_bytes": _common.files_bytes(out.parent, [out.name])}
 
@@ -132,12 +132,18 @@ class _PhaseRecorder:
                 peak = max(self._peaks.pop(), now["peak_rss_bytes"])
                 if self._peaks:
                     self._peaks[-1] = max(self._peaks[-1], peak)
-                self.records.append({
-                    "phase": name, "detail": detail, "depth": depth, "start": start - self.t0,
-                    "seconds": seconds,
-                    "rss_before_bytes": rss_before, "rss_after_bytes": now["rss_bytes"],
-                    "peak_rss_bytes": peak,
-                })
+                self.records.append(
+                    {
+                        "phase": name,
+                        "detail": detail,
+                        "depth": depth,
+                        "start": start - self.t0,
+                        "seconds": seconds,
+                        "rss_before_bytes": rss_before,
+                        "rss_after_bytes": now["rss_bytes"],
+                        "peak_rss_bytes": peak,
+                    }
+                )
 
         setattr(owner, attr, timed)
 
@@ -152,7 +158,7 @@ def profile_ours(export_dir: str, output: str, top: int = 25) -> dict[str, Any]:
     import onnx
     import onnx_ir as ir
 
-    from onnxmerge import compat, dedup, merge, model_io, roles, splice
+    from onnxmerge import compat, merge, model_io, passes, roles, splice
 
     recorder = _PhaseRecorder()
     recorder.wrap(merge, "load_export", "merge.load_export")
@@ -165,7 +171,7 @@ def profile_ours(export_dir: str, output: str, top: int = 25) -> dict[str, Any]:
     recorder.wrap(splice, "parts_of_file", "splice.parts_of_file")
     recorder.wrap(compat, "origins", "compat.origins")
     recorder.wrap(splice, "splice", "splice.splice")
-    recorder.wrap(dedup, "store_once", "dedup.store_once")
+    recorder.wrap(passes, "run", "passes.run (store once, tied head)")
     recorder.wrap(compat, "check_same_checkpoint", "compat.check_same_checkpoint")
     recorder.wrap(merge, "_add_metadata", "merge._add_metadata")
     recorder.wrap(model_io, "save_model_atomically", "model_io.save_model_atomically")
@@ -239,10 +245,20 @@ def ort_check(export_dir: Path, merged: Path) -> dict[str, Any]:
 
     (hidden,) = encoder.run(None, {"input_ids": input_ids, "attention_mask": attention_mask})
     dec_names = [o.name for o in decoder.get_outputs()]
-    reference = dict(zip(dec_names, decoder.run(None, {
-        "input_ids": decoder_ids, "encoder_attention_mask": attention_mask,
-        "encoder_hidden_states": hidden,
-    }), strict=True))
+    reference = dict(
+        zip(
+            dec_names,
+            decoder.run(
+                None,
+                {
+                    "input_ids": decoder_ids,
+                    "encoder_attention_mask": attention_mask,
+                    "encoder_hidden_states": hidden,
+                },
+            ),
+            strict=True,
+        )
+    )
     first_diff = max(
         float(np.abs(first[name] - reference[name]).max()) for name in dec_names if name in first
     )
@@ -250,19 +266,44 @@ def ort_check(export_dir: Path, merged: Path) -> dict[str, Any]:
     next_ids = first["logits"][:, -1].argmax(-1)[:, None].astype(np.int64)
     past = {
         name.replace("present.", "past_key_values."): value
-        for name, value in first.items() if name.startswith("present.")
+        for name, value in first.items()
+        if name.startswith("present.")
     }
-    cached = dict(zip(out_names, model.run(None, {
-        **feed, "decoder_input_ids": next_ids, "use_cache_branch": np.array([True]), **past,
-    }), strict=True))
+    cached = dict(
+        zip(
+            out_names,
+            model.run(
+                None,
+                {
+                    **feed,
+                    "decoder_input_ids": next_ids,
+                    "use_cache_branch": np.array([True]),
+                    **past,
+                },
+            ),
+            strict=True,
+        )
+    )
     past_feed = {i.name: past[i.name] for i in with_past.get_inputs() if i.name in past}
     wp_names = [o.name for o in with_past.get_outputs()]
-    reference_cached = dict(zip(wp_names, with_past.run(None, {
-        "input_ids": next_ids, "encoder_attention_mask": attention_mask, **past_feed,
-    }), strict=True))
+    reference_cached = dict(
+        zip(
+            wp_names,
+            with_past.run(
+                None,
+                {
+                    "input_ids": next_ids,
+                    "encoder_attention_mask": attention_mask,
+                    **past_feed,
+                },
+            ),
+            strict=True,
+        )
+    )
     cached_diff = max(
         float(np.abs(cached[name] - reference_cached[name]).max())
-        for name in wp_names if name in cached
+        for name in wp_names
+        if name in cached
     )
     return {
         "loads": True,
@@ -301,12 +342,18 @@ def bench_export(export: _common.Export, repeats: int, scratch: Path, profile: b
         return lambda: [p.unlink() for p in folder.iterdir() if p.is_file()]
 
     ours = _common.repeat_in_subprocess(
-        "benchmarks.bench_merge:merge_ours", (export_dir, str(ours_out)),
-        repeats=repeats, preload=("onnxmerge.merge",), before_each=clear(ours_out.parent),
+        "benchmarks.bench_merge:merge_ours",
+        (export_dir, str(ours_out)),
+        repeats=repeats,
+        preload=("onnxmerge.merge",),
+        before_each=clear(ours_out.parent),
     )
     optimum = _common.repeat_in_subprocess(
-        "benchmarks.bench_merge:merge_optimum", (export_dir, str(optimum_out)),
-        repeats=repeats, preload=("optimum.onnx",), before_each=clear(optimum_out.parent),
+        "benchmarks.bench_merge:merge_optimum",
+        (export_dir, str(optimum_out)),
+        repeats=repeats,
+        preload=("optimum.onnx",),
+        before_each=clear(optimum_out.parent),
     )
     report = ours["runs"][-1]["result"]
     for runs in (ours, optimum):
@@ -324,14 +371,20 @@ def bench_export(export: _common.Export, repeats: int, scratch: Path, profile: b
             "optimum_merge_decoders": optimum,
             "ratios_ours_over_optimum": {
                 key: _ratio(ours["median"][key], optimum["median"][key])
-                for key in ("call_s", "wall_s", "peak_rss_bytes", "peak_call_rss_bytes",
-                            "peak_private_bytes")
+                for key in (
+                    "call_s",
+                    "wall_s",
+                    "peak_rss_bytes",
+                    "peak_call_rss_bytes",
+                    "peak_private_bytes",
+                )
             },
         },
     }
     if profile:
         result["profile"] = _common.run_in_subprocess(
-            "benchmarks.bench_merge:profile_ours", (export_dir, str(ours_out)),
+            "benchmarks.bench_merge:profile_ours",
+            (export_dir, str(ours_out)),
             preload=("onnxmerge.merge",),
         )
     return result
@@ -350,11 +403,16 @@ def markdown(results: dict[str, Any]) -> str:
             for v in variants.values()
         ]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    lines.append("| model.safetensors | " + " | ".join(
-        f"{_common.mb(v['checkpoint_bytes'])} MB" for v in variants.values()) + " |")
+    lines.append(
+        "| model.safetensors | "
+        + " | ".join(f"{_common.mb(v['checkpoint_bytes'])} MB" for v in variants.values())
+        + " |"
+    )
     lines += ["", f"### Merge, median of {results['repeats']} fresh processes (ours / optimum)", ""]
-    lines.append("| export | tool | merge s | process s | peak RSS MB | RSS above imports MB "
-                 "| peak private MB |")
+    lines.append(
+        "| export | tool | merge s | process s | peak RSS MB | RSS above imports MB "
+        "| peak private MB |"
+    )
     lines.append("|---|---|---|---|---|---|---|")
     for variant, v in variants.items():
         tm = v["merge_time_memory"]
@@ -373,8 +431,10 @@ def markdown(results: dict[str, Any]) -> str:
             f"{fmt(r['peak_private_bytes'])} |"
         )
     lines += ["", "### Merge report and onnxruntime check", ""]
-    lines.append("| export | initializers in | out | shared | transposed | ORT first / cached step "
-                 "max abs diff | ok |")
+    lines.append(
+        "| export | initializers in | out | shared | transposed | ORT first / cached step "
+        "max abs diff | ok |"
+    )
     lines.append("|---|---|---|---|---|---|---|")
     for variant, v in variants.items():
         rep, chk = v["merge_report"], v["ort_check"]
@@ -385,21 +445,28 @@ def markdown(results: dict[str, Any]) -> str:
         )
     lines += ["", "### Targets", ""]
     if results["quick"]:
-        lines.append("(set for the opus-mt shape; in the tiny model the graph, not the weights, "
-                     "dominates the bytes)")
+        lines.append(
+            "(set for the opus-mt shape; in the tiny model the graph, not the weights, "
+            "dominates the bytes)"
+        )
     for variant, t in results["targets"].items():
-        lines.append(f"- {variant}: " + ", ".join(f"{k}: {'met' if ok else 'MISSED'}"
-                                                  for k, ok in t.items()))
+        lines.append(
+            f"- {variant}: " + ", ".join(f"{k}: {'met' if ok else 'MISSED'}" for k, ok in t.items())
+        )
     return "\n".join(lines)
 
 
 def profile_markdown(variant: str, profile: dict[str, Any]) -> str:
-    lines = [f"### Profile of onnxmerge's merge ({variant})", "",
-             f"total {profile['result']['total_s']:.2f} s, peak RSS "
-             f"{_common.mb(profile['result']['peak_rss_bytes'])} MB (baseline "
-             f"{_common.mb(profile['result']['baseline_rss_bytes'])} MB)", "",
-             "| phase | detail | s | RSS before MB | RSS after MB | peak RSS MB |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        f"### Profile of onnxmerge's merge ({variant})",
+        "",
+        f"total {profile['result']['total_s']:.2f} s, peak RSS "
+        f"{_common.mb(profile['result']['peak_rss_bytes'])} MB (baseline "
+        f"{_common.mb(profile['result']['baseline_rss_bytes'])} MB)",
+        "",
+        "| phase | detail | s | RSS before MB | RSS after MB | peak RSS MB |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in profile["result"]["phases"]:
         lines.append(
             f"| {'  ' * r['depth']}{r['phase']} | {r['detail']} | {r['seconds']:.3f} | "
@@ -416,8 +483,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--repeats", type=int, default=None, help="runs per tool (default 3; 1 with --quick)"
     )
-    parser.add_argument("--variants", nargs="+", default=list(_common.EXPORT_VARIANTS),
-                        choices=_common.EXPORT_VARIANTS)
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=list(_common.EXPORT_VARIANTS),
+        choices=_common.EXPORT_VARIANTS,
+    )
     parser.add_argument("--cache-dir", type=Path, default=_common.DEFAULT_CACHE_DIR)
     parser.add_argument("--profile", action="store_true", help="also profile onnxmerge's merge")
     args = parser.parse_args(argv)
@@ -429,8 +500,11 @@ def main(argv: list[str] | None = None) -> int:
         "model": "tiny-marian" if args.quick else "opus-mt-fr-en shape (seeded random weights)",
         "repeats": repeats,
         "quick": args.quick,
-        "machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
-                    "platform": platform.platform()},
+        "machine": {
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+        },
         "versions": _common.package_versions(),
         "variants": {},
     }
@@ -444,14 +518,18 @@ def main(argv: list[str] | None = None) -> int:
 
     results["targets"] = {
         variant: {
-            f"onnxmerge/safetensors <= {TARGET_CHECKPOINT_RATIO}":
-                v["layouts"][OURS_LAYOUT]["ratio_to_safetensors"] <= TARGET_CHECKPOINT_RATIO,
-            f"time <= {TARGET_TIME_RATIO}x optimum":
-                (v["merge_time_memory"]["ratios_ours_over_optimum"]["call_s"] or 0)
-                <= TARGET_TIME_RATIO,
-            f"peak RSS <= {TARGET_RSS_RATIO}x optimum":
-                (v["merge_time_memory"]["ratios_ours_over_optimum"]["peak_rss_bytes"] or 0)
-                <= TARGET_RSS_RATIO,
+            f"onnxmerge/safetensors <= {TARGET_CHECKPOINT_RATIO}": v["layouts"][OURS_LAYOUT][
+                "ratio_to_safetensors"
+            ]
+            <= TARGET_CHECKPOINT_RATIO,
+            f"time <= {TARGET_TIME_RATIO}x optimum": (
+                v["merge_time_memory"]["ratios_ours_over_optimum"]["call_s"] or 0
+            )
+            <= TARGET_TIME_RATIO,
+            f"peak RSS <= {TARGET_RSS_RATIO}x optimum": (
+                v["merge_time_memory"]["ratios_ours_over_optimum"]["peak_rss_bytes"] or 0
+            )
+            <= TARGET_RSS_RATIO,
             "ORT check": v["ort_check"]["ok"],
         }
         for variant, v in results["variants"].items()

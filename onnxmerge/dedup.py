@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import onnx_ir as ir
 
+from onnxmerge.passes import StepResult, run
+
 logger = logging.getLogger(__name__)
 
 # Below this a tensor is not worth a Transpose node, and Constant nodes stay where they are.
@@ -480,15 +482,57 @@ def remove_unused_initializers(graph: ir.Graph) -> int:
     return len(unused)
 
 
+class LiftLargeConstants(ir.passes.InPlacePass):
+    def call(self, model: ir.Model) -> StepResult:
+        return StepResult.counted(model, "constants_lifted", lift_large_constants(model))
+
+
+class DeduplicateInitializers(ir.passes.InPlacePass):
+    def call(self, model: ir.Model) -> StepResult:
+        shared = tuple(deduplicate_initializers(model.graph))
+        return StepResult(model, bool(shared), "tensors_shared", len(shared), shared)
+
+
+class HoistConstantNodes(ir.passes.InPlacePass):
+    def call(self, model: ir.Model) -> StepResult:
+        return StepResult.counted(model, "nodes_hoisted", hoist_constant_nodes(model.graph))
+
+
+class MergeEqualConstantNodes(ir.passes.InPlacePass):
+    def call(self, model: ir.Model) -> StepResult:
+        return StepResult.counted(model, "nodes_merged", merge_equal_constant_nodes(model.graph))
+
+
+class DropInitializerAliases(ir.passes.InPlacePass):
+    def call(self, model: ir.Model) -> StepResult:
+        return StepResult.counted(model, "aliases_dropped", drop_initializer_aliases(model.graph))
+
+
+class RemoveUnusedInitializers(ir.passes.InPlacePass):
+    def call(self, model: ir.Model) -> StepResult:
+        removed = remove_unused_initializers(model.graph)
+        return StepResult.counted(model, "initializers_removed_unused", removed)
+
+
+def store_once_steps() -> tuple[ir.passes.InPlacePass, ...]:
+    """The passes of this module, in the order they must run."""
+    return (
+        LiftLargeConstants(),
+        DeduplicateInitializers(),
+        HoistConstantNodes(),
+        MergeEqualConstantNodes(),
+        DropInitializerAliases(),
+        RemoveUnusedInitializers(),
+    )
+
+
 def store_once(model: ir.Model) -> DedupReport:
     """Run every pass of this module in order and report what each did."""
-    report = DedupReport()
-    report.constants_lifted = lift_large_constants(model)
-    report.shared = deduplicate_initializers(model.graph)
-    report.nodes_hoisted = hoist_constant_nodes(model.graph)
-    report.nodes_merged = merge_equal_constant_nodes(model.graph)
-    report.aliases_dropped = drop_initializer_aliases(model.graph)
-    report.initializers_removed_unused = remove_unused_initializers(model.graph)
+    results = run(model, store_once_steps())
+    report = DedupReport(shared=[s for r in results for s in r.shared])
+    for r in results:
+        if r.name != "tensors_shared":
+            setattr(report, r.name, r.count)
     return report
 
 

@@ -9,12 +9,23 @@ import json
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import onnx_ir as ir
 
-from onnxmerge import check, compat, contract, dedup, dims, model_io, roles, splice, tied_head
+from onnxmerge import (
+    check,
+    compat,
+    contract,
+    dedup,
+    dims,
+    model_io,
+    passes,
+    roles,
+    splice,
+    tied_head,
+)
 from onnxmerge.errors import (
     ExportFolderError,
     InvalidMergedModelError,
@@ -48,6 +59,8 @@ class MergeResult:
     shared: tuple[dedup.SharedTensor, ...]
     constants_lifted: int
     checkpoint_bytes: int | None
+    # What every rewrite pass did, by its result name (see :mod:`onnxmerge.passes`).
+    rewrites: dict[str, int] = field(default_factory=dict)
 
     @property
     def input_bytes(self) -> int:
@@ -132,8 +145,8 @@ def merge_seq2seq_with_report(
     dims.separate_symbolic_dims(parts)
     spliced = splice.splice(parts, models)
     step("deduplicating")
-    report = dedup.store_once(spliced.model)
-    tied_head.gemm_for_transposed_weights(spliced.model)
+    rewrites = passes.run(spliced.model, rewrite_steps())
+    shared = tuple(s for r in rewrites for s in r.shared)
     configs = {
         contract.META_CONFIG: _read_json(export_dir / "config.json"),
         contract.META_GENERATION_CONFIG: _read_json(export_dir / "generation_config.json"),
@@ -142,7 +155,7 @@ def merge_seq2seq_with_report(
     compat.check_same_checkpoint(
         parts,
         origins,
-        report.shared,
+        list(shared),
         force=force,
         config=json.loads(config) if config else None,
     )
@@ -169,9 +182,10 @@ def merge_seq2seq_with_report(
         output_bytes=output_bytes,
         tensors_in=tensors_in,
         tensors_out=len(spliced.model.graph.initializers),
-        shared=tuple(report.shared),
-        constants_lifted=report.constants_lifted,
+        shared=shared,
+        constants_lifted=passes.counts(rewrites)["constants_lifted"],
         checkpoint_bytes=checkpoint.stat().st_size if checkpoint else None,
+        rewrites=passes.counts(rewrites),
     )
     logger.info(
         "merged %d files (%d bytes) into %s (%d bytes); %d tensors shared, %d transposed",
@@ -183,6 +197,11 @@ def merge_seq2seq_with_report(
         len(result.transposed),
     )
     return result
+
+
+def rewrite_steps() -> tuple[ir.passes.InPlacePass, ...]:
+    """The rewrite passes of a merge after the splice, in the order they run."""
+    return (*dedup.store_once_steps(), tied_head.GemmForTransposedWeights())
 
 
 def find_checkpoint(folder: Path) -> Path | None:

@@ -13,6 +13,8 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
+from onnxmerge.passes import StepResult
+
 logger = logging.getLogger(__name__)
 
 
@@ -50,6 +52,12 @@ def _const(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
 _EXACT_DTYPES = frozenset({ir.DataType.FLOAT, ir.DataType.DOUBLE})
 # Slice with inputs, which the rewrite uses, arrived in opset 10.
 _MIN_OPSET = 10
+
+
+class GemmForTransposedWeights(ir.passes.InPlacePass):
+    def call(self, model: ir.Model) -> StepResult:
+        rewritten = gemm_for_transposed_weights(model)
+        return StepResult.counted(model, "matmuls_to_gemm", rewritten)
 
 
 def gemm_for_transposed_weights(model: ir.Model) -> int:

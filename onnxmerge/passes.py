@@ -1,0 +1,34 @@
+"""One result shape for every rewrite step of the merge, and the merge's sequence of them.
+
+A step is an onnx-ir in-place pass; its result says, besides ``modified``, what it counted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import onnx_ir as ir
+
+
+@dataclass
+class StepResult(ir.passes.PassResult):
+    """``count`` things changed, reported under ``name``; ``shared`` lists merged tensors."""
+
+    name: str = ""
+    count: int = 0
+    shared: tuple = ()
+
+    @classmethod
+    def counted(cls, model: ir.Model, name: str, count: int) -> StepResult:
+        return cls(model, count > 0, name, count)
+
+
+def run(model: ir.Model, steps: Iterable[ir.passes.PassBase]) -> tuple[StepResult, ...]:
+    """Run ``steps`` in order on ``model``, in place, and return each one's result."""
+    return tuple(step(model) for step in steps)
+
+
+def counts(results: Iterable[StepResult]) -> dict[str, int]:
+    """What every step did, by name, without the model (results keep it alive)."""
+    return {r.name: r.count for r in results}

@@ -1,0 +1,201 @@
+"""Each rewrite pass of the merge alone, on small text graphs: what it changed and what it said."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+
+from onnxmerge import dedup, merge, merge_seq2seq_with_report, passes, tied_head
+from tests import textmodels as tm
+
+RNG = np.random.default_rng(11)
+HEADER = '<ir_version: 8, opset_import: ["" : 17]>'
+
+
+def _matrix(*shape: int) -> np.ndarray:
+    return RNG.standard_normal(shape).astype(np.float32)
+
+
+def _model(body: str, tensors: dict[str, np.ndarray] | None = None) -> ir.Model:
+    return tm.ir_from_text(f"{HEADER}\n{body}", tensors)
+
+
+def _ops(model: ir.Model) -> list[str]:
+    return [n.op_type for n in tm.all_nodes(model)]
+
+
+def _same_outputs(model: ir.Model, feeds: dict[str, np.ndarray], before: list[np.ndarray]):
+    for got, expected in zip(tm.run_model(model, feeds), before, strict=True):
+        np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_lift_moves_a_large_branch_constant_to_the_main_graph_and_leaves_a_small_one():
+    weight = np.round(_matrix(16, 16), 3)
+    values = ", ".join(f"{v:.3f}" for v in weight.reshape(-1))
+    model = _model(f"""
+g (bool[1] c, float[2, 16] x) => (float[2, 16] y) {{
+  y = If(c) <
+    then_branch = t () => (float[2, 16] ty) {{
+      w = Constant <value = float[16, 16] {{{values}}}> ()
+      ty = MatMul(x, w) }},
+    else_branch = e () => (float[2, 16] ey) {{
+      two = Constant <value = float[1] {{2.0}}> ()
+      ey = Mul(x, two) }}
+  >
+}}""")
+    feeds = {"c": np.array([True]), "x": _matrix(2, 16)}
+    before = tm.run_model(model, feeds)
+
+    result = dedup.LiftLargeConstants()(model)
+
+    assert (result.name, result.count, result.modified) == ("constants_lifted", 1, True)
+    assert list(model.graph.initializers) == ["w"]
+    assert _ops(model).count("Constant") == 1
+    _same_outputs(model, feeds, before)
+
+
+def test_deduplicate_reports_the_shared_tensor():
+    weight = _matrix(16, 16)
+    model = _model(
+        "g (float[2, 16] x) => (float[2, 16] y) { a = MatMul(x, w)\n y = MatMul(a, w_copy) }",
+        {"w": weight, "w_copy": weight.copy()},
+    )
+    feeds = {"x": _matrix(2, 16)}
+    before = tm.run_model(model, feeds)
+
+    result = dedup.DeduplicateInitializers()(model)
+
+    assert (result.name, result.count, result.modified) == ("tensors_shared", 1, True)
+    assert [(s.kept, s.removed, s.nbytes, s.transposed) for s in result.shared] == [
+        ("w", "w_copy", weight.nbytes, False)
+    ]
+    _same_outputs(model, feeds, before)
+
+
+def test_hoist_moves_a_branch_transpose_of_an_initializer_to_the_main_graph():
+    model = _model(
+        """
+g (bool[1] c, float[2, 16] x) => (float[2, 8] y) {
+  y = If(c) <
+    then_branch = t () => (float[2, 8] ty) { wt = Transpose <perm = [1, 0]> (w)
+      ty = MatMul(x, wt) },
+    else_branch = e () => (float[2, 8] ey) { ey = Slice(x, starts, ends, axes) }
+  >
+}""",
+        {
+            "w": _matrix(8, 16),
+            "starts": np.array([0], np.int64),
+            "ends": np.array([8], np.int64),
+            "axes": np.array([1], np.int64),
+        },
+    )
+    feeds = {"c": np.array([True]), "x": _matrix(2, 16)}
+    before = tm.run_model(model, feeds)
+
+    result = dedup.HoistConstantNodes()(model)
+
+    assert (result.name, result.count, result.modified) == ("nodes_hoisted", 1, True)
+    assert [n.op_type for n in model.graph] == ["Transpose", "If"]
+    _same_outputs(model, feeds, before)
+
+
+def test_merge_equal_constant_nodes_keeps_one_of_two_equal_transposes():
+    model = _model(
+        """
+g (float[2, 16] x) => (float[2, 8] y) {
+  t1 = Transpose <perm = [1, 0]> (w)
+  t2 = Transpose <perm = [1, 0]> (w)
+  a = MatMul(x, t1)
+  b = MatMul(x, t2)
+  y = Add(a, b)
+}""",
+        {"w": _matrix(8, 16)},
+    )
+    feeds = {"x": _matrix(2, 16)}
+    before = tm.run_model(model, feeds)
+
+    result = dedup.MergeEqualConstantNodes()(model)
+
+    assert (result.name, result.count, result.modified) == ("nodes_merged", 1, True)
+    assert _ops(model).count("Transpose") == 1
+    _same_outputs(model, feeds, before)
+
+
+def test_drop_aliases_makes_readers_read_the_initializer():
+    model = _model(
+        "g (float[2, 16] x) => (float[2, 16] y) { alias = Identity(w)\n y = MatMul(x, alias) }",
+        {"w": _matrix(16, 16)},
+    )
+    feeds = {"x": _matrix(2, 16)}
+    before = tm.run_model(model, feeds)
+
+    result = dedup.DropInitializerAliases()(model)
+
+    assert (result.name, result.count, result.modified) == ("aliases_dropped", 1, True)
+    assert _ops(model) == ["MatMul"]
+    assert model.graph.node(0).inputs[1] is model.graph.initializers["w"]
+    _same_outputs(model, feeds, before)
+
+
+def test_remove_unused_initializers_keeps_the_read_ones():
+    model = _model(
+        "g (float[2, 16] x) => (float[2, 16] y) { y = MatMul(x, w) }",
+        {"w": _matrix(16, 16), "unused": _matrix(4)},
+    )
+
+    result = dedup.RemoveUnusedInitializers()(model)
+
+    assert (result.name, result.count, result.modified) == ("initializers_removed_unused", 1, True)
+    assert list(model.graph.initializers) == ["w"]
+
+
+def test_gemm_replaces_matmul_of_a_transposed_initializer():
+    model = _model(
+        """
+g (float[2, 16] x) => (float[2, 96] y) {
+  wt = Transpose <perm = [1, 0]> (embedding)
+  y = MatMul(x, wt)
+}""",
+        {"embedding": _matrix(96, 16)},
+    )
+    feeds = {"x": _matrix(2, 16)}
+    before = tm.run_model(model, feeds)
+
+    result = tied_head.GemmForTransposedWeights()(model)
+
+    assert (result.name, result.count, result.modified) == ("matmuls_to_gemm", 1, True)
+    assert "Gemm" in _ops(model) and "MatMul" not in _ops(model)
+    _same_outputs(model, feeds, before)
+
+
+@pytest.mark.parametrize("step", merge.rewrite_steps(), ids=lambda s: type(s).__name__)
+def test_a_pass_with_nothing_to_do_reports_no_change(step):
+    model = _model(
+        "g (float[2, 16] x) => (float[2, 16] y) { y = MatMul(x, w) }", {"w": _matrix(16, 16)}
+    )
+    before = ir.serde.serialize_model(model).SerializeToString()
+
+    result = step(model)
+
+    assert isinstance(result, passes.StepResult)
+    assert (result.model, result.count, result.modified, result.shared) == (model, 0, False, ())
+    assert ir.serde.serialize_model(model).SerializeToString() == before
+
+
+def test_merge_result_reports_every_pass(tmp_path):
+    folder = tm.write_export(tmp_path / "export", head="tied")
+
+    result = merge_seq2seq_with_report(folder)
+
+    assert list(result.rewrites) == [
+        "constants_lifted",
+        "tensors_shared",
+        "nodes_hoisted",
+        "nodes_merged",
+        "aliases_dropped",
+        "initializers_removed_unused",
+        "matmuls_to_gemm",
+    ]
+    assert result.rewrites["tensors_shared"] == len(result.shared) > 0
+    assert result.rewrites["constants_lifted"] == result.constants_lifted

@@ -10,6 +10,7 @@ import os
 import shutil
 from pathlib import Path
 
+import onnx
 import pytest
 
 from onnxmerge.batch import CONVERTED, FAILED, SKIPPED, convert_many, plan
@@ -69,13 +70,11 @@ def test_a_worker_that_dies_fails_its_own_model_only(tmp_path):
     assert all(by_name[n].status == CONVERTED for n in "abc")
 
 
-def test_missing_feature_is_refused_before_any_work(tmp_path, monkeypatch):
-    import onnxmerge
+def test_an_unknown_precision_is_refused_before_any_work(tmp_path):
     from onnxmerge.errors import OnnxMergeError
 
-    monkeypatch.setattr(onnxmerge, "quantize", None, raising=False)
-    with pytest.raises(OnnxMergeError, match="onnxmerge.quantize"):
-        convert_many([tmp_path], tmp_path / "out", weights="int8")
+    with pytest.raises(OnnxMergeError, match="int3 is not a precision"):
+        convert_many([tmp_path], tmp_path / "out", weights="int3")
     assert not (tmp_path / "out").exists()
 
 
@@ -203,3 +202,18 @@ def test_generator_and_web_site_are_part_of_the_model_folder(demo_export, tmp_pa
     # Without the options the outputs differ, so the folder is converted again, without them.
     (again,) = convert_many([demo_export], out, jobs=0)
     assert again.status == CONVERTED and not (folder / "web").exists()
+
+
+def test_weights_write_the_quantized_file_and_the_site_reads_it(demo_export, tmp_path):
+    from onnxmerge.contract import META_PRECISION
+
+    out = tmp_path / "out"
+    (result,) = convert_many([demo_export], out, jobs=0, weights="int8", web=True)
+    assert result.status == CONVERTED, result.error
+    folder = out / demo_export.name
+    assert {"model.onnx", "model_int8.onnx", "web/generator.onnx"} <= set(result.files)
+    quantized = onnx.load(folder / "model_int8.onnx", load_external_data=False)
+    precision = json.loads({p.key: p.value for p in quantized.metadata_props}[META_PRECISION])
+    assert precision == {"encoder": "int8", "decoder": "int8"}
+    page_model = (folder / "web" / "generator.onnx").stat().st_size
+    assert page_model < (folder / "model.onnx").stat().st_size  # the site serves the int8 weights

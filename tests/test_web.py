@@ -104,8 +104,6 @@ def demo_merged(demo_export, tmp_path_factory) -> Path:
 
 
 def _quantized(demo_merged: Path) -> Path:
-    if not hasattr(onnxmerge, "quantize"):
-        pytest.skip("onnxmerge.quantize is not in this version")
     out = demo_merged.parent / "model_int8.onnx"
     if not out.exists():
         onnxmerge.quantize(demo_merged, out, weights="int8")
@@ -153,12 +151,10 @@ def test_overwrite_replaces_a_site_from_a_generator_file(demo_site, tmp_path) ->
     assert [p.name for p in tmp_path.iterdir()] == ["site"]  # no staging or old folder left
 
 
-def test_weights_without_quantize_say_what_is_missing(demo_merged, tmp_path, monkeypatch) -> None:
-    # Set, not deleted: onnxmerge's module __getattr__ would still provide a deleted name.
-    monkeypatch.setattr(onnxmerge, "quantize", None, raising=False)
-    with pytest.raises(OnnxMergeError, match="needs onnxmerge.quantize"):
-        build_site(demo_merged, tmp_path / "site", weights="int8")
-    assert not (tmp_path / "site").exists()
+def test_an_unknown_precision_leaves_nothing_behind(demo_merged, tmp_path) -> None:
+    with pytest.raises(OnnxMergeError, match="not a precision"):
+        build_site(demo_merged, tmp_path / "site", weights="int3")
+    assert [p.name for p in tmp_path.iterdir()] == []
 
 
 # ---------------------------------------------------------------------------------------------

@@ -253,19 +253,13 @@ def _convert(job: Job, staging: Path, options: Options, seconds: dict[str, float
 
 
 def check_features(options: Options) -> None:
-    """Refuse options whose module is not part of this installation."""
-    if options.weights:
-        import onnxmerge
+    """Refuse options that would fail every model, before any work starts."""
+    from onnxmerge.quantization import WEIGHT_PRECISIONS
 
-        if getattr(onnxmerge, "quantize", None) is None:
-            raise OnnxMergeError(
-                f"--weights {options.weights} needs onnxmerge.quantize, which this version of "
-                "onnxmerge does not have; upgrade onnxmerge or leave out --weights"
-            )
-    if options.web and importlib.util.find_spec("onnxmerge.web") is None:
+    if options.weights and options.weights not in WEIGHT_PRECISIONS:
         raise OnnxMergeError(
-            "--web needs onnxmerge.web, which this version of onnxmerge does not have; upgrade "
-            "onnxmerge or leave out --web"
+            f"--weights {options.weights} is not a precision onnxmerge writes; use one of "
+            + ", ".join(WEIGHT_PRECISIONS)
         )
 
 

@@ -191,14 +191,8 @@ _TOO_LARGE = (
 
 
 def _quantize(merged: Path, work: Path, weights: str, step: Callable[[str], None]) -> Path:
-    import onnxmerge
+    from onnxmerge.quantization import quantize
 
-    quantize = getattr(onnxmerge, "quantize", None)
-    if quantize is None:
-        raise OnnxMergeError(
-            f"--weights {weights} needs onnxmerge.quantize, which this version of onnxmerge does "
-            "not have; build the site without --weights, or upgrade onnxmerge"
-        )
     step(f"quantizing the weights to {weights}")
     return Path(quantize(merged, work / f"model_{weights}.onnx", weights=weights))
 

@@ -147,7 +147,7 @@ def processed_export(export: TinyExport, tool: str) -> Path | str:
     """The folder of ``export`` after ``tool``, or the reason the tool cannot process it."""
     entry = _entry(export, tool)
     if not entry.is_dir():
-        with models._staging(entry) as staging:
+        with models.staging(entry) as staging:
             _process(export, tool, staging)
     if (entry / SKIPPED).is_file():
         return (entry / SKIPPED).read_text()

@@ -12,7 +12,8 @@ import json
 import logging
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -152,10 +153,98 @@ def _redirect(value: ir.Value, nodes: set[ir.Node], replacement: ir.Value) -> No
             use.node.replace_input_with(use.idx, replacement)
 
 
+@dataclass(frozen=True)
+class _Branches:
+    """The merged model's ``If``, taken apart: its branches' nodes and outputs, by output name."""
+
+    first_nodes: list[ir.Node]  # the else branch: decoder without past
+    cached_nodes: list[ir.Node]  # the then branch: decoder with past
+    first_all: set[ir.Node]  # with the nodes of nested subgraphs
+    cached_all: set[ir.Node]
+    first_out: dict[str, ir.Value]
+    cached_out: dict[str, ir.Value]
+
+
+@dataclass(frozen=True)
+class _FirstStep:
+    """The first decoder step in the main graph, rows repeated for every beam."""
+
+    batch: ir.Value
+    logits: ir.Value  # [rows, vocab], the last position
+    max_length: ir.Value
+    trips: ir.Value
+    encoder_ids: ir.Value | None
+    decoder_presents: list[ir.Value]
+    encoder_presents: list[ir.Value]
+    mask: ir.Value | None
+    cached_mask: ir.Value | None  # what the cached decoder reads as the attention mask
+
+
+@dataclass(frozen=True)
+class _CachedStep:
+    """The decoder with past, wired to read the Loop body's inputs."""
+
+    iteration: ir.Value
+    condition: ir.Value
+    tokens_in: ir.Value
+    past_in: list[ir.Value]
+    logits: ir.Value
+    presents: list[ir.Value]
+
+
+@dataclass(frozen=True)
+class _LoopParts:
+    """What a loop builder needs."""
+
+    main: Ops
+    body: Ops
+    names: Names
+    settings: GenerationSettings
+    vocab: int
+    num_beams: int
+    first: _FirstStep
+    cached: _CachedStep
+
+
+@dataclass(frozen=True)
+class _Loop:
+    body_graph: ir.Graph
+    graph_outputs: list[ir.Value]
+
+
 def _assemble(
     model: ir.Model, info: contract.ContractInfo, s: GenerationSettings, num_beams: int
 ) -> None:
     graph = model.graph
+    branches = _take_branches(graph)
+    inputs = {v.name: v for v in graph.inputs}
+    vocab = _vocab_size(info, branches.first_out[contract.LOGITS])
+    names = Names()
+    opset = model.opset_imports.get("", 18)
+    main, body = Ops(names, opset), Ops(names, opset)
+    max_new = ir.Value(
+        name=MAX_NEW_TOKENS, type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([])
+    )
+    first = _first_step(main, info, s, num_beams, branches, inputs, max_new)
+    cached = _wire_cached_decoder(body, info, branches, inputs, first)
+    parts = _LoopParts(main, body, names, s, vocab, num_beams, first, cached)
+    loop = _greedy_loop(parts) if num_beams == 1 else _beam_loop(parts)
+    for node in branches.cached_nodes + body.nodes:
+        loop.body_graph.append(node)
+    loop.body_graph.sort()
+    # The main graph: what was beside the If, the first step, then the loop (sorted below).
+    for node in branches.first_nodes + main.nodes:
+        graph.append(node)
+    for value in list(graph.inputs):
+        if value.name not in info.encoder_inputs:
+            graph.inputs.remove(value)
+    graph.inputs.append(max_new)
+    graph.outputs.extend(loop.graph_outputs)
+    graph.sort()
+
+
+def _take_branches(graph: ir.Graph) -> _Branches:
+    """Remove the ``If`` on ``use_cache_branch`` and empty its branches; return their parts."""
     if_nodes = [
         n
         for n in graph
@@ -169,180 +258,171 @@ def _assemble(
     cached_graph = if_node.attributes["then_branch"].value
     first_graph = if_node.attributes["else_branch"].value
     out_names = [v.name for v in if_node.outputs]
-    first_out = dict(zip(out_names, first_graph.outputs, strict=True))
-    cached_out = dict(zip(out_names, cached_graph.outputs, strict=True))
-    first_all, cached_all = _recursive_nodes(first_graph), _recursive_nodes(cached_graph)
-    first_nodes, cached_nodes = list(first_graph), list(cached_graph)
-    first_graph.remove(first_nodes)
-    cached_graph.remove(cached_nodes)
+    branches = _Branches(
+        first_nodes=list(first_graph),
+        cached_nodes=list(cached_graph),
+        first_all=_recursive_nodes(first_graph),
+        cached_all=_recursive_nodes(cached_graph),
+        first_out=dict(zip(out_names, first_graph.outputs, strict=True)),
+        cached_out=dict(zip(out_names, cached_graph.outputs, strict=True)),
+    )
+    first_graph.remove(branches.first_nodes)
+    cached_graph.remove(branches.cached_nodes)
     first_graph.outputs.clear()
     cached_graph.outputs.clear()
     graph.outputs.clear()
     graph.remove(if_node)
+    return branches
 
-    inputs = {v.name: v for v in graph.inputs}
-    encoder_inputs = [inputs[n] for n in info.encoder_inputs]
-    mask = inputs.get(contract.ATTENTION_MASK)
-    logits_value = first_out[contract.LOGITS]
-    vocab_dim = logits_value.shape[-1] if logits_value.shape is not None else None
+
+def _vocab_size(info: contract.ContractInfo, logits: ir.Value) -> int:
+    vocab_dim = logits.shape[-1] if logits.shape is not None else None
     vocab = vocab_dim if isinstance(vocab_dim, int) else int(info.config.get("vocab_size", 0))
     if vocab <= 0:
         raise InvalidMergedModelError("cannot tell the vocabulary size from the logits or config")
-    layers = info.num_layers
+    return vocab
 
-    names = Names()
-    opset = model.opset_imports.get("", 18)
-    main = Ops(names, opset)
-    max_new = ir.Value(
-        name=MAX_NEW_TOKENS, type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([])
-    )
+
+def _first_step(
+    main: Ops,
+    info: contract.ContractInfo,
+    s: GenerationSettings,
+    num_beams: int,
+    branches: _Branches,
+    inputs: dict[str, ir.Value],
+    max_new: ir.Value,
+) -> _FirstStep:
+    encoder_inputs = [inputs[n] for n in info.encoder_inputs]
     batch = main.dim(encoder_inputs[0], 0)
     start = main.op(
         "ConstantOfShape",
         main.vector(batch, main.i64(1)),
         value=ir.tensor(_array([s.decoder_start_token_id])),
     )
-    _redirect(inputs[contract.DECODER_INPUT_IDS], first_all, start)
+    _redirect(inputs[contract.DECODER_INPUT_IDS], branches.first_all, start)
     max_length = main.op("Add", max_new, main.i64(s.prompt_length))
     trips = main.op("Max", main.op("Sub", max_new, main.i64(1)), main.i64(0))
     encoder_ids = inputs.get("input_ids") if "input_ids" in info.encoder_inputs else None
-    first_logits = main.op("Gather", logits_value, main.i64(-1), axis=1)
-
-    decoder_presents = [first_out[n] for n in contract.present_names(layers, "decoder")]
-    encoder_presents = [first_out[n] for n in contract.present_names(layers, "encoder")]
+    logits = main.op("Gather", branches.first_out[contract.LOGITS], main.i64(-1), axis=1)
+    layers = info.num_layers
+    decoder_presents = [branches.first_out[n] for n in contract.present_names(layers, "decoder")]
+    encoder_presents = [branches.first_out[n] for n in contract.present_names(layers, "encoder")]
+    mask = inputs.get(contract.ATTENTION_MASK)
+    cached_mask = mask
     if num_beams > 1:
-        # Every beam of an input shares its encoder output: repeat rows once, before the loop.
-        expand_rows = main.op(
-            "Div",
-            main.op("Range", main.i64(0), main.op("Mul", batch, main.i64(num_beams)), main.i64(1)),
-            main.i64(num_beams),
-        )
-
-        def repeat(value: ir.Value) -> ir.Value:
-            return main.op("Gather", value, expand_rows, axis=0)
-
-        first_logits = repeat(first_logits)
+        repeat = _beam_repeater(main, batch, num_beams)
+        logits = repeat(logits)
         decoder_presents = [repeat(v) for v in decoder_presents]
         encoder_presents = [repeat(v) for v in encoder_presents]
         cached_mask = repeat(mask) if mask is not None else None
         encoder_ids = repeat(encoder_ids) if encoder_ids is not None else None
-    else:
-        cached_mask = mask
+    return _FirstStep(
+        batch=batch,
+        logits=logits,
+        max_length=max_length,
+        trips=trips,
+        encoder_ids=encoder_ids,
+        decoder_presents=decoder_presents,
+        encoder_presents=encoder_presents,
+        mask=mask,
+        cached_mask=cached_mask,
+    )
 
-    # The cached decoder reads the loop's state and the first step's encoder key/values.
-    body = Ops(names, opset)
+
+def _beam_repeater(main: Ops, batch: ir.Value, num_beams: int) -> Callable[[ir.Value], ir.Value]:
+    """Every beam of an input shares its encoder output: repeat rows once, before the loop."""
+    expand_rows = main.op(
+        "Div",
+        main.op("Range", main.i64(0), main.op("Mul", batch, main.i64(num_beams)), main.i64(1)),
+        main.i64(num_beams),
+    )
+
+    def repeat(value: ir.Value) -> ir.Value:
+        return main.op("Gather", value, expand_rows, axis=0)
+
+    return repeat
+
+
+def _wire_cached_decoder(
+    body: Ops,
+    info: contract.ContractInfo,
+    branches: _Branches,
+    inputs: dict[str, ir.Value],
+    first: _FirstStep,
+) -> _CachedStep:
+    """The cached decoder reads the loop's state and the first step's encoder key/values."""
+    names = body.names
     iteration = typed_input(names, "iteration", ir.DataType.INT64, 0)
     condition = typed_input(names, "condition", ir.DataType.BOOL, 0)
     tokens_in = typed_input(names, "tokens", ir.DataType.INT64, 2)
-    cache_dtype = decoder_presents[0].dtype or ir.DataType.FLOAT
-    past_in = [typed_input(names, "past", cache_dtype, 4) for _ in decoder_presents]
+    cache_dtype = first.decoder_presents[0].dtype or ir.DataType.FLOAT
+    past_in = [typed_input(names, "past", cache_dtype, 4) for _ in first.decoder_presents]
+    cached_all, layers = branches.cached_all, info.num_layers
     _redirect(inputs[contract.DECODER_INPUT_IDS], cached_all, tokens_in)
     for name, value in zip(contract.past_names(layers, "decoder"), past_in, strict=True):
         _redirect(inputs[name], cached_all, value)
-    for name, value in zip(contract.past_names(layers, "encoder"), encoder_presents, strict=True):
+    encoder_pasts = contract.past_names(layers, "encoder")
+    for name, value in zip(encoder_pasts, first.encoder_presents, strict=True):
         _redirect(inputs[name], cached_all, value)
-    if mask is not None and cached_mask is not mask:
-        _redirect(mask, cached_all, cached_mask)
-    body_logits = body.op("Gather", cached_out[contract.LOGITS], body.i64(-1), axis=1)
-    body_presents = [cached_out[n] for n in contract.present_names(layers, "decoder")]
-
-    if num_beams == 1:
-        outputs = _greedy_loop(
-            main,
-            body,
-            s,
-            vocab,
-            batch,
-            first_logits,
-            body_logits,
-            max_length,
-            trips,
-            encoder_ids,
-            decoder_presents,
-            body_presents,
-            names,
-            (iteration, condition, tokens_in, past_in),
-        )
-    else:
-        outputs = _beam_loop(
-            main,
-            body,
-            s,
-            vocab,
-            num_beams,
-            batch,
-            first_logits,
-            body_logits,
-            max_length,
-            trips,
-            encoder_ids,
-            decoder_presents,
-            body_presents,
-            names,
-            (iteration, condition, tokens_in, past_in),
-        )
-    loop_body_nodes = cached_nodes + body.nodes
-    body_graph = outputs["body"]
-    for node in loop_body_nodes:
-        body_graph.append(node)
-    body_graph.sort()
-
-    # The main graph: what was beside the If, the first step, then the loop (sorted below).
-    for node in first_nodes + main.nodes:
-        graph.append(node)
-    for value in list(graph.inputs):
-        if value.name not in info.encoder_inputs:
-            graph.inputs.remove(value)
-    graph.inputs.append(max_new)
-    for value in outputs["graph_outputs"]:
-        graph.outputs.append(value)
-    graph.sort()
+    if first.mask is not None and first.cached_mask is not first.mask:
+        _redirect(first.mask, cached_all, first.cached_mask)
+    logits = body.op("Gather", branches.cached_out[contract.LOGITS], body.i64(-1), axis=1)
+    presents = [branches.cached_out[n] for n in contract.present_names(layers, "decoder")]
+    return _CachedStep(iteration, condition, tokens_in, past_in, logits, presents)
 
 
 def _array(values: list[int]) -> np.ndarray:
     return np.asarray(values, dtype=np.int64)
 
 
-def _greedy_loop(
-    main: Ops,
-    body: Ops,
-    s: GenerationSettings,
-    vocab: int,
-    batch: ir.Value,
-    first_logits: ir.Value,
-    body_logits: ir.Value,
-    max_length: ir.Value,
-    trips: ir.Value,
-    encoder_ids: ir.Value | None,
-    decoder_presents: list[ir.Value],
-    body_presents: list[ir.Value],
-    names: Names,
-    body_inputs: tuple,
-) -> dict:
-    iteration, condition, tokens_in, past_in = body_inputs
+def _greedy_loop(p: _LoopParts) -> _Loop:
+    main, body, s, first, cached = p.main, p.body, p.settings, p.first, p.cached
     start_sequences = main.op(
         "ConstantOfShape",
-        main.vector(batch, main.i64(1)),
+        main.vector(first.batch, main.i64(1)),
         value=ir.tensor(_array([s.decoder_start_token_id])),
     )
-    all_rows = main.op("ConstantOfShape", main.vector(batch), value=ir.tensor(_bool_array([True])))
-    first = search.greedy_step(
-        main, s, vocab, first_logits, start_sequences, all_rows, max_length, encoder_ids
+    all_rows = main.op(
+        "ConstantOfShape", main.vector(first.batch), value=ir.tensor(_bool_array([True]))
     )
-    sequences_in = typed_input(names, "sequences", ir.DataType.INT64, 2)
-    unfinished_in = typed_input(names, "unfinished", ir.DataType.BOOL, 1)
+    first_step = search.greedy_step(
+        main,
+        s,
+        p.vocab,
+        first.logits,
+        start_sequences,
+        all_rows,
+        first.max_length,
+        first.encoder_ids,
+    )
+    sequences_in = typed_input(p.names, "sequences", ir.DataType.INT64, 2)
+    unfinished_in = typed_input(p.names, "unfinished", ir.DataType.BOOL, 1)
     step = search.greedy_step(
-        body, s, vocab, body_logits, sequences_in, unfinished_in, max_length, encoder_ids
+        body,
+        s,
+        p.vocab,
+        cached.logits,
+        sequences_in,
+        unfinished_in,
+        first.max_length,
+        first.encoder_ids,
     )
-    body_outputs = [step.keep_going, step.tokens, step.sequences, step.unfinished, *body_presents]
+    body_outputs = [step.keep_going, step.tokens, step.sequences, step.unfinished, *cached.presents]
     body_outputs = _own_outputs(body, body_outputs)
     body_graph = ir.Graph(
-        [iteration, condition, tokens_in, sequences_in, unfinished_in, *past_in],
+        [
+            cached.iteration,
+            cached.condition,
+            cached.tokens_in,
+            sequences_in,
+            unfinished_in,
+            *cached.past_in,
+        ],
         body_outputs,
         nodes=[],
-        name=names("decode_loop_body"),
+        name=p.names("decode_loop_body"),
     )
-    loop_outputs = [ir.Value(name=names("loop_out")) for _ in body_outputs[1:]]
+    loop_outputs = [ir.Value(name=p.names("loop_out")) for _ in body_outputs[1:]]
     loop_outputs[1].name = SEQUENCES
     loop_outputs[1].type = ir.TensorType(ir.DataType.INT64)
     loop_outputs[1].shape = ir.Shape(["batch_size", "sequence_length"])
@@ -350,73 +430,79 @@ def _greedy_loop(
         "",
         "Loop",
         [
-            trips,
-            first.keep_going,
-            first.tokens,
-            first.sequences,
-            first.unfinished,
-            *decoder_presents,
+            first.trips,
+            first_step.keep_going,
+            first_step.tokens,
+            first_step.sequences,
+            first_step.unfinished,
+            *first.decoder_presents,
         ],
         attributes=[ir.AttrGraph("body", body_graph)],
         outputs=loop_outputs,
-        name=names("decode_loop"),
+        name=p.names("decode_loop"),
     )
     main.nodes.append(loop)
-    return {"body": body_graph, "graph_outputs": [loop_outputs[1]]}
+    return _Loop(body_graph, [loop_outputs[1]])
 
 
-def _beam_loop(
-    main: Ops,
-    body: Ops,
-    s: GenerationSettings,
-    vocab: int,
-    num_beams: int,
-    batch: ir.Value,
-    first_logits: ir.Value,
-    body_logits: ir.Value,
-    max_length: ir.Value,
-    trips: ir.Value,
-    encoder_ids: ir.Value | None,
-    decoder_presents: list[ir.Value],
-    body_presents: list[ir.Value],
-    names: Names,
-    body_inputs: tuple,
-) -> dict:
-    iteration, condition, tokens_in, past_in = body_inputs
-    state = search.initial_beams(main, s, batch, num_beams)
-    first = search.beam_step(
-        main, s, vocab, num_beams, first_logits, state, batch, max_length, encoder_ids
+def _beam_loop(p: _LoopParts) -> _Loop:
+    main, body, s, first, cached = p.main, p.body, p.settings, p.first, p.cached
+    state = search.initial_beams(main, s, first.batch, p.num_beams)
+    first_step = search.beam_step(
+        main,
+        s,
+        p.vocab,
+        p.num_beams,
+        first.logits,
+        state,
+        first.batch,
+        first.max_length,
+        first.encoder_ids,
     )
-    first_cache = [main.op("Gather", v, first.rows, axis=0) for v in decoder_presents]
-    first_tokens = _last_column(main, first.running)
+    first_cache = [main.op("Gather", v, first_step.rows, axis=0) for v in first.decoder_presents]
+    first_tokens = _last_column(main, first_step.running)
 
     state_in = search.Beams(
         *[
-            typed_input(names, "beam_state", dtype, rank)
+            typed_input(p.names, "beam_state", dtype, rank)
             for dtype, rank in search.CARRIED_BEAM_TYPES
         ]
     )
     step = search.beam_step(
-        body, s, vocab, num_beams, body_logits, state_in, batch, max_length, encoder_ids
+        body,
+        s,
+        p.vocab,
+        p.num_beams,
+        cached.logits,
+        state_in,
+        first.batch,
+        first.max_length,
+        first.encoder_ids,
     )
-    cache = [body.op("Gather", v, step.rows, axis=0) for v in body_presents]
+    cache = [body.op("Gather", v, step.rows, axis=0) for v in cached.presents]
     tokens = _last_column(body, step.running)
     body_outputs = [step.keep_going, tokens, *step.carried(), *cache]
     body_outputs = _own_outputs(body, body_outputs)
     body_graph = ir.Graph(
-        [iteration, condition, tokens_in, *state_in.carried(), *past_in],
+        [
+            cached.iteration,
+            cached.condition,
+            cached.tokens_in,
+            *state_in.carried(),
+            *cached.past_in,
+        ],
         body_outputs,
         nodes=[],
-        name=names("beam_loop_body"),
+        name=p.names("beam_loop_body"),
     )
-    loop_outputs = [ir.Value(name=names("loop_out")) for _ in body_outputs[1:]]
+    loop_outputs = [ir.Value(name=p.names("loop_out")) for _ in body_outputs[1:]]
     loop = ir.Node(
         "",
         "Loop",
-        [trips, first.keep_going, first_tokens, *first.carried(), *first_cache],
+        [first.trips, first_step.keep_going, first_tokens, *first_step.carried(), *first_cache],
         attributes=[ir.AttrGraph("body", body_graph)],
         outputs=loop_outputs,
-        name=names("beam_loop"),
+        name=p.names("beam_loop"),
     )
     main.nodes.append(loop)
     final = search.Beams(*loop_outputs[1 : 1 + len(search.CARRIED_BEAM_TYPES)])
@@ -429,7 +515,7 @@ def _beam_loop(
     score.name = SEQUENCES_SCORES
     score.type = ir.TensorType(ir.DataType.FLOAT)
     score.shape = ir.Shape(["batch_size"])
-    return {"body": body_graph, "graph_outputs": [sequences, score]}
+    return _Loop(body_graph, [sequences, score])
 
 
 def _last_column(ops: Ops, running: ir.Value) -> ir.Value:

@@ -7,6 +7,7 @@ repeats every row ``n`` times and ``reorder(rows)`` picks rows (beams) for the n
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -93,6 +94,46 @@ def _topk_indices(values: np.ndarray, k: int) -> np.ndarray:
     return np.argsort(-values, axis=1, kind="stable")[:, :k]
 
 
+@dataclass(frozen=True)
+class _BeamConfig:
+    """The fixed quantities of one beam search."""
+
+    num_beams: int
+    batch: int
+    prompt_len: int
+    max_length: int
+    length_penalty: float
+    early_stopping: bool | str
+    eos: np.ndarray | None
+    beams_to_keep: int  # candidates per input each step: enough to survive every eos hit
+    top_num_beam_mask: np.ndarray  # [beams_to_keep], True for the first num_beams
+    batch_offset: np.ndarray  # [batch, 1], each input's first runner row
+
+
+@dataclass
+class _Beams:
+    """Running beams (still decoding) and finished hypotheses, per input."""
+
+    running_sequences: np.ndarray  # [batch, beams, max_length]
+    running_beam_scores: np.ndarray  # [batch, beams]
+    running_beam_indices: np.ndarray  # [batch, beams, max_length - prompt_len]
+    sequences: np.ndarray
+    beam_scores: np.ndarray
+    beam_indices: np.ndarray
+    is_sent_finished: np.ndarray  # [batch, beams]
+    heuristic_unsatisfied: np.ndarray  # [batch, 1]: a running beam may still beat a finished one
+
+
+@dataclass(frozen=True)
+class _Candidates:
+    """The top continuations of one step, ``beams_to_keep`` per input."""
+
+    log_probs: np.ndarray
+    sequences: np.ndarray
+    beam_indices: np.ndarray
+    hits: np.ndarray  # the candidate ends here (eos or max_length)
+
+
 def beam_search(
     runner: StepRunner,
     prompt: np.ndarray,
@@ -105,117 +146,172 @@ def beam_search(
     ``prompt`` holds one row per input; the runner's rows are expanded to beams after the first
     step, so the encoder and the prompt run once per input.
     """
-    num_beams = settings.num_beams
-    batch, cur_len = prompt.shape
-    max_length = settings.max_length
-    length_penalty = settings.length_penalty
-    early_stopping = settings.early_stopping
-    eos = None if settings.eos_token_id is None else np.asarray(settings.eos_token_id, np.int64)
-    pad = settings.pad_token_id
-    # transformers pads with `pad or eos[0]`: a pad id of 0 falls back to eos.
-    fill = (pad if pad else int(eos[0])) if eos is not None else -1
+    cfg = _beam_config(settings, prompt.shape[0], prompt.shape[1])
+    beams = _initial_beams(cfg, prompt, settings.pad_token_id)
+    cur_len = cfg.prompt_len
+    logits = runner.start()
+    # All beams of an input share the prompt: run it once, then repeat the rows.
+    logits = np.repeat(logits, cfg.num_beams, axis=0)
+    runner.expand(cfg.num_beams)
+    while True:
+        log_probs = _beam_log_probs(cfg, beams, cur_len, logits, processors)
+        candidates = _top_candidates(cfg, beams, cur_len, log_probs, settings.do_sample, rng)
+        _keep_running(cfg, beams, candidates)
+        _keep_finished(cfg, beams, candidates, cur_len)
+        cur_len += 1
+        if _beams_done(cfg, beams, candidates, cur_len):
+            break
+        rows = beams.running_beam_indices[:, :, cur_len - 1 - cfg.prompt_len].reshape(-1)
+        runner.reorder(rows.astype(np.int64), within_batch=True)
+        logits = runner.advance(beams.running_sequences[:, :, cur_len - 1].reshape(-1))
+    return _returned_sequences(cfg, beams, settings.num_return_sequences)
 
-    prompt_len = cur_len
+
+def _beam_config(settings: GenerationSettings, batch: int, prompt_len: int) -> _BeamConfig:
+    num_beams = settings.num_beams
+    eos = None if settings.eos_token_id is None else np.asarray(settings.eos_token_id, np.int64)
     n_eos = 0 if eos is None else len(eos)
     beams_to_keep = max(2, 1 + n_eos) * num_beams
     top_num_beam_mask = np.zeros(beams_to_keep, dtype=bool)
     top_num_beam_mask[:num_beams] = True
+    return _BeamConfig(
+        num_beams=num_beams,
+        batch=batch,
+        prompt_len=prompt_len,
+        max_length=settings.max_length,
+        length_penalty=settings.length_penalty,
+        early_stopping=settings.early_stopping,
+        eos=eos,
+        beams_to_keep=beams_to_keep,
+        top_num_beam_mask=top_num_beam_mask,
+        batch_offset=(np.arange(batch) * num_beams)[:, None],
+    )
 
-    running_sequences = np.full((batch, num_beams, max_length), fill, dtype=np.int64)
+
+def _initial_beams(cfg: _BeamConfig, prompt: np.ndarray, pad: int | None) -> _Beams:
+    batch, num_beams, cur_len = cfg.batch, cfg.num_beams, cfg.prompt_len
+    # transformers pads with `pad or eos[0]`: a pad id of 0 falls back to eos.
+    fill = (pad if pad else int(cfg.eos[0])) if cfg.eos is not None else -1
+    running_sequences = np.full((batch, num_beams, cfg.max_length), fill, dtype=np.int64)
     running_sequences[:, :, :cur_len] = prompt[:, None, :]
-    sequences = running_sequences.copy()
     running_beam_scores = np.zeros((batch, num_beams), dtype=np.float32)
     running_beam_scores[:, 1:] = _NEG
-    beam_scores = np.full((batch, num_beams), _NEG, dtype=np.float32)
-    is_sent_finished = np.zeros((batch, num_beams), dtype=bool)
-    heuristic_unsatisfied = np.ones((batch, 1), dtype=bool)
-    running_beam_indices = np.full((batch, num_beams, max_length - cur_len), -1, dtype=np.int32)
-    beam_indices = running_beam_indices.copy()
-    batch_offset = (np.arange(batch) * num_beams)[:, None]
+    running_beam_indices = np.full((batch, num_beams, cfg.max_length - cur_len), -1, dtype=np.int32)
+    return _Beams(
+        running_sequences=running_sequences,
+        running_beam_scores=running_beam_scores,
+        running_beam_indices=running_beam_indices,
+        sequences=running_sequences.copy(),
+        beam_scores=np.full((batch, num_beams), _NEG, dtype=np.float32),
+        beam_indices=running_beam_indices.copy(),
+        is_sent_finished=np.zeros((batch, num_beams), dtype=bool),
+        heuristic_unsatisfied=np.ones((batch, 1), dtype=bool),
+    )
 
-    logits = runner.start()
-    # All beams of an input share the prompt: run it once, then repeat the rows.
-    logits = np.repeat(logits, num_beams, axis=0)
-    runner.expand(num_beams)
 
-    while True:
-        flat_running = running_sequences[:, :, :cur_len].reshape(batch * num_beams, cur_len)
-        log_probs = log_softmax(logits.astype(np.float32, copy=False))
-        log_probs = processors(flat_running, log_probs)
-        vocab = log_probs.shape[1]
-        log_probs = log_probs.reshape(batch, num_beams, vocab) + running_beam_scores[:, :, None]
-        log_probs = log_probs.reshape(batch, num_beams * vocab)
+def _beam_log_probs(
+    cfg: _BeamConfig,
+    beams: _Beams,
+    cur_len: int,
+    logits: np.ndarray,
+    processors: ProcessorList,
+) -> np.ndarray:
+    """Processed log-probabilities plus each beam's score: ``[batch, beams * vocab]``."""
+    batch, num_beams = cfg.batch, cfg.num_beams
+    flat_running = beams.running_sequences[:, :, :cur_len].reshape(batch * num_beams, cur_len)
+    log_probs = log_softmax(logits.astype(np.float32, copy=False))
+    log_probs = processors(flat_running, log_probs)
+    vocab = log_probs.shape[1]
+    log_probs = log_probs.reshape(batch, num_beams, vocab) + beams.running_beam_scores[:, :, None]
+    return log_probs.reshape(batch, num_beams * vocab)
 
-        # c. top-K continuations
-        if settings.do_sample:
-            # Sampling without replacement by the Gumbel-top-k trick.
-            with np.errstate(divide="ignore"):
-                gumbel = np.log(softmax(log_probs).astype(np.float64)) - np.log(
-                    -np.log(rng.random(log_probs.shape))
-                )
-            topk_indices = _topk_indices(gumbel, beams_to_keep)
-        else:
-            topk_indices = _topk_indices(log_probs, beams_to_keep)
-        topk_log_probs = np.take_along_axis(log_probs, topk_indices, axis=1)
-        topk_beams = topk_indices // vocab
-        topk_ids = topk_indices % vocab
-        topk_running_beam_indices = _gather(running_beam_indices, topk_beams)
-        topk_running_sequences = _gather(running_sequences, topk_beams)
-        topk_running_sequences[:, :, cur_len] = topk_ids
-        topk_running_beam_indices[:, :, cur_len - prompt_len] = topk_beams + batch_offset
 
-        # d. which candidates are finished
-        hits = _finished_by_eos(topk_ids, eos)
-        if cur_len + 1 >= max_length:
-            hits[:] = True
+def _top_candidates(
+    cfg: _BeamConfig,
+    beams: _Beams,
+    cur_len: int,
+    log_probs: np.ndarray,
+    do_sample: bool,
+    rng: np.random.Generator | None,
+) -> _Candidates:
+    """transformers' steps c (top-K continuations) and d (which of them finish)."""
+    if do_sample:
+        # Sampling without replacement by the Gumbel-top-k trick.
+        with np.errstate(divide="ignore"):
+            gumbel = np.log(softmax(log_probs).astype(np.float64)) - np.log(
+                -np.log(rng.random(log_probs.shape))
+            )
+        topk_indices = _topk_indices(gumbel, cfg.beams_to_keep)
+    else:
+        topk_indices = _topk_indices(log_probs, cfg.beams_to_keep)
+    vocab = log_probs.shape[1] // cfg.num_beams
+    topk_log_probs = np.take_along_axis(log_probs, topk_indices, axis=1)
+    topk_beams = topk_indices // vocab
+    topk_ids = topk_indices % vocab
+    topk_running_beam_indices = _gather(beams.running_beam_indices, topk_beams)
+    topk_running_sequences = _gather(beams.running_sequences, topk_beams)
+    topk_running_sequences[:, :, cur_len] = topk_ids
+    topk_running_beam_indices[:, :, cur_len - cfg.prompt_len] = topk_beams + cfg.batch_offset
+    hits = _finished_by_eos(topk_ids, cfg.eos)
+    if cur_len + 1 >= cfg.max_length:
+        hits[:] = True
+    return _Candidates(topk_log_probs, topk_running_sequences, topk_running_beam_indices, hits)
 
-        # e. running beams for the next step
-        topk_running_log_probs = topk_log_probs + hits.astype(np.float32) * _NEG
-        next_topk = _topk_indices(topk_running_log_probs, num_beams)
-        running_sequences = _gather(topk_running_sequences, next_topk)
-        running_beam_scores = _gather(topk_running_log_probs, next_topk)
-        running_beam_indices = _gather(topk_running_beam_indices, next_topk)
 
-        # f. finished beams
-        just_finished = hits & top_num_beam_mask[None, :]
-        finished_scores = topk_log_probs / ((cur_len + 1 - prompt_len) ** length_penalty)
-        beams_full = np.all(is_sent_finished, axis=-1, keepdims=True) & (early_stopping is True)
-        finished_scores = finished_scores + beams_full.astype(np.float32) * _NEG
-        finished_scores = finished_scores + (~heuristic_unsatisfied).astype(np.float32) * _NEG
-        finished_scores = finished_scores + (~just_finished).astype(np.float32) * _NEG
-        merged_scores = np.concatenate((beam_scores, finished_scores), axis=1)
-        keep = _topk_indices(merged_scores, num_beams)
-        sequences = _gather(np.concatenate((sequences, topk_running_sequences), axis=1), keep)
-        beam_scores = _gather(merged_scores, keep)
-        beam_indices = _gather(
-            np.concatenate((beam_indices, topk_running_beam_indices), axis=1), keep
-        )
-        is_sent_finished = _gather(np.concatenate((is_sent_finished, just_finished), axis=1), keep)
+def _keep_running(cfg: _BeamConfig, beams: _Beams, candidates: _Candidates) -> None:
+    """Step e: the best unfinished candidates run on."""
+    running_log_probs = candidates.log_probs + candidates.hits.astype(np.float32) * _NEG
+    next_topk = _topk_indices(running_log_probs, cfg.num_beams)
+    beams.running_sequences = _gather(candidates.sequences, next_topk)
+    beams.running_beam_scores = _gather(running_log_probs, next_topk)
+    beams.running_beam_indices = _gather(candidates.beam_indices, next_topk)
 
-        # g. stop, or reorder the cache and go on
-        cur_len += 1
-        if early_stopping == "never" and length_penalty > 0.0:
-            best_length = max_length - prompt_len
-        else:
-            best_length = cur_len - prompt_len
-        best_running = running_beam_scores[:, :1] / (best_length**length_penalty)
-        worst_finished = np.where(
-            is_sent_finished, np.min(beam_scores, axis=1, keepdims=True), np.float32(-1.0e9)
-        )
-        heuristic_unsatisfied = heuristic_unsatisfied & np.any(
-            best_running > worst_finished, axis=-1, keepdims=True
-        )
-        improvement_possible = heuristic_unsatisfied.any()
-        open_beam = not (is_sent_finished.all() and early_stopping is True)
-        valid_continuations = not hits.all()
-        if not (improvement_possible and open_beam and valid_continuations):
-            break
-        rows = running_beam_indices[:, :, cur_len - 1 - prompt_len].reshape(-1)
-        runner.reorder(rows.astype(np.int64), within_batch=True)
-        logits = runner.advance(running_sequences[:, :, cur_len - 1].reshape(-1))
 
-    returned = settings.num_return_sequences
-    sequences = sequences[:, :returned, :].reshape(batch * returned, max_length)
-    beam_indices = beam_indices[:, :returned, :].reshape(batch * returned, -1)
+def _keep_finished(cfg: _BeamConfig, beams: _Beams, candidates: _Candidates, cur_len: int) -> None:
+    """Step f: merge the candidates that finished here into the best finished hypotheses."""
+    just_finished = candidates.hits & cfg.top_num_beam_mask[None, :]
+    finished_scores = candidates.log_probs / ((cur_len + 1 - cfg.prompt_len) ** cfg.length_penalty)
+    beams_full = np.all(beams.is_sent_finished, axis=-1, keepdims=True) & (
+        cfg.early_stopping is True
+    )
+    finished_scores = finished_scores + beams_full.astype(np.float32) * _NEG
+    finished_scores = finished_scores + (~beams.heuristic_unsatisfied).astype(np.float32) * _NEG
+    finished_scores = finished_scores + (~just_finished).astype(np.float32) * _NEG
+    merged_scores = np.concatenate((beams.beam_scores, finished_scores), axis=1)
+    keep = _topk_indices(merged_scores, cfg.num_beams)
+    beams.sequences = _gather(np.concatenate((beams.sequences, candidates.sequences), axis=1), keep)
+    beams.beam_scores = _gather(merged_scores, keep)
+    beams.beam_indices = _gather(
+        np.concatenate((beams.beam_indices, candidates.beam_indices), axis=1), keep
+    )
+    beams.is_sent_finished = _gather(
+        np.concatenate((beams.is_sent_finished, just_finished), axis=1), keep
+    )
+
+
+def _beams_done(cfg: _BeamConfig, beams: _Beams, candidates: _Candidates, cur_len: int) -> bool:
+    """Step g: no running beam can still beat a finished one, or nothing can run on."""
+    if cfg.early_stopping == "never" and cfg.length_penalty > 0.0:
+        best_length = cfg.max_length - cfg.prompt_len
+    else:
+        best_length = cur_len - cfg.prompt_len
+    best_running = beams.running_beam_scores[:, :1] / (best_length**cfg.length_penalty)
+    worst_finished = np.where(
+        beams.is_sent_finished,
+        np.min(beams.beam_scores, axis=1, keepdims=True),
+        np.float32(-1.0e9),
+    )
+    beams.heuristic_unsatisfied = beams.heuristic_unsatisfied & np.any(
+        best_running > worst_finished, axis=-1, keepdims=True
+    )
+    improvement_possible = beams.heuristic_unsatisfied.any()
+    open_beam = not (beams.is_sent_finished.all() and cfg.early_stopping is True)
+    valid_continuations = not candidates.hits.all()
+    return not (improvement_possible and open_beam and valid_continuations)
+
+
+def _returned_sequences(cfg: _BeamConfig, beams: _Beams, returned: int) -> np.ndarray:
+    sequences = beams.sequences[:, :returned, :].reshape(cfg.batch * returned, cfg.max_length)
+    beam_indices = beams.beam_indices[:, :returned, :].reshape(cfg.batch * returned, -1)
     generated = int((beam_indices != -1).sum(axis=1).max())
-    return sequences[:, : prompt_len + generated]
+    return sequences[:, : cfg.prompt_len + generated]

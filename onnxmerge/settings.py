@@ -6,39 +6,71 @@ the generation parameters of its ``config.json``) > transformers' global default
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from onnxmerge.errors import GenerationError
 
-# transformers.GenerationConfig's defaults for the parameters this runtime reads.
-GLOBAL_DEFAULTS: dict[str, Any] = {
-    "max_length": 20,
-    "max_new_tokens": None,
-    "min_length": 0,
-    "min_new_tokens": None,
-    "early_stopping": False,
-    "do_sample": False,
-    "num_beams": 1,
-    "num_return_sequences": 1,
-    "temperature": 1.0,
-    "top_k": 50,
-    "top_p": 1.0,
-    "repetition_penalty": 1.0,
-    "length_penalty": 1.0,
-    "no_repeat_ngram_size": 0,
-    "encoder_repetition_penalty": 1.0,
-    "encoder_no_repeat_ngram_size": 0,
-    "bad_words_ids": None,
-    "forced_bos_token_id": None,
-    "forced_eos_token_id": None,
-    "suppress_tokens": None,
-    "begin_suppress_tokens": None,
-    "pad_token_id": None,
-    "bos_token_id": None,
-    "eos_token_id": None,
-    "decoder_start_token_id": None,
+
+class Setting(NamedTuple):
+    default: Any  # transformers.GenerationConfig's default
+    read: Callable[[Any], Any]  # how GenerationSettings holds a given value
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+def _int_or_zero(value: Any) -> int:
+    return int(value or 0)
+
+
+def _as_token_list(value: Any) -> list[int] | None:
+    if value is None:
+        return None
+    if isinstance(value, (list, tuple)):
+        return [int(v) for v in value]
+    return [int(value)]
+
+
+# Every setting this runtime reads. A new setting is one entry here and one field of
+# GenerationSettings; generate() accepts it by name. Lengths and special tokens are resolved
+# together in resolve_settings, so their ``read`` is not used.
+SCHEMA: dict[str, Setting] = {
+    "max_length": Setting(20, int),
+    "max_new_tokens": Setting(None, _same),
+    "min_length": Setting(0, _int_or_zero),
+    "min_new_tokens": Setting(None, _same),
+    "early_stopping": Setting(False, _same),
+    "do_sample": Setting(False, bool),
+    "num_beams": Setting(1, int),
+    "num_return_sequences": Setting(1, int),
+    "temperature": Setting(1.0, float),
+    "top_k": Setting(50, _same),
+    "top_p": Setting(1.0, float),
+    "repetition_penalty": Setting(1.0, float),
+    "length_penalty": Setting(1.0, float),
+    "no_repeat_ngram_size": Setting(0, _int_or_zero),
+    "encoder_repetition_penalty": Setting(1.0, float),
+    "encoder_no_repeat_ngram_size": Setting(0, _int_or_zero),
+    "bad_words_ids": Setting(None, _same),
+    "forced_bos_token_id": Setting(None, _same),
+    "forced_eos_token_id": Setting(None, _as_token_list),
+    "suppress_tokens": Setting(None, _as_token_list),
+    "begin_suppress_tokens": Setting(None, _as_token_list),
+    "pad_token_id": Setting(None, _same),
+    "bos_token_id": Setting(None, _same),
+    "eos_token_id": Setting(None, _as_token_list),
+    "decoder_start_token_id": Setting(None, _same),
 }
+
+GLOBAL_DEFAULTS: dict[str, Any] = {name: setting.default for name, setting in SCHEMA.items()}
+
+# Keywords of generate(): every setting but bos_token_id, which only the model's configs set
+# (it stands in for a missing decoder start token).
+GENERATE_KEYWORDS = frozenset(SCHEMA) - {"bos_token_id"}
 
 # Parameters that change the output and that this runtime does not implement: refuse them rather
 # than silently generate something else. Values are the settings that mean "off".
@@ -104,14 +136,6 @@ def model_generation_defaults(config: dict, generation_config: dict) -> dict[str
     return defaults
 
 
-def _as_token_list(value: Any) -> list[int] | None:
-    if value is None:
-        return None
-    if isinstance(value, (list, tuple)):
-        return [int(v) for v in value]
-    return [int(value)]
-
-
 def resolve_settings(
     config: dict,
     generation_config: dict,
@@ -162,33 +186,16 @@ def resolve_settings(
     if values["min_new_tokens"] is not None:
         min_length = values["min_new_tokens"] + prompt_length
 
-    settings = GenerationSettings(
+    fields = {f.name for f in dataclasses.fields(GenerationSettings)}
+    read = {name: SCHEMA[name].read(values[name]) for name in SCHEMA if name in fields}
+    read.update(
         max_length=int(max_length),
         min_length=int(min_length or 0),
-        min_new_tokens=values["min_new_tokens"],
-        max_new_tokens=values["max_new_tokens"],
-        early_stopping=values["early_stopping"],
-        do_sample=bool(values["do_sample"]),
-        num_beams=int(values["num_beams"]),
-        num_return_sequences=int(values["num_return_sequences"]),
-        temperature=float(values["temperature"]),
-        top_k=values["top_k"],
-        top_p=float(values["top_p"]),
-        repetition_penalty=float(values["repetition_penalty"]),
-        length_penalty=float(values["length_penalty"]),
-        no_repeat_ngram_size=int(values["no_repeat_ngram_size"] or 0),
-        encoder_repetition_penalty=float(values["encoder_repetition_penalty"]),
-        encoder_no_repeat_ngram_size=int(values["encoder_no_repeat_ngram_size"] or 0),
-        bad_words_ids=values["bad_words_ids"],
-        forced_bos_token_id=values["forced_bos_token_id"],
-        forced_eos_token_id=_as_token_list(values["forced_eos_token_id"]),
-        suppress_tokens=_as_token_list(values["suppress_tokens"]),
-        begin_suppress_tokens=_as_token_list(values["begin_suppress_tokens"]),
         pad_token_id=None if pad is None else int(pad),
         eos_token_id=eos,
         decoder_start_token_id=int(start),
-        prompt_length=prompt_length,
     )
+    settings = GenerationSettings(**read, prompt_length=prompt_length)
     validate_settings(settings)
     return settings
 

@@ -14,7 +14,7 @@ from onnxmerge.errors import GenerationError
 from onnxmerge.runtime.processors import build_processors
 from onnxmerge.runtime.search import beam_search, greedy_or_sample
 from onnxmerge.runtime.session import Cache, MergedSession, StepOutput
-from onnxmerge.settings import GenerationSettings, resolve_settings
+from onnxmerge.settings import GENERATE_KEYWORDS, GenerationSettings, resolve_settings
 
 logger = logging.getLogger(__name__)
 
@@ -239,44 +239,24 @@ class Seq2SeqModel:
         /,
         *,
         decoder_input_ids: np.ndarray | None = None,
-        max_new_tokens: int | None = None,
-        max_length: int | None = None,
-        min_new_tokens: int | None = None,
-        min_length: int | None = None,
-        num_beams: int | None = None,
-        num_return_sequences: int | None = None,
-        do_sample: bool | None = None,
-        temperature: float | None = None,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        repetition_penalty: float | None = None,
-        no_repeat_ngram_size: int | None = None,
-        encoder_repetition_penalty: float | None = None,
-        encoder_no_repeat_ngram_size: int | None = None,
-        length_penalty: float | None = None,
-        early_stopping: bool | str | None = None,
-        bad_words_ids: list[list[int]] | None = None,
-        forced_bos_token_id: int | None = None,
-        forced_eos_token_id: int | list[int] | None = None,
-        suppress_tokens: list[int] | None = None,
-        begin_suppress_tokens: list[int] | None = None,
-        pad_token_id: int | None = None,
-        eos_token_id: int | list[int] | None = None,
-        decoder_start_token_id: int | None = None,
         seed: int | None = None,
-        **named_inputs: np.ndarray,
+        **keywords: Any,
     ) -> np.ndarray:
         """Generate token ids, as transformers' ``generate()`` does for encoder-decoder models.
 
         Encoder inputs are numpy arrays passed by name (``input_ids=..., attention_mask=...``,
-        or ``input_features=...`` for Whisper), or as one mapping. Settings left at None take
-        the model's generation config, then transformers' defaults. Returns an int64 array
+        or ``input_features=...`` for Whisper), or as one mapping. Other keywords are the
+        settings of ``onnxmerge.settings.GENERATE_KEYWORDS`` (``max_new_tokens``, ``num_beams``,
+        ``do_sample``, ...); those left at None take the model's generation config, then
+        transformers' defaults. Returns an int64 array
         ``[batch * num_return_sequences, length]`` starting with the decoder start token; rows
         that finished early are padded like transformers pads them.
 
         Raises:
             GenerationError: invalid inputs or settings.
         """
+        overrides = {k: v for k, v in keywords.items() if k in GENERATE_KEYWORDS}
+        named_inputs = {k: v for k, v in keywords.items() if k not in GENERATE_KEYWORDS}
         given = dict(encoder_inputs or {})
         overlap = set(given) & set(named_inputs)
         if overlap:
@@ -288,32 +268,6 @@ class Seq2SeqModel:
             )
         inputs = self._check_encoder_inputs(given)
         batch = next(iter(inputs.values())).shape[0]
-        overrides = dict(
-            max_new_tokens=max_new_tokens,
-            max_length=max_length,
-            min_new_tokens=min_new_tokens,
-            min_length=min_length,
-            num_beams=num_beams,
-            num_return_sequences=num_return_sequences,
-            do_sample=do_sample,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            repetition_penalty=repetition_penalty,
-            no_repeat_ngram_size=no_repeat_ngram_size,
-            encoder_repetition_penalty=encoder_repetition_penalty,
-            encoder_no_repeat_ngram_size=encoder_no_repeat_ngram_size,
-            length_penalty=length_penalty,
-            early_stopping=early_stopping,
-            bad_words_ids=bad_words_ids,
-            forced_bos_token_id=forced_bos_token_id,
-            forced_eos_token_id=forced_eos_token_id,
-            suppress_tokens=suppress_tokens,
-            begin_suppress_tokens=begin_suppress_tokens,
-            pad_token_id=pad_token_id,
-            eos_token_id=eos_token_id,
-            decoder_start_token_id=decoder_start_token_id,
-        )
         # The prompt's length decides max_length; resolve the start token first.
         start = resolve_settings(self.config, self.generation_config, overrides, 1)
         prompt = self._prompt(decoder_input_ids, batch, start.decoder_start_token_id)

@@ -166,7 +166,7 @@ def convert_one(job: Job, out_dir: str | os.PathLike, options: Options) -> Model
     except Exception as e:  # any failure of one model must not end the batch
         logger.debug("conversion of %s failed:\n%s", job.name, traceback.format_exc())
         error = f"{type(e).__name__}: {e}"
-        if isinstance(e, MemoryError) or "bad_alloc" in error:  # C++ code reports it so
+        if _out_of_memory(e, error):
             error = (
                 f"out of memory within the {job.memory_bytes / 2**20:.0f} MiB declared for this "
                 f"model; declare more (--memory) or run fewer at once ({error})"
@@ -175,6 +175,15 @@ def convert_one(job: Job, out_dir: str | os.PathLike, options: Options) -> Model
     finally:
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
+
+
+# How native code reports an allocation past the cap: C++ (bad_alloc), the dynamic loader mapping
+# a library that a step imports lazily, and mmap/malloc failing with ENOMEM.
+_NATIVE_OUT_OF_MEMORY = ("bad_alloc", "failed to map segment", "cannot allocate memory")
+
+
+def _out_of_memory(error: Exception, text: str) -> bool:
+    return isinstance(error, MemoryError) or any(s in text.lower() for s in _NATIVE_OUT_OF_MEMORY)
 
 
 @contextlib.contextmanager

@@ -9,8 +9,11 @@ batch 1 (32 source ids) and batch 8 (mixed lengths), exactly 32 new tokens (eos 
 before that on both sides), load time (import + load), resident memory after load, and how often
 the generated tokens agree.
 
-Our int8 side is ``onnxmerge.quantize(..., weights="int8")`` when the library has it, otherwise
-onnxruntime's ``quantize_dynamic(QInt8, EnableSubgraph)`` on the merged file, labelled as such.
+Our files, each against CTranslate2 at its precision: the plain merged file (``float32``); the
+export's files each through onnxruntime's transformer optimizer before the merge (``float32
+optimized``); ``onnxmerge.quantize(..., weights="int8")`` of both (``int8``, ``int8 optimized``);
+and onnxruntime's ``quantize_dynamic(QInt8, EnableSubgraph)`` on the merged file (``int8
+quantize_dynamic``), a reference for onnxruntime's int8 kernels.
 
 Usage: python benchmarks/bench_ctranslate2.py [--quick] [--out benchmarks/out/ctranslate2.json]
     [--repeats 5] [--rounds 2] [--threads 2]
@@ -105,15 +108,72 @@ def quantize_ours(merged: Path, target: Path) -> str:
     """Our int8 file; returns how it was made."""
     import onnxmerge
 
-    if hasattr(onnxmerge, "quantize"):
-        onnxmerge.quantize(merged, target, weights="int8")
-        return "onnxmerge.quantize(weights='int8')"
+    onnxmerge.quantize(merged, target, weights="int8")
+    return "onnxmerge.quantize(weights='int8')"
+
+
+def quantize_dynamic_stand_in(merged: Path, target: Path) -> str:
+    """onnxruntime's own int8 on the merged file: kernels to compare ours with, not a format."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     quantize_dynamic(
         merged, target, weight_type=QuantType.QInt8, extra_options={"EnableSubgraph": True}
     )
-    return "stand-in: onnxruntime quantize_dynamic(QInt8, EnableSubgraph) on the merged file"
+    return "onnxruntime quantize_dynamic(QInt8, EnableSubgraph) on the merged file"
+
+
+def optimize_for_onnxruntime(onnx_dir: Path, target_dir: Path) -> Path:
+    """Each export file through onnxruntime's transformer optimizer (model type ``bart``, as
+    optimum maps Marian), the rest of the folder copied; returns the new folder."""
+    from onnxruntime.transformers.optimizer import optimize_model
+
+    config = json.loads((onnx_dir / "config.json").read_text())
+    target_dir.mkdir(parents=True)
+    for item in onnx_dir.iterdir():
+        if item.suffix == ".onnx" or item.name.endswith(".onnx_data"):
+            continue
+        if item.is_file():
+            shutil.copy2(item, target_dir / item.name)
+    for name in ("encoder_model.onnx", "decoder_model.onnx", "decoder_with_past_model.onnx"):
+        optimized = optimize_model(
+            os.fspath(onnx_dir / name),
+            model_type="bart",
+            num_heads=int(config["encoder_attention_heads"]),
+            hidden_size=int(config["d_model"]),
+        )
+        optimized.save_model_to_file(os.fspath(target_dir / name))
+    return target_dir
+
+
+def build_ours(onnx_dir: Path, scratch: Path) -> tuple[dict[str, tuple[str, Path]], dict]:
+    """Our files, by variant name: ``(precision, path)``, and how each was made."""
+    import onnxmerge
+
+    plain = onnxmerge.merge_seq2seq(onnx_dir, scratch / "plain" / "model.onnx")
+    optimized_dir = optimize_for_onnxruntime(onnx_dir, scratch / "optimized-export")
+    optimized = onnxmerge.merge_seq2seq(optimized_dir, scratch / "optimized" / "model.onnx")
+    files = {"float32": ("float32", plain), "float32 optimized": ("float32", optimized)}
+    made_by = {
+        "float32": "merge_seq2seq of the export",
+        "float32 optimized": "each export file through optimize_model(model_type='bart'), merged",
+    }
+    makers = [
+        ("int8", plain, quantize_ours),
+        ("int8 optimized", optimized, quantize_ours),
+        ("int8 quantize_dynamic", plain, quantize_dynamic_stand_in),
+    ]
+    for variant, source, maker in makers:
+        target = scratch / variant.replace(" ", "-") / "model.onnx"
+        target.parent.mkdir()
+        try:
+            made_by[variant] = maker(source, target)
+        except onnxmerge.OnnxMergeError as error:  # e.g. a fused graph quantize does not know
+            made_by[variant] = f"not made: {error}"
+            continue
+        if source is optimized:
+            made_by[variant] += " on the optimized file"
+        files[variant] = ("int8", target)
+    return files, {v: made_by[v] for v in made_by}
 
 
 # -- the child processes ---------------------------------------------------------------------------
@@ -309,46 +369,42 @@ def main(argv: list[str] | None = None) -> int:
     config = {k: int(getattr(full, k)) for k in ("vocab_size", "pad_token_id", "eos_token_id")}
     scratch = Path(tempfile.mkdtemp(prefix="bench-ctranslate2-"))
     try:
-        import onnxmerge
-
-        merged = onnxmerge.merge_seq2seq(export.onnx_dir, scratch / "model.onnx")
-        int8 = scratch / "int8" / "model.onnx"
-        int8.parent.mkdir()
-        int8_made_by = quantize_ours(merged, int8)
+        ours, made_by = build_ours(export.onnx_dir, scratch)
         ct2 = convert_ctranslate2(export.pytorch_dir, scratch, config)
-        sides = {
-            "float32": {"ours": merged, "ctranslate2": ct2["float32"]},
-            "int8": {"ours": int8, "ctranslate2": ct2["int8"]},
-        }
-        runs = {p: {"ours": [], "ctranslate2": []} for p in sides}
-        for _ in range(args.rounds):  # alternate, so load on the machine hits both sides alike
-            for precision, paths in sides.items():
-                for side, path in paths.items():
-                    runs[precision][side].append(
-                        _child(side, path, config, args.repeats, args.threads)
-                    )
+        runs = {v: [] for v in ours}
+        ct2_runs = {p: [] for p in ct2}
+        for _ in range(args.rounds):  # alternate, so load on the machine hits all sides alike
+            for precision, path in ct2.items():
+                ct2_runs[precision].append(
+                    _child("ctranslate2", path, config, args.repeats, args.threads)
+                )
+                for variant, (variant_precision, ours_path) in ours.items():
+                    if variant_precision == precision:
+                        runs[variant].append(
+                            _child("ours", ours_path, config, args.repeats, args.threads)
+                        )
         files_mb = {
-            p: {
-                "ours": _common.files_bytes(paths["ours"].parent, ["model.onnx"]) / 1e6,
-                "ctranslate2": (paths["ctranslate2"] / "model.bin").stat().st_size / 1e6,
-            }
-            for p, paths in sides.items()
+            v: _common.files_bytes(path.parent, [path.name]) / 1e6 for v, (_, path) in ours.items()
         }
+        files_mb.update({p: (path / "model.bin").stat().st_size / 1e6 for p, path in ct2.items()})
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+    theirs = {p: _medians(r) for p, r in ct2_runs.items()}
     precisions = {}
-    for precision in sides:
-        ours, theirs = _medians(runs[precision]["ours"]), _medians(runs[precision]["ctranslate2"])
-        result = compare(ours, theirs)
+    for variant, (precision, _) in ours.items():
+        mine = _medians(runs[variant])
+        result = compare(mine, theirs[precision])
         targets = TARGETS[precision]
-        precisions[precision] = {
-            "ours": ours,
-            "ctranslate2": theirs,
+        precisions[variant] = {
+            "precision": precision,
+            "made_by": made_by[variant],
+            "ours": mine,
+            "ctranslate2": theirs[precision],
             **result,
-            "files_mb": files_mb[precision],
+            "files_mb": {"ours": files_mb[variant], "ctranslate2": files_mb[precision]},
             "targets": targets,
             "targets_met": {k: result["ratios"][k] <= v for k, v in targets.items()},
-            "runs": runs[precision],
+            "runs": {"ours": runs[variant], "ctranslate2": ct2_runs[precision]},
         }
     import ctranslate2
     import onnxruntime
@@ -367,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
             "load_s": "import + load, in a fresh process",
             "rss": "VmRSS after load, whole process",
         },
-        "int8_ours": int8_made_by,
+        "int8_ours": "; ".join(f"{v}: {p['made_by']}" for v, p in precisions.items()),
         "precisions": precisions,
         "environment": {
             "python": platform.python_version(),

@@ -119,7 +119,7 @@ def _ctranslate2_section(data: dict) -> list[str]:
              f"{data['model']}, {s['threads']} threads, exactly {s['new_tokens']} new tokens; "
              f"batch 1 has {s['batch1_source_tokens']} source ids, batch 8 has lengths "
              f"{', '.join(map(str, s['batch8_source_lengths']))}. CTranslate2 converts the same "
-             "PyTorch folder (`TransformersConverter`, float32 and int8). Our int8 file: "
+             "PyTorch folder (`TransformersConverter`, float32 and int8). Our files: "
              f"{data['int8_ours']}. Times are seconds ({s['statistic']}); ratios are "
              "onnxmerge / CTranslate2, below 1 is better; agreement is the share of positions "
              "with the same token (the last, a forced eos on our side, left out). Both sides run "

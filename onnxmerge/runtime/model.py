@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -14,7 +15,7 @@ from onnxmerge.errors import GenerationError
 from onnxmerge.runtime.processors import build_processors
 from onnxmerge.runtime.search import beam_search, greedy_or_sample
 from onnxmerge.runtime.session import Cache, MergedSession, StepOutput
-from onnxmerge.settings import GENERATE_KEYWORDS, GenerationSettings, resolve_settings
+from onnxmerge.settings import GENERATE_KEYWORDS, SCHEMA, GenerationSettings, resolve_settings
 
 logger = logging.getLogger(__name__)
 
@@ -352,6 +353,21 @@ class Seq2SeqModel:
             f"Seq2SeqModel({str(self.path)!r}, model_type={self.model_type!r}, "
             f"layers={self.num_layers}, layout={self.info.layout!r})"
         )
+
+
+def _generate_signature() -> inspect.Signature:
+    """generate()'s signature as callers see it: every setting of the schema by name (help(),
+    editors and the docs' signature check read it), encoder inputs by name after them."""
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    written = inspect.signature(Seq2SeqModel.generate).parameters
+    names = [name for name in SCHEMA if name in GENERATE_KEYWORDS]
+    settings = [inspect.Parameter(name, keyword, default=None) for name in names]
+    return inspect.Signature(
+        [*(p for p in written.values() if p.kind != p.VAR_KEYWORD), *settings, written["keywords"]]
+    )
+
+
+Seq2SeqModel.generate.__signature__ = _generate_signature()
 
 
 def _cast(name: str, value: np.ndarray, dtype: type, rank: int) -> np.ndarray:

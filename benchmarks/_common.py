@@ -108,6 +108,24 @@ class Export:
         return self.pytorch_dir / CHECKPOINT_FILE
 
 
+def timed_runs(fn: Callable[[], Any], repeats: int) -> tuple[list[float], Any]:
+    """``fn()`` once to warm up (onnxruntime allocates and tunes on the first run), then
+    ``repeats`` timed runs: the seconds of each and the last result."""
+    result = fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        result = fn()
+        times.append(time.perf_counter() - start)
+    return times, result
+
+
+def median_time(fn: Callable[[], Any], repeats: int) -> tuple[float, list[float], Any]:
+    """The median of :func:`timed_runs`, its times and the last result."""
+    times, result = timed_runs(fn, repeats)
+    return statistics.median(times), times, result
+
+
 def package_versions() -> dict[str, str]:
     return exports.package_versions(_VERSIONED)
 
@@ -366,8 +384,15 @@ def repeat_in_subprocess(
         if before_each is not None:
             before_each()
         runs.append(run_in_subprocess(fn_path, args, kwargs, preload=preload))
-    keys = ("wall_s", "call_s", "peak_rss_bytes", "baseline_rss_bytes", "peak_call_rss_bytes",
-            "peak_private_bytes", "maxrss_bytes")
+    keys = (
+        "wall_s",
+        "call_s",
+        "peak_rss_bytes",
+        "baseline_rss_bytes",
+        "peak_call_rss_bytes",
+        "peak_private_bytes",
+        "maxrss_bytes",
+    )
     return {"median": median_runs(runs, keys), "runs": runs}
 
 

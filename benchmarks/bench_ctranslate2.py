@@ -32,7 +32,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
@@ -191,16 +190,6 @@ def _padded(rows: list[list[int]], pad: int):
     return ids, mask
 
 
-def _median_time(fn, repeats: int) -> tuple[float, list[float], Any]:
-    result = fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), times, result
-
-
 def worker_ours(path: str, config: dict, repeats: int, threads: int) -> dict:
     rss_before = _common.self_rss_bytes()["rss_bytes"]
     start = time.perf_counter()
@@ -225,7 +214,7 @@ def worker_ours(path: str, config: dict, repeats: int, threads: int) -> dict:
                 max_new_tokens=NEW_TOKENS,
             )
 
-        median, times, out = _median_time(run, repeats)
+        median, times, out = _common.median_time(run, repeats)
         cases[f"{name}_b{batch}"] = {
             "s": median,
             "times": times,
@@ -262,7 +251,7 @@ def worker_ctranslate2(path: str, config: dict, repeats: int, threads: int) -> d
                 max_batch_size=0,
             )
 
-        median, times, out = _median_time(run, repeats)
+        median, times, out = _common.median_time(run, repeats)
         cases[f"{name}_b{batch}"] = {
             "s": median,
             "times": times,

@@ -72,12 +72,7 @@ def _as_arrays(ids: list[int]):
 
 
 def _time_best(generate, repeats: int) -> tuple[float, list[float], list[int]]:
-    tokens = generate()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        tokens = generate()
-        times.append(time.perf_counter() - start)
+    times, tokens = _common.timed_runs(generate, repeats)
     return min(times), times, [int(t) for t in tokens[0]]
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
 import sys
 import tempfile
 import time
@@ -52,18 +51,9 @@ def _inputs(config: dict, batch: int, length: int, seed: int) -> dict[str, Any]:
     return {"input_ids": ids, "attention_mask": mask}
 
 
-def _timed(fn, repeats: int) -> tuple[float, Any]:
-    result = fn()  # warm-up: onnxruntime allocates and tunes on the first run
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), result
-
-
-def measure(export_dir: Path, batch: int, length: int, new_tokens: int, repeats: int,
-            threads: int) -> dict[str, Any]:
+def measure(
+    export_dir: Path, batch: int, length: int, new_tokens: int, repeats: int, threads: int
+) -> dict[str, Any]:
     import numpy as np
 
     import onnxmerge
@@ -85,10 +75,10 @@ def measure(export_dir: Path, batch: int, length: int, new_tokens: int, repeats:
         session = open_session(generator, options())
         inputs = _inputs(model.config, batch, length, seed=0)
         feeds = {**inputs, "max_new_tokens": np.array(new_tokens, np.int64)}
-        python_s, python_out = _timed(
+        python_s, _, python_out = _common.median_time(
             lambda: model.generate(**inputs, max_new_tokens=new_tokens), repeats
         )
-        graph_s, graph_out = _timed(lambda: session.run(None, feeds)[0], repeats)
+        graph_s, _, graph_out = _common.median_time(lambda: session.run(None, feeds)[0], repeats)
         identical = python_out.shape == graph_out.shape and bool((python_out == graph_out).all())
         generated = int(graph_out.shape[0] * (graph_out.shape[1] - 1))
     return {
@@ -124,8 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     factory = _common.tiny_marian_config if args.quick else _common.opus_mt_config
     export = _common.export_cached(factory, "tied")
     runs = [
-        measure(export.onnx_dir, b, args.source_length, args.new_tokens, args.repeats,
-                args.threads)
+        measure(export.onnx_dir, b, args.source_length, args.new_tokens, args.repeats, args.threads)
         for b in args.batches
     ]
     result = {
@@ -136,8 +125,11 @@ def main(argv: list[str] | None = None) -> int:
         "repeats": args.repeats,
         "threads": args.threads or "onnxruntime default",
         "runs": runs,
-        "platform": {"python": platform.python_version(), "machine": platform.machine(),
-                     "packages": _common.package_versions()},
+        "platform": {
+            "python": platform.python_version(),
+            "machine": platform.machine(),
+            "packages": _common.package_versions(),
+        },
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")

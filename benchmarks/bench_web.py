@@ -116,10 +116,10 @@ def python_side(
     session = open_session(generator, options)
     generator_session_s = time.perf_counter() - start
     feeds = {**inputs, "max_new_tokens": np.array(new_tokens, np.int64)}
-    runtime_s, sequences = _timed(
+    runtime_s, _, sequences = _common.median_time(
         lambda: model.generate(**inputs, max_new_tokens=new_tokens), repeats
     )
-    generator_s, _ = _timed(lambda: session.run(None, feeds)[0], repeats)
+    generator_s, _, _ = _common.median_time(lambda: session.run(None, feeds)[0], repeats)
     return {
         "threads": threads,
         "runtime_session_s": runtime_session_s,
@@ -128,16 +128,6 @@ def python_side(
         "generator_translation_s": generator_s,
         "sequences": sequences.tolist(),
     }
-
-
-def _timed(fn, repeats: int) -> tuple[float, Any]:
-    result = fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), result
 
 
 # ---------------------------------------------------------------- browser side

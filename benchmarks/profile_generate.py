@@ -99,11 +99,20 @@ def _ort_profile(path: Path, ids, beams: int, threads: int) -> dict[str, Any]:
         events = json.loads(Path(model.session.end_profiling()).read_text())
     by_op: collections.Counter[str] = collections.Counter()
     runs = 0.0
+    run_starts: list[int] = []
+    operator_starts: list[int] = []
     for event in events:
         if event.get("cat") == "Session" and event.get("name") == "model_run":
             runs += event["dur"]
+            run_starts.append(event["ts"])
         elif event.get("cat") == "Node" and event.get("name", "").endswith("_kernel_time"):
-            by_op[event["args"].get("op_name", "?")] += event["dur"]
+            op = event["args"].get("op_name", "?")
+            by_op[op] += event["dur"]
+            if op != "If":
+                operator_starts.append(event["ts"])
+    # Operators that ran after the first step started its successor: the cached steps'.
+    second_run = sorted(run_starts)[1] if len(run_starts) > 1 else float("inf")
+    cached_operators = sum(ts >= second_run for ts in operator_starts)
     # If nodes contain the branch's nodes; count only leaf operators.
     leaf = sum(v for k, v in by_op.items() if k != "If")
     top = dict(
@@ -114,6 +123,7 @@ def _ort_profile(path: Path, ids, beams: int, threads: int) -> dict[str, Any]:
         "operators_ms": leaf / 1e3,
         "outside_operators_ms": (runs - leaf) / 1e3,
         "top_operators_ms": top,
+        "operators_per_cached_step": cached_operators / max(1, len(run_starts) - 1),
     }
 
 
@@ -134,6 +144,18 @@ def profile(merged: Path, config: dict, threads: int, repeats: int) -> dict[str,
     }
 
 
+def merge_without(step_type: type, export_dir: Path, target: Path) -> Path:
+    """The merge with one rewrite pass left out, to measure what that pass is worth."""
+    from onnxmerge import merge
+
+    steps = merge.rewrite_steps
+    merge.rewrite_steps = lambda: tuple(s for s in steps() if not isinstance(s, step_type))
+    try:
+        return merge.merge_seq2seq(export_dir, target)
+    finally:
+        merge.rewrite_steps = steps
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny Marian model")
@@ -148,14 +170,20 @@ def main(argv: list[str] | None = None) -> int:
     import onnxmerge
 
     with tempfile.TemporaryDirectory(prefix="profile-generate-") as tmp:
-        merged = onnxmerge.merge_seq2seq(export.onnx_dir, Path(tmp) / "model.onnx")
+        report = onnxmerge.merge_seq2seq_with_report(export.onnx_dir, Path(tmp) / "model.onnx")
+        merged = report.path
         result = {
             "benchmark": "profile",
             "model": "tiny Marian" if args.quick else "opus-mt-fr-en shape",
             "threads": args.threads,
             "new_tokens": NEW_TOKENS,
+            "merge_rewrites": report.rewrites,
             "searches": profile(merged, config, args.threads, args.repeats),
         }
+        from onnxmerge.reshape_targets import FoldReshapeTargets
+
+        unfolded = merge_without(FoldReshapeTargets, export.onnx_dir, Path(tmp) / "unfolded.onnx")
+        result["without_reshape_folding"] = profile(unfolded, config, args.threads, args.repeats)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result["searches"], indent=1))

@@ -22,6 +22,7 @@ from onnxmerge import (
     dims,
     model_io,
     passes,
+    reshape_targets,
     roles,
     splice,
     tied_head,
@@ -201,7 +202,11 @@ def merge_seq2seq_with_report(
 
 def rewrite_steps() -> tuple[ir.passes.InPlacePass, ...]:
     """The rewrite passes of a merge after the splice, in the order they run."""
-    return (*dedup.store_once_steps(), tied_head.GemmForTransposedWeights())
+    return (
+        reshape_targets.FoldReshapeTargets(),
+        *dedup.store_once_steps(),
+        tied_head.GemmForTransposedWeights(),
+    )
 
 
 def find_checkpoint(folder: Path) -> Path | None:

@@ -479,6 +479,22 @@ def test_bad_words_ban_single_tokens_and_word_ends_after_their_prefix():
     np.testing.assert_array_equal(got, expected)
 
 
+@pytest.mark.parametrize(
+    ("forced_bos", "length", "banned"), [(None, 1, True), (None, 2, False), (6, 2, True)]
+)
+def test_begin_suppress_waits_for_a_forced_bos(forced_bos, length, banned):
+    from onnxmerge.runtime.processors import build_processors
+
+    g = _step_graph_for_processor(encoder=False)
+    settings = _settings(begin_suppress_tokens=[5], forced_bos_token_id=forced_bos)
+    processed = processors.apply(g.ops, settings, VOCAB, _step_values(g))
+    sequences = np.array([[START, 6][:length]] * 3)
+    scores = _scores()
+    (got,) = g.run([processed], scores=scores, sequences=sequences, max_length=np.array(9))
+    assert np.isneginf(got[:, 5]).all() == banned
+    np.testing.assert_array_equal(got, build_processors(settings)(sequences, scores.copy()))
+
+
 # ---------------------------------------------------------------- assembly
 
 

@@ -582,3 +582,65 @@ def test_vocab_size_comes_from_the_logits_or_the_config():
     Info.config = {}
     with pytest.raises(InvalidMergedModelError, match="vocabulary size"):
         build._vocab_size(Info(), symbolic)
+
+
+@pytest.fixture(scope="module")
+def merged_text_model(tmp_path_factory):
+    from onnxmerge import merge_seq2seq
+
+    folder = tm.write_export(tmp_path_factory.mktemp("steps") / "export")
+    return merge_seq2seq(folder, folder.parent / "merged" / "model.onnx")
+
+
+@pytest.mark.parametrize("num_beams", [1, 2])
+def test_first_step_and_cached_decoder_read_the_right_inputs(merged_text_model, num_beams):
+    """Both decoders wired into one graph: the first step for every beam, and the cached
+    decoder reading given tokens and past with the first step's encoder key/values."""
+    from onnxmerge import contract
+
+    model = ir.load(merged_text_model)
+    graph = model.graph
+    names = [[v.name for v in values] for values in (graph.inputs, graph.outputs)]
+    info = contract.read_contract(dict(model.metadata_props), *names)
+    branches = build._take_branches(graph)
+    inputs = {v.name: v for v in graph.inputs}
+    main, body = Ops(Names(), tm.OPSET), Ops(Names("body"), tm.OPSET)
+    max_new = ir.Value(name="max_new", type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([]))
+    first = build._first_step(main, info, _settings(), num_beams, branches, inputs, max_new)
+    cached = build._wire_cached_decoder(body, info, branches, inputs, first)
+    for node in branches.first_nodes + main.nodes + branches.cached_nodes + body.nodes:
+        graph.append(node)
+    graph.inputs.clear()
+    graph.inputs.extend([inputs["input_ids"], inputs["attention_mask"], max_new])
+    graph.inputs.extend([cached.tokens_in, *cached.past_in])
+    graph.outputs.extend([first.logits, first.max_length, first.trips, *first.decoder_presents])
+    graph.outputs.extend([cached.logits, *cached.presents])
+    graph.sort()
+
+    sample = tm.sample_inputs(seed=2)
+    rows = 2 * num_beams
+    tokens = np.random.default_rng(3).integers(3, tm.VOCAB, (rows, 1))
+    decoder_pasts = contract.past_names(tm.LAYERS, "decoder")
+    pasts = [np.repeat(sample[n], num_beams, 0) for n in decoder_pasts]
+    feeds = {n: sample[n] for n in ("input_ids", "attention_mask")}
+    feeds.update({"max_new": np.array(5), cached.tokens_in.name: tokens})
+    feeds.update({v.name: p for v, p in zip(cached.past_in, pasts, strict=True)})
+    got = tm.run_model(model, feeds)
+
+    start = {**sample, "decoder_input_ids": np.full((2, 1), START)}
+    expected = tm.run_merged(merged_text_model, start, use_cache=False)
+    assert int(got[1]) == 5 + 1 and int(got[2]) == 4  # max_length, further steps
+    np.testing.assert_allclose(got[0], np.repeat(expected["logits"][:, -1], num_beams, 0))
+    presents = contract.present_names(tm.LAYERS, "decoder")
+    for value, name in zip(got[3 : 3 + len(presents)], presents, strict=True):
+        np.testing.assert_allclose(value, np.repeat(expected[name], num_beams, 0))
+    step = {"attention_mask": np.repeat(sample["attention_mask"], num_beams, 0)}
+    step.update({"input_ids": np.repeat(sample["input_ids"], num_beams, 0), "next_token": tokens})
+    step.update(dict(zip(decoder_pasts, pasts, strict=True)))
+    for name in contract.past_names(tm.LAYERS, "encoder"):
+        present = name.replace("past_key_values", "present")
+        step[name] = np.repeat(expected[present], num_beams, 0)
+    reference = tm.run_merged(merged_text_model, step, use_cache=True)
+    np.testing.assert_allclose(got[3 + len(presents)], reference["logits"][:, -1], rtol=1e-5)
+    for value, name in zip(got[4 + len(presents) :], presents, strict=True):
+        np.testing.assert_allclose(value, reference[name], rtol=1e-5)

@@ -102,6 +102,20 @@ def _candidate_feeds(rng, hits: list[list[bool]], next_len: int = 4) -> dict[str
     }
 
 
+@pytest.mark.parametrize("opset", [17, 18])
+def test_any_and_all_reduce_bool_flags_in_the_models_opset(opset):
+    # Before opset 18 the axes of Reduce* are an attribute, from 18 on an input.
+    g = StepGraph("bool[R, N] flags", opset)
+    flags = g.v["flags"]
+    ops = g.ops
+    outputs = [ops.any(flags), ops.all(flags), ops.any(flags, 1, True), ops.all(flags, 1)]
+    value = np.array([[True, False], [True, True]])
+    got = g.run(outputs, flags=value)
+    assert bool(got[0]) and not bool(got[1])
+    np.testing.assert_array_equal(got[2], value.any(1, keepdims=True))
+    np.testing.assert_array_equal(got[3], value.all(1))
+
+
 # ---------------------------------------------------------------- greedy search
 
 

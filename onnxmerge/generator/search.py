@@ -176,16 +176,17 @@ class _NewlyFinished:
 def beam_step(ops: Ops, search: Search, logits: ir.Value, state: Beams) -> Beams:
     """One step of beam search on ``logits`` ``[batch * beams, vocab]``.
 
-    Each named step returns the state with its own fields replaced (transformers' steps c-g).
+    Each named step (transformers' steps c-g) returns the state with its own fields replaced;
+    later steps read the fields earlier ones replaced.
     """
     cur_len = ops.dim(state.running, 2)
     log_probs, vocab_dim = _beam_log_probs(ops, search, logits, state, cur_len)
     candidates = _top_candidates(ops, search, state, log_probs, vocab_dim, cur_len)
-    nxt = _keep_running(ops, search, state, candidates)
+    updated = _keep_running(ops, search, state, candidates)
     new = _newly_finished(ops, search, state, candidates)
-    nxt = _keep_finished(ops, search, nxt, candidates, new)
-    nxt = _stop_test(ops, search, nxt, candidates, new.generated)
-    return replace(nxt, rows=ops.op("Reshape", nxt.rows, ops.i64([-1])))
+    updated = _keep_finished(ops, search, updated, candidates, new)
+    updated = _stop_test(ops, search, updated, candidates, new.generated)
+    return replace(updated, rows=ops.op("Reshape", updated.rows, ops.i64([-1])))
 
 
 def _beam_log_probs(

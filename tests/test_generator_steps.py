@@ -38,11 +38,14 @@ class StepGraph:
         self.v = {value.name: value for value in self.model.graph.inputs}
 
     def run(self, outputs: list[ir.Value], **feeds) -> list[np.ndarray]:
+        return self.session(outputs).run(None, feeds)
+
+    def session(self, outputs: list[ir.Value]):
         graph = self.model.graph
         for node in self.ops.nodes:
             graph.append(node)
         graph.outputs.extend(outputs)
-        return tm.run_model(self.model, feeds)
+        return tm.session(ir.serde.serialize_model(self.model).SerializeToString())
 
     def beams(self) -> search.Beams:
         return search.Beams(*(self.v[n] for n in _names(BEAM_STATE)))
@@ -309,12 +312,13 @@ def test_finished_beams_keep_the_best_of_old_and_new(early_stopping, settled):
         ("worse", False),
         ("never", True),
         ("never-worse", False),
+        ("early-all-finished", False),
     ],
 )
 def test_stop_test_goes_on_while_a_running_beam_can_win(case, keep_going):
     g = StepGraph(f"{CANDIDATES}, {BEAM_STATE}, int64 batch, int64 max_length, int64 generated")
     never = case.startswith("never")
-    early = "never" if never else False
+    early = "never" if never else case.startswith("early")
     steps = _search(g, 2, length_penalty=2.0, early_stopping=early)
     done = search._stop_test(g.ops, steps, g.beams(), g.candidates(), g.v["generated"])
     rng = np.random.default_rng(5)
@@ -322,9 +326,11 @@ def test_stop_test_goes_on_while_a_running_beam_can_win(case, keep_going):
     # Input 0: finished at -0.4 (all beams); input 1: nothing finished, so always improvable.
     feeds["finished"][:] = [[True, True], [False, False]]
     feeds["scores"][0] = [-0.4, -0.5]
-    best = {"improvable": -1.0, "all-hit": -1.0, "worse": -3.0, "never": -3.0}.get(case, -40.0)
+    best = {"worse": -3.0, "never": -3.0, "never-worse": -40.0}.get(case, -1.0)
     feeds["running_scores"][0, 0] = best
     feeds["unsatisfied"][1] = not (never or case == "worse")  # input 1 settled earlier
+    # Early stopping ends the search once every beam of every input has finished.
+    feeds["finished"][1] = early is True
     hits = [[case == "all-hit"] * 4] * 2
     got = g.run(
         [done.unsatisfied, done.keep_going],
@@ -338,6 +344,69 @@ def test_stop_test_goes_on_while_a_running_beam_can_win(case, keep_going):
     denominator = 8.0**2 if never else 2.0**2
     assert bool(got[0][0, 0]) == (best / denominator > -0.5)
     assert bool(got[1]) == keep_going
+
+
+class _FixedLogits:
+    """A runtime step runner whose logits depend on the step only: both searches see the same."""
+
+    def __init__(self, steps: list[np.ndarray]):
+        self.steps = iter(steps)
+
+    def start(self) -> np.ndarray:
+        return next(self.steps)
+
+    def advance(self, tokens: np.ndarray) -> np.ndarray:
+        return next(self.steps)
+
+    def expand(self, n: int) -> None:
+        pass
+
+    def reorder(self, rows: np.ndarray, *, within_batch: bool = False) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {},
+        {"early_stopping": True, "length_penalty": 0.6},
+        {"early_stopping": "never", "length_penalty": 1.5},
+        {"eos_token_id": [EOS, 5]},
+    ],
+)
+def test_beam_steps_in_a_loop_match_the_python_runtime(settings):
+    """The graph's step, run until it stops, and the runtime's beam search: same sequences."""
+    from onnxmerge.runtime import search as runtime_search
+    from onnxmerge.runtime.processors import ProcessorList
+
+    batch, beams, max_new = 2, 3, 6
+    resolved = _settings(num_beams=beams, max_new_tokens=max_new, **settings)
+    g = StepGraph(f"float[R, V] logits, {BEAM_STATE}, int64 batch, int64 max_length")
+    steps = search.Search(resolved, VOCAB, g.v["max_length"], None, g.v["batch"], beams)
+    out = search.beam_step(g.ops, steps, g.v["logits"], g.beams())
+    best, _ = search.best_sequences(g.ops, out, 1)
+    session = g.session(build._own_outputs(g.ops, [*out.carried(), out.keep_going, best]))
+    rng = np.random.default_rng(9)
+    prompt = rng.standard_normal((batch, VOCAB)).astype(np.float32) * 3
+    later = [rng.standard_normal((batch * beams, VOCAB)).astype(np.float32) for _ in range(6)]
+    logits = [np.repeat(prompt, beams, 0), *later]  # every beam of an input starts alike
+    first = np.full((batch, beams), NEG)
+    first[:, 0] = 0.0
+    state = [np.full((batch, beams, 1), START), first, np.full((batch, beams, 1), START),
+             np.full((batch, beams), NEG), np.zeros((batch, beams), np.int64),
+             np.zeros((batch, beams), bool), np.ones((batch, 1), bool)]  # fmt: skip
+    for step in logits:
+        feeds = dict(zip(_names(BEAM_STATE), state, strict=True))
+        *state, keep_going, sequences = session.run(
+            None, {**feeds, "logits": step, "batch": np.array(batch), "max_length": np.array(7)}
+        )
+        if not keep_going:
+            break
+    # The runtime runs the prompt once per input.
+    expected = runtime_search.beam_search(
+        _FixedLogits([prompt, *later]), np.full((batch, 1), START), resolved, ProcessorList()
+    )
+    np.testing.assert_array_equal(sequences, expected)
 
 
 def test_length_penalty_is_computed_in_double():

@@ -125,6 +125,14 @@ class GenerationSettings:
     decoder_start_token_id: int
     prompt_length: int = 1
 
+    @property
+    def begin_suppress_index(self) -> int:
+        """The sequence length at which ``begin_suppress_tokens`` apply: the first generated
+        token, or the one after a forced bos that follows a lone start token (transformers)."""
+        if self.prompt_length == 1 and self.forced_bos_token_id is not None:
+            return self.prompt_length + 1
+        return self.prompt_length
+
 
 def model_generation_defaults(config: dict, generation_config: dict) -> dict[str, Any]:
     """The model's own generation parameters: its generation config, else its config's."""

@@ -41,6 +41,7 @@ SEQUENCES_SCORES = "sequences_scores"
 META_GENERATOR = contract.META_GENERATOR
 GENERATOR_VERSION = "1"
 SEARCHES = ("greedy", "beam")
+SEQUENCES_DIMS = ["batch_size", "sequence_length"]
 
 
 def build_generator(
@@ -375,8 +376,16 @@ def _array(values: list[int]) -> np.ndarray:
     return np.asarray(values, dtype=np.int64)
 
 
+def _search(p: _LoopParts) -> search.Search:
+    first = p.first
+    return search.Search(
+        p.settings, p.vocab, first.max_length, first.encoder_ids, first.batch, p.num_beams
+    )
+
+
 def _greedy_loop(p: _LoopParts) -> _Loop:
-    main, body, s, first, cached = p.main, p.body, p.settings, p.first, p.cached
+    main, s, first = p.main, p.settings, p.first
+    greedy = _search(p)
     start_sequences = main.op(
         "ConstantOfShape",
         main.vector(first.batch, main.i64(1)),
@@ -385,137 +394,102 @@ def _greedy_loop(p: _LoopParts) -> _Loop:
     all_rows = main.op(
         "ConstantOfShape", main.vector(first.batch), value=ir.tensor(_bool_array([True]))
     )
-    first_step = search.greedy_step(
-        main,
-        s,
-        p.vocab,
-        first.logits,
-        start_sequences,
-        all_rows,
-        first.max_length,
-        first.encoder_ids,
-    )
+    first_step = search.greedy_step(main, greedy, first.logits, start_sequences, all_rows)
     sequences_in = typed_input(p.names, "sequences", ir.DataType.INT64, 2)
     unfinished_in = typed_input(p.names, "unfinished", ir.DataType.BOOL, 1)
-    step = search.greedy_step(
-        body,
-        s,
-        p.vocab,
-        cached.logits,
-        sequences_in,
-        unfinished_in,
-        first.max_length,
-        first.encoder_ids,
-    )
-    body_outputs = [step.keep_going, step.tokens, step.sequences, step.unfinished, *cached.presents]
-    body_outputs = _own_outputs(body, body_outputs)
-    body_graph = ir.Graph(
-        [
-            cached.iteration,
-            cached.condition,
-            cached.tokens_in,
-            sequences_in,
-            unfinished_in,
-            *cached.past_in,
-        ],
-        body_outputs,
-        nodes=[],
-        name=p.names("decode_loop_body"),
-    )
-    loop_outputs = [ir.Value(name=p.names("loop_out")) for _ in body_outputs[1:]]
-    loop_outputs[1].name = SEQUENCES
-    loop_outputs[1].type = ir.TensorType(ir.DataType.INT64)
-    loop_outputs[1].shape = ir.Shape(["batch_size", "sequence_length"])
-    loop = ir.Node(
-        "",
-        "Loop",
-        [
-            first.trips,
+    step = search.greedy_step(p.body, greedy, p.cached.logits, sequences_in, unfinished_in)
+    loop = _decode_loop(
+        p,
+        "decode_loop",
+        carried_in=[sequences_in, unfinished_in],
+        body_outputs=[step.keep_going, step.tokens, step.sequences, step.unfinished],
+        body_cache=p.cached.presents,
+        initial=[
             first_step.keep_going,
             first_step.tokens,
             first_step.sequences,
             first_step.unfinished,
-            *first.decoder_presents,
         ],
-        attributes=[ir.AttrGraph("body", body_graph)],
-        outputs=loop_outputs,
-        name=p.names("decode_loop"),
+        initial_cache=first.decoder_presents,
     )
-    main.nodes.append(loop)
-    return _Loop(body_graph, [loop_outputs[1]])
+    sequences = _name_output(loop.graph_outputs[1], SEQUENCES, ir.DataType.INT64, SEQUENCES_DIMS)
+    return _Loop(loop.body_graph, [sequences])
 
 
 def _beam_loop(p: _LoopParts) -> _Loop:
-    main, body, s, first, cached = p.main, p.body, p.settings, p.first, p.cached
-    state = search.initial_beams(main, s, first.batch, p.num_beams)
-    first_step = search.beam_step(
-        main,
-        s,
-        p.vocab,
-        p.num_beams,
-        first.logits,
-        state,
-        first.batch,
-        first.max_length,
-        first.encoder_ids,
-    )
+    main, body, first = p.main, p.body, p.first
+    beams = _search(p)
+    state = search.initial_beams(main, p.settings, first.batch, p.num_beams)
+    first_step = search.beam_step(main, beams, first.logits, state)
     first_cache = [main.op("Gather", v, first_step.rows, axis=0) for v in first.decoder_presents]
     first_tokens = _last_column(main, first_step.running)
-
-    state_in = search.Beams(
-        *[
-            typed_input(p.names, "beam_state", dtype, rank)
-            for dtype, rank in search.CARRIED_BEAM_TYPES
-        ]
-    )
-    step = search.beam_step(
-        body,
-        s,
-        p.vocab,
-        p.num_beams,
-        cached.logits,
-        state_in,
-        first.batch,
-        first.max_length,
-        first.encoder_ids,
-    )
-    cache = [body.op("Gather", v, step.rows, axis=0) for v in cached.presents]
+    carried = [
+        typed_input(p.names, "beam_state", dtype, rank) for dtype, rank in search.CARRIED_BEAM_TYPES
+    ]
+    step = search.beam_step(body, beams, p.cached.logits, search.Beams(*carried))
+    cache = [body.op("Gather", v, step.rows, axis=0) for v in p.cached.presents]
     tokens = _last_column(body, step.running)
-    body_outputs = [step.keep_going, tokens, *step.carried(), *cache]
-    body_outputs = _own_outputs(body, body_outputs)
-    body_graph = ir.Graph(
-        [
-            cached.iteration,
-            cached.condition,
-            cached.tokens_in,
-            *state_in.carried(),
-            *cached.past_in,
-        ],
-        body_outputs,
-        nodes=[],
-        name=p.names("beam_loop_body"),
+    loop = _decode_loop(
+        p,
+        "beam_loop",
+        carried_in=carried,
+        body_outputs=[step.keep_going, tokens, *step.carried()],
+        body_cache=cache,
+        initial=[first_step.keep_going, first_tokens, *first_step.carried()],
+        initial_cache=first_cache,
     )
-    loop_outputs = [ir.Value(name=p.names("loop_out")) for _ in body_outputs[1:]]
+    final = search.Beams(*loop.graph_outputs[1 : 1 + len(search.CARRIED_BEAM_TYPES)])
+    sequences, score = search.best_sequences(main, final, p.settings.prompt_length)
+    sequences = main.op("Identity", sequences)
+    _name_output(sequences, SEQUENCES, ir.DataType.INT64, SEQUENCES_DIMS)
+    score = main.op("Identity", score)
+    _name_output(score, SEQUENCES_SCORES, ir.DataType.FLOAT, ["batch_size"])
+    return _Loop(loop.body_graph, [sequences, score])
+
+
+def _decode_loop(
+    p: _LoopParts,
+    name: str,
+    *,
+    carried_in: list[ir.Value],
+    body_outputs: list[ir.Value],
+    body_cache: list[ir.Value],
+    initial: list[ir.Value],
+    initial_cache: list[ir.Value],
+) -> _Loop:
+    """Append to the main graph a Loop whose body runs the cached decoder and one search step.
+
+    The body reads (iteration, condition, tokens, *carried_in, *past) and returns
+    ``body_outputs`` (keep going, tokens, the carried state) and ``body_cache``; ``initial`` and
+    ``initial_cache`` are the first step's values of the same. Returns the Loop's outputs.
+    """
+    cached = p.cached
+    outputs = _own_outputs(p.body, [*body_outputs, *body_cache])
+    body_graph = ir.Graph(
+        [cached.iteration, cached.condition, cached.tokens_in, *carried_in, *cached.past_in],
+        outputs,
+        nodes=[],
+        name=p.names(f"{name}_body"),
+    )
+    loop_outputs = [ir.Value(name=p.names("loop_out")) for _ in outputs[1:]]
     loop = ir.Node(
         "",
         "Loop",
-        [first.trips, first_step.keep_going, first_tokens, *first_step.carried(), *first_cache],
+        [p.first.trips, *initial, *initial_cache],
         attributes=[ir.AttrGraph("body", body_graph)],
         outputs=loop_outputs,
-        name=p.names("beam_loop"),
+        name=p.names(name),
     )
-    main.nodes.append(loop)
-    final = search.Beams(*loop_outputs[1 : 1 + len(search.CARRIED_BEAM_TYPES)])
-    sequences, score = search.best_sequences(main, final, s.prompt_length)
-    sequences = main.op("Identity", sequences)
-    sequences.name = SEQUENCES
-    sequences.type = ir.TensorType(ir.DataType.INT64)
-    sequences.shape = ir.Shape(["batch_size", "sequence_length"])
-    score = main.op("Identity", score)
-    score.name = SEQUENCES_SCORES
-    score.type = ir.TensorType(ir.DataType.FLOAT)
-    score.shape = ir.Shape(["batch_size"])
-    return _Loop(body_graph, [sequences, score])
+    p.main.nodes.append(loop)
+    return _Loop(body_graph, loop_outputs)
+
+
+def _name_output(value: ir.Value, name: str, dtype: ir.DataType, dims: list[str]) -> ir.Value:
+    """Name and type ``value`` as an output of the generator."""
+    value.name = name
+    value.type = ir.TensorType(dtype)
+    value.shape = ir.Shape(dims)
+    return value
 
 
 def _last_column(ops: Ops, running: ir.Value) -> ir.Value:

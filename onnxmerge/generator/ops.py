@@ -112,13 +112,18 @@ class Ops:
 
     def any(self, flags: ir.Value, axis: int | None = None, keepdims: bool = False) -> ir.Value:
         """Logical OR over ``axis`` (all axes when None) of a bool tensor."""
-        as_int = self.op("Cast", flags, to=ir.DataType.INT64)
-        reduced = self.reduce("ReduceMax", as_int, axis, keepdims)
-        return self.op("Cast", reduced, to=ir.DataType.BOOL)
+        return self._reduce_flags("ReduceMax", flags, axis, keepdims)
 
     def all(self, flags: ir.Value, axis: int | None = None, keepdims: bool = False) -> ir.Value:
+        """Logical AND over ``axis`` (all axes when None) of a bool tensor."""
+        return self._reduce_flags("ReduceMin", flags, axis, keepdims)
+
+    def _reduce_flags(
+        self, op_type: str, flags: ir.Value, axis: int | None, keepdims: bool
+    ) -> ir.Value:
+        # Reduce* take no bool input: reduce 0/1 as int64.
         as_int = self.op("Cast", flags, to=ir.DataType.INT64)
-        reduced = self.reduce("ReduceMin", as_int, axis, keepdims)
+        reduced = self.reduce(op_type, as_int, axis, keepdims)
         return self.op("Cast", reduced, to=ir.DataType.BOOL)
 
     def isin(self, tokens: ir.Value, choices: Sequence[int]) -> ir.Value:

@@ -79,11 +79,9 @@ def apply(ops: Ops, s: GenerationSettings, vocab: int, step: StepValues) -> ir.V
     if s.suppress_tokens is not None:
         scores = ban_tokens(ops, scores, [t for t in s.suppress_tokens if 0 <= t < vocab])
     if s.begin_suppress_tokens is not None:
-        begin = s.prompt_length
-        if s.prompt_length == 1 and s.forced_bos_token_id is not None:
-            begin += 1
         tokens = [t for t in s.begin_suppress_tokens if 0 <= t < vocab]
-        scores = ban_tokens(ops, scores, tokens, ops.op("Equal", step.cur_len, ops.i64(begin)))
+        begin = ops.i64(s.begin_suppress_index)
+        scores = ban_tokens(ops, scores, tokens, ops.op("Equal", step.cur_len, begin))
     return scores
 
 

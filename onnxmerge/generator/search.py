@@ -7,7 +7,7 @@ The semantics are those of transformers' ``_sample`` (greedy) and its vectorised
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import onnx_ir as ir
@@ -18,6 +18,24 @@ from onnxmerge.settings import GenerationSettings
 
 # transformers' stand-in for -inf in beam bookkeeping (finite, so sums stay ordered).
 _NEG = -1.0e9
+
+
+@dataclass(frozen=True)
+class Search:
+    """What every step of one search reads besides its logits and state."""
+
+    settings: GenerationSettings
+    vocab: int
+    max_length: ir.Value  # int64 scalar: prompt plus max_new_tokens
+    encoder_ids: ir.Value | None  # [rows, seq], for the encoder-side processors
+    batch: ir.Value | None = None  # int64 scalar: inputs (beam search)
+    num_beams: int = 1
+
+    @property
+    def candidates(self) -> int:
+        """Continuations kept per input each beam step: enough to survive every eos hit."""
+        eos = self.settings.eos_token_id
+        return max(2, 1 + (len(eos) if eos else 0)) * self.num_beams
 
 
 @dataclass
@@ -31,20 +49,14 @@ class Greedy:
 
 
 def greedy_step(
-    ops: Ops,
-    s: GenerationSettings,
-    vocab: int,
-    logits: ir.Value,
-    sequences: ir.Value,
-    unfinished: ir.Value,
-    max_length: ir.Value,
-    encoder_ids: ir.Value | None,
+    ops: Ops, search: Search, logits: ir.Value, sequences: ir.Value, unfinished: ir.Value
 ) -> Greedy:
     """Pick each row's next token from ``logits`` ``[rows, vocab]``; pad rows already finished."""
+    s = search.settings
     scores = ops.op("Cast", logits, to=ir.DataType.FLOAT)
     cur_len = ops.dim(sequences, 1)
-    step = processors.StepValues(scores, sequences, cur_len, max_length, encoder_ids)
-    scores = processors.apply(ops, s, vocab, step)
+    step = processors.StepValues(scores, sequences, cur_len, search.max_length, search.encoder_ids)
+    scores = processors.apply(ops, s, search.vocab, step)
     tokens = ops.op("ArgMax", scores, axis=1, keepdims=0)
     eos = s.eos_token_id
     if eos:
@@ -140,125 +152,173 @@ def _offsets(ops: Ops, batch: ir.Value, width: int) -> ir.Value:
     return ops.unsqueeze(starts, 1)
 
 
-def beam_step(
-    ops: Ops,
-    s: GenerationSettings,
-    vocab: int,
-    num_beams: int,
-    logits: ir.Value,
-    state: Beams,
-    batch: ir.Value,
-    max_length: ir.Value,
-    encoder_ids: ir.Value | None,
-) -> Beams:
-    """One step of beam search on ``logits`` ``[batch * beams, vocab]``."""
-    eos = s.eos_token_id
-    n_eos = len(eos) if eos else 0
-    keep = max(2, 1 + n_eos) * num_beams
-    lp = float(s.length_penalty)
-    prompt_len = s.prompt_length
+@dataclass(frozen=True)
+class _Candidates:
+    """The best continuations of one step over all beams of each input, ``[batch, keep]``."""
 
+    log_probs: ir.Value
+    ids: ir.Value  # the token each one appends
+    sequences: ir.Value  # [batch, keep, cur_len + 1]
+    rows: ir.Value  # the cache row each one continues
+    hits: ir.Value  # bool: it ends here (eos, or the length limit)
+    next_len: ir.Value  # int64 scalar: cur_len + 1
+
+
+@dataclass(frozen=True)
+class _NewlyFinished:
+    """The candidates that finish here, as finished hypotheses."""
+
+    flags: ir.Value  # [batch, keep] bool: an eos hit among the top num_beams
+    scores: ir.Value  # [batch, keep]: length-penalised score; _NEG where not finished here
+    generated: ir.Value  # int64 scalar: tokens generated after this step
+
+
+def beam_step(ops: Ops, search: Search, logits: ir.Value, state: Beams) -> Beams:
+    """One step of beam search on ``logits`` ``[batch * beams, vocab]``.
+
+    Each named step (transformers' steps c-g) returns the state with its own fields replaced;
+    later steps read the fields earlier ones replaced.
+    """
     cur_len = ops.dim(state.running, 2)
+    log_probs, vocab_dim = _beam_log_probs(ops, search, logits, state, cur_len)
+    candidates = _top_candidates(ops, search, state, log_probs, vocab_dim, cur_len)
+    updated = _keep_running(ops, search, state, candidates)
+    new = _newly_finished(ops, search, state, candidates)
+    updated = _keep_finished(ops, search, updated, candidates, new)
+    updated = _stop_test(ops, search, updated, candidates, new.generated)
+    return replace(updated, rows=ops.op("Reshape", updated.rows, ops.i64([-1])))
+
+
+def _beam_log_probs(
+    ops: Ops, search: Search, logits: ir.Value, state: Beams, cur_len: ir.Value
+) -> tuple[ir.Value, ir.Value]:
+    """Processed log-probabilities plus each beam's score, ``[batch, beams * vocab]``, and the
+    vocabulary size as a graph value."""
     flat_running = ops.op("Reshape", state.running, ops.vector(ops.i64(-1), cur_len))
     log_probs = ops.op("LogSoftmax", ops.op("Cast", logits, to=ir.DataType.FLOAT), axis=-1)
-    step = processors.StepValues(log_probs, flat_running, cur_len, max_length, encoder_ids)
-    log_probs = processors.apply(ops, s, vocab, step)
+    step = processors.StepValues(
+        log_probs, flat_running, cur_len, search.max_length, search.encoder_ids
+    )
+    log_probs = processors.apply(ops, search.settings, search.vocab, step)
     vocab_dim = ops.dim(log_probs, 1)
-    log_probs = ops.op("Reshape", log_probs, ops.vector(batch, ops.i64(num_beams), vocab_dim))
+    per_beam = ops.vector(search.batch, ops.i64(search.num_beams), vocab_dim)
+    log_probs = ops.op("Reshape", log_probs, per_beam)
     log_probs = ops.op("Add", log_probs, ops.unsqueeze(state.running_scores, 2))
-    log_probs = ops.op("Reshape", log_probs, ops.vector(batch, ops.i64(-1)))
+    return ops.op("Reshape", log_probs, ops.vector(search.batch, ops.i64(-1))), vocab_dim
 
-    # c. the best 2k (or more) continuations over all beams of each input
+
+def _top_candidates(
+    ops: Ops,
+    search: Search,
+    state: Beams,
+    log_probs: ir.Value,
+    vocab_dim: ir.Value,
+    cur_len: ir.Value,
+) -> _Candidates:
+    """Steps c (the best continuations) and d (which of them end here)."""
     topk_log_probs, topk_indices = ops.op_multi(
-        "TopK", [log_probs, ops.i64([keep])], 2, axis=1, largest=1, sorted=1
+        "TopK", [log_probs, ops.i64([search.candidates])], 2, axis=1, largest=1, sorted=1
     )
     topk_beams = ops.op("Div", topk_indices, vocab_dim)
     topk_ids = ops.op("Mod", topk_indices, vocab_dim)
-    beam_offsets = _offsets(ops, batch, num_beams)
-    candidates = _gather_beams(ops, state.running, topk_beams, beam_offsets)
-    candidates = ops.op("Concat", candidates, ops.unsqueeze(topk_ids, 2), axis=2)
-    candidate_rows = ops.op("Add", topk_beams, beam_offsets)
-
-    # d. which candidates end here (eos, or the length limit)
+    beam_offsets = _offsets(ops, search.batch, search.num_beams)
+    sequences = _gather_beams(ops, state.running, topk_beams, beam_offsets)
+    sequences = ops.op("Concat", sequences, ops.unsqueeze(topk_ids, 2), axis=2)
+    rows = ops.op("Add", topk_beams, beam_offsets)
     next_len = ops.op("Add", cur_len, ops.i64(1))
-    at_limit = ops.op("GreaterOrEqual", next_len, max_length)
+    at_limit = ops.op("GreaterOrEqual", next_len, search.max_length)
+    eos = search.settings.eos_token_id
     hits = ops.isin(topk_ids, eos) if eos else ops.op("Equal", topk_ids, ops.i64(-1))
     hits = ops.op("Or", hits, at_limit)
-    hits_neg = ops.op("Mul", ops.bool_to_float(hits), ops.f32(_NEG))
+    return _Candidates(topk_log_probs, topk_ids, sequences, rows, hits, next_len)
 
-    # e. the running beams of the next step
-    running_log_probs = ops.op("Add", topk_log_probs, hits_neg)
+
+def _keep_running(ops: Ops, search: Search, state: Beams, candidates: _Candidates) -> Beams:
+    """Step e: the best candidates that do not end here run on."""
+    hits_neg = ops.op("Mul", ops.bool_to_float(candidates.hits), ops.f32(_NEG))
+    running_log_probs = ops.op("Add", candidates.log_probs, hits_neg)
     running_scores, next_topk = ops.op_multi(
-        "TopK", [running_log_probs, ops.i64([num_beams])], 2, axis=1, largest=1, sorted=1
+        "TopK", [running_log_probs, ops.i64([search.num_beams])], 2, axis=1, largest=1, sorted=1
     )
-    keep_offsets = _offsets(ops, batch, keep)
-    running = _gather_beams(ops, candidates, next_topk, keep_offsets)
-    rows = ops.op("GatherElements", candidate_rows, next_topk, axis=1)
+    keep_offsets = _offsets(ops, search.batch, search.candidates)
+    running = _gather_beams(ops, candidates.sequences, next_topk, keep_offsets)
+    rows = ops.op("GatherElements", candidates.rows, next_topk, axis=1)
+    return replace(state, running=running, running_scores=running_scores, rows=rows)
 
-    # f. finished hypotheses: the best `num_beams` of the kept ones and the new ones
-    top_mask = np.zeros((1, keep), np.bool_)
-    top_mask[0, :num_beams] = True
-    just_finished = ops.op("And", hits, ops.const(top_mask))
-    generated = ops.op("Sub", next_len, ops.i64(prompt_len))
-    denominator = _length_penalty(ops, generated, lp)
-    finished_scores = ops.op("Div", topk_log_probs, denominator)
+
+def _newly_finished(
+    ops: Ops, search: Search, state: Beams, candidates: _Candidates
+) -> _NewlyFinished:
+    """Step f, first half: score the candidates that end here as finished hypotheses."""
+    s = search.settings
+    top_mask = np.zeros((1, search.candidates), np.bool_)
+    top_mask[0, : search.num_beams] = True
+    just_finished = ops.op("And", candidates.hits, ops.const(top_mask))
+    generated = ops.op("Sub", candidates.next_len, ops.i64(s.prompt_length))
+    denominator = _length_penalty(ops, generated, float(s.length_penalty))
+    scores = ops.op("Div", candidates.log_probs, denominator)
     if s.early_stopping is True:
         full = ops.all(state.finished, axis=1, keepdims=True)
-        finished_scores = ops.op(
-            "Add", finished_scores, ops.op("Mul", ops.bool_to_float(full), ops.f32(_NEG))
-        )
-    satisfied = ops.bool_to_float(ops.op("Not", state.unsatisfied))
-    finished_scores = ops.op("Add", finished_scores, ops.op("Mul", satisfied, ops.f32(_NEG)))
-    not_new = ops.bool_to_float(ops.op("Not", just_finished))
-    finished_scores = ops.op("Add", finished_scores, ops.op("Mul", not_new, ops.f32(_NEG)))
-    merged_scores = ops.op("Concat", state.scores, finished_scores, axis=1)
+        scores = _push_down(ops, scores, full)
+    scores = _push_down(ops, scores, ops.op("Not", state.unsatisfied))
+    scores = _push_down(ops, scores, ops.op("Not", just_finished))
+    return _NewlyFinished(just_finished, scores, generated)
+
+
+def _push_down(ops: Ops, scores: ir.Value, where: ir.Value) -> ir.Value:
+    """``scores + where * _NEG``: out of the running wherever the bool ``where`` holds."""
+    return ops.op("Add", scores, ops.op("Mul", ops.bool_to_float(where), ops.f32(_NEG)))
+
+
+def _keep_finished(
+    ops: Ops, search: Search, state: Beams, candidates: _Candidates, new: _NewlyFinished
+) -> Beams:
+    """Step f, second half: the best ``num_beams`` of the finished and the newly finished."""
+    merged_scores = ops.op("Concat", state.scores, new.scores, axis=1)
     scores, chosen = ops.op_multi(
-        "TopK", [merged_scores, ops.i64([num_beams])], 2, axis=1, largest=1, sorted=1
+        "TopK", [merged_scores, ops.i64([search.num_beams])], 2, axis=1, largest=1, sorted=1
     )
-    merged_offsets = _offsets(ops, batch, num_beams + keep)
+    merged_offsets = _offsets(ops, search.batch, search.num_beams + search.candidates)
+    # One more column, so finished hypotheses line up with the candidates.
+    widen = ops.i64([0, 0, 0, 0, 0, 1])
     padded = ops.op(
-        "Pad", state.sequences, ops.i64([0, 0, 0, 0, 0, 1]), ops.i64(pad_value(s)), mode="constant"
+        "Pad", state.sequences, widen, ops.i64(pad_value(search.settings)), mode="constant"
     )
-    sequences = _gather_beams(
-        ops, ops.op("Concat", padded, candidates, axis=1), chosen, merged_offsets
-    )
-    candidate_lengths = ops.op("Expand", generated, ops.op("Shape", topk_ids))
+    merged = ops.op("Concat", padded, candidates.sequences, axis=1)
+    sequences = _gather_beams(ops, merged, chosen, merged_offsets)
+    candidate_lengths = ops.op("Expand", new.generated, ops.op("Shape", candidates.ids))
     lengths = ops.op(
         "GatherElements",
         ops.op("Concat", state.lengths, candidate_lengths, axis=1),
         chosen,
         axis=1,
     )
-    finished = ops.op(
-        "GatherElements", ops.op("Concat", state.finished, just_finished, axis=1), chosen, axis=1
-    )
+    merged_flags = ops.op("Concat", state.finished, new.flags, axis=1)
+    finished = ops.op("GatherElements", merged_flags, chosen, axis=1)
+    return replace(state, sequences=sequences, scores=scores, lengths=lengths, finished=finished)
 
-    # g. go on while a running beam can still beat the worst finished one
+
+def _stop_test(
+    ops: Ops, search: Search, state: Beams, candidates: _Candidates, generated: ir.Value
+) -> Beams:
+    """Step g: go on while a running beam can still beat the worst finished one."""
+    s = search.settings
+    lp = float(s.length_penalty)
     if s.early_stopping == "never" and lp > 0.0:
-        best_length = ops.op("Sub", max_length, ops.i64(prompt_len))
+        best_length = ops.op("Sub", search.max_length, ops.i64(s.prompt_length))
     else:
         best_length = generated
     best_running = ops.op(
-        "Div", ops.slice(running_scores, 0, 1, axis=1), _length_penalty(ops, best_length, lp)
+        "Div", ops.slice(state.running_scores, 0, 1, axis=1), _length_penalty(ops, best_length, lp)
     )
-    worst = ops.reduce("ReduceMin", scores, axis=1, keepdims=True)
-    worst_finished = ops.op("Where", finished, worst, ops.f32(_NEG))
+    worst = ops.reduce("ReduceMin", state.scores, axis=1, keepdims=True)
+    worst_finished = ops.op("Where", state.finished, worst, ops.f32(_NEG))
     improvable = ops.any(ops.op("Greater", best_running, worst_finished), axis=1, keepdims=True)
     unsatisfied = ops.op("And", state.unsatisfied, improvable)
-    keep_going = ops.op("And", ops.any(unsatisfied), ops.op("Not", ops.all(hits)))
+    keep_going = ops.op("And", ops.any(unsatisfied), ops.op("Not", ops.all(candidates.hits)))
     if s.early_stopping is True:
-        keep_going = ops.op("And", keep_going, ops.op("Not", ops.all(finished)))
-    return Beams(
-        running,
-        running_scores,
-        sequences,
-        scores,
-        lengths,
-        finished,
-        unsatisfied,
-        rows=ops.op("Reshape", rows, ops.i64([-1])),
-        keep_going=keep_going,
-    )
+        keep_going = ops.op("And", keep_going, ops.op("Not", ops.all(state.finished)))
+    return replace(state, unsatisfied=unsatisfied, keep_going=keep_going)
 
 
 def _length_penalty(ops: Ops, length: ir.Value, penalty: float) -> ir.Value:

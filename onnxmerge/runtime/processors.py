@@ -35,29 +35,37 @@ def _valid_tokens(tokens: np.ndarray, vocab: int) -> np.ndarray:
     return tokens[(tokens >= 0) & (tokens < vocab)]
 
 
+def _positive(name: str, value: float, context: str = "") -> float:
+    """``value``, or a GenerationError naming the setting when it is not above 0."""
+    if not value > 0:
+        raise GenerationError(f"{name} must be > 0{context}, got {value}")
+    return value
+
+
+def _penalize(scores: np.ndarray, ids: np.ndarray, penalty: float) -> np.ndarray:
+    """Divide positive (multiply negative) scores at ``ids`` ``[rows, n]`` of each row."""
+    rows = np.arange(ids.shape[0])[:, None]
+    picked = scores[rows, ids]
+    penalized = np.where(picked < 0, picked * penalty, picked / penalty)
+    scores[rows, ids] = penalized.astype(scores.dtype, copy=False)
+    return scores
+
+
 class RepetitionPenalty:
     """Divide positive (multiply negative) scores of tokens already in the row by ``penalty``."""
 
     def __init__(self, penalty: float):
-        if not penalty > 0:
-            raise GenerationError(f"repetition_penalty must be > 0, got {penalty}")
-        self.penalty = float(penalty)
+        self.penalty = float(_positive("repetition_penalty", penalty))
 
     def __call__(self, input_ids: np.ndarray, scores: np.ndarray) -> np.ndarray:
-        rows = np.arange(scores.shape[0])[:, None]
-        picked = scores[rows, input_ids]
-        penalized = np.where(picked < 0, picked * self.penalty, picked / self.penalty)
-        scores[rows, input_ids] = penalized.astype(scores.dtype, copy=False)
-        return scores
+        return _penalize(scores, input_ids, self.penalty)
 
 
 class NoRepeatNGram:
     """Ban every token that would repeat an n-gram already present in the row."""
 
     def __init__(self, ngram_size: int):
-        if ngram_size <= 0:
-            raise GenerationError(f"no_repeat_ngram_size must be > 0, got {ngram_size}")
-        self.ngram_size = int(ngram_size)
+        self.ngram_size = int(_positive("no_repeat_ngram_size", ngram_size))
 
     def __call__(self, input_ids: np.ndarray, scores: np.ndarray) -> np.ndarray:
         n = self.ngram_size
@@ -83,27 +91,18 @@ class EncoderRepetitionPenalty:
     """
 
     def __init__(self, penalty: float, encoder_input_ids: np.ndarray):
-        if not penalty > 0:
-            raise GenerationError(f"encoder_repetition_penalty must be > 0, got {penalty}")
-        self.penalty = 1 / float(penalty)
+        self.penalty = 1 / float(_positive("encoder_repetition_penalty", penalty))
         self.encoder_input_ids = np.asarray(encoder_input_ids, dtype=np.int64)
 
     def __call__(self, input_ids: np.ndarray, scores: np.ndarray) -> np.ndarray:
-        ids = self.encoder_input_ids[: scores.shape[0]]
-        rows = np.arange(ids.shape[0])[:, None]
-        picked = scores[rows, ids]
-        penalized = np.where(picked < 0, picked * self.penalty, picked / self.penalty)
-        scores[rows, ids] = penalized.astype(scores.dtype, copy=False)
-        return scores
+        return _penalize(scores, self.encoder_input_ids[: scores.shape[0]], self.penalty)
 
 
 class EncoderNoRepeatNGram:
     """Ban tokens that would repeat an n-gram of the row's encoder ``input_ids``."""
 
     def __init__(self, ngram_size: int, encoder_input_ids: np.ndarray):
-        if ngram_size <= 0:
-            raise GenerationError(f"encoder_no_repeat_ngram_size must be > 0, got {ngram_size}")
-        self.ngram_size = int(ngram_size)
+        self.ngram_size = int(_positive("encoder_no_repeat_ngram_size", ngram_size))
         self.batch_size = encoder_input_ids.shape[0]
         self.ngrams: list[dict[tuple[int, ...], list[int]]] = []
         for tokens in np.asarray(encoder_input_ids).tolist():
@@ -234,9 +233,7 @@ class SuppressTokensAtBegin:
 
 class Temperature:
     def __init__(self, temperature: float):
-        if not temperature > 0:
-            raise GenerationError(f"temperature must be > 0 when sampling, got {temperature}")
-        self.temperature = float(temperature)
+        self.temperature = float(_positive("temperature", temperature, " when sampling"))
 
     def __call__(self, input_ids: np.ndarray, scores: np.ndarray) -> np.ndarray:
         scores /= np.float32(self.temperature)
@@ -247,9 +244,7 @@ class TopK:
     """Keep the ``top_k`` highest scores (ties with the k-th included), -inf elsewhere."""
 
     def __init__(self, top_k: int, min_tokens_to_keep: int = 1):
-        if top_k <= 0:
-            raise GenerationError(f"top_k must be > 0, got {top_k}")
-        self.top_k = max(int(top_k), int(min_tokens_to_keep))
+        self.top_k = max(int(_positive("top_k", top_k)), int(min_tokens_to_keep))
 
     def __call__(self, input_ids: np.ndarray, scores: np.ndarray) -> np.ndarray:
         k = min(self.top_k, scores.shape[1])
@@ -331,10 +326,7 @@ def build_processors(
     if s.suppress_tokens is not None:
         processors.append(SuppressTokens(s.suppress_tokens))
     if s.begin_suppress_tokens is not None:
-        begin = s.prompt_length
-        if s.prompt_length == 1 and s.forced_bos_token_id is not None:
-            begin += 1
-        processors.append(SuppressTokensAtBegin(s.begin_suppress_tokens, begin))
+        processors.append(SuppressTokensAtBegin(s.begin_suppress_tokens, s.begin_suppress_index))
     if s.do_sample:
         # Beam sampling keeps one more token than there are eos tokens, so a beam can continue.
         keep = (len(eos) + 1 if eos is not None else 2) if s.num_beams > 1 else 1

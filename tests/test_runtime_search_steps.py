@@ -1,0 +1,180 @@
+"""Beam search's named steps in the runtime, each on a small case computed by hand here.
+
+One input, two beams, a vocabulary of three with eos 1, a prompt of one token (the start, 2).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from onnxmerge.runtime import search
+from onnxmerge.runtime.processors import ProcessorList
+from onnxmerge.settings import resolve_settings
+
+START, EOS, NEG = 2, 1, np.float32(-1.0e9)
+
+
+def _settings(**overrides):
+    given = {"eos_token_id": EOS, "pad_token_id": 0, "decoder_start_token_id": START}
+    return resolve_settings({}, {}, {**given, "num_beams": 2, **overrides}, 1)
+
+
+def _config(batch: int = 1, **overrides) -> search._BeamConfig:
+    return search._beam_config(_settings(**overrides), batch, 1)
+
+
+def _mid_search(cfg: search._BeamConfig) -> search._Beams:
+    """After one step (cur_len 2): beams [2, 0] and [2, 2]; one hypothesis finished at -0.2."""
+    beams = search._initial_beams(cfg, np.array([[START]]), 0)
+    beams.running_sequences[0, :, 1] = [0, 2]
+    beams.running_beam_scores[:] = [[-1.0, -2.0]]
+    beams.running_beam_indices[0, :, 0] = [0, 0]
+    beams.sequences[0, 0, 1] = EOS
+    beams.beam_scores[:] = [[-0.2, NEG]]
+    beams.beam_indices[0, 0, 0] = 0
+    beams.is_sent_finished[:] = [[True, False]]
+    return beams
+
+
+# Step at cur_len 2 over [batch, beams * vocab]; the best four: beam 1 eos, beam 0 eos, beam 0
+# token 0, beam 1 token 0.
+LOG_PROBS = np.array([[-1.0, -0.5, -3.0, -2.0, -0.1, -4.0]], np.float32)
+
+
+def test_topk_indices_put_the_lower_index_first_on_ties():
+    values = np.array([[1.0, 3.0, 3.0, 0.0, 2.0]])
+    assert search._topk_indices(values, 2).tolist() == [[1, 2]]
+    assert search._topk_indices(values, 3).tolist() == [[1, 2, 4]]
+    assert search._topk_indices(values, 5).tolist() == [[1, 2, 4, 0, 3]]
+
+
+def test_beam_config_keeps_enough_candidates_for_every_eos():
+    cfg = _config(batch=3, eos_token_id=[1, 4])
+    assert cfg.beams_to_keep == 6  # (1 + two eos) * two beams
+    assert cfg.top_num_beam_mask.tolist() == [True, True, False, False, False, False]
+    assert cfg.batch_offset.tolist() == [[0], [2], [4]]
+    assert _config(eos_token_id=None).beams_to_keep == 4
+
+
+@pytest.mark.parametrize(("pad", "eos", "fill"), [(0, EOS, EOS), (5, EOS, 5), (None, None, -1)])
+def test_initial_beams_pad_with_pad_or_eos(pad, eos, fill):
+    # transformers writes `pad or eos[0]`: a pad id of 0 falls back to eos.
+    cfg = _config(eos_token_id=eos, max_new_tokens=3)
+    beams = search._initial_beams(cfg, np.array([[START]]), pad)
+    assert beams.running_sequences.tolist() == [[[START, fill, fill, fill]] * 2]
+    assert beams.running_beam_scores.tolist() == [[0.0, NEG]]
+    assert beams.beam_scores.tolist() == [[NEG, NEG]]
+    assert (beams.running_beam_indices == -1).all() and not beams.is_sent_finished.any()
+
+
+def test_beam_log_probs_add_each_beams_score():
+    cfg = _config()
+    logits = np.zeros((2, 3), np.float32)
+    got = search._beam_log_probs(cfg, _mid_search(cfg), 2, logits, ProcessorList())
+    third = np.log(np.float32(3.0))
+    np.testing.assert_allclose(got, [[-1 - third] * 3 + [-2 - third] * 3], rtol=1e-6)
+
+
+@pytest.mark.parametrize("max_new_tokens", [9, 2])
+def test_top_candidates_extend_the_best_beams(max_new_tokens):
+    cfg = _config(max_new_tokens=max_new_tokens)
+    found = search._top_candidates(cfg, _mid_search(cfg), 2, LOG_PROBS, False, None)
+    assert found.log_probs.tolist() == [[np.float32(-0.1), -0.5, -1.0, -2.0]]
+    assert found.sequences[0, :, :3].tolist() == [[2, 2, 1], [2, 0, 1], [2, 0, 0], [2, 2, 0]]
+    assert found.beam_indices[0, :, :2].tolist() == [[0, 1], [0, 0], [0, 0], [0, 1]]
+    # The third token reaches max_length 3 when two new tokens are allowed: every candidate ends.
+    ends = [True] * 4 if max_new_tokens == 2 else [True, True, False, False]
+    assert found.hits.tolist() == [ends]
+
+
+def _candidates(cfg):
+    return search._top_candidates(cfg, _mid_search(cfg), 2, LOG_PROBS, False, None)
+
+
+def test_keep_running_drops_candidates_that_end():
+    cfg = _config(max_new_tokens=9)
+    beams = _mid_search(cfg)
+    search._keep_running(cfg, beams, _candidates(cfg))
+    assert beams.running_sequences[0, :, :3].tolist() == [[2, 0, 0], [2, 2, 0]]
+    assert beams.running_beam_scores.tolist() == [[-1.0, -2.0]]
+    assert beams.running_beam_indices[0, :, :2].tolist() == [[0, 0], [0, 1]]
+
+
+@pytest.mark.parametrize("early_stopping", [False, True])
+def test_keep_finished_merges_new_hypotheses_by_length_penalised_score(early_stopping):
+    cfg = _config(max_new_tokens=9, length_penalty=1.0, early_stopping=early_stopping)
+    beams = _mid_search(cfg)
+    if early_stopping:
+        beams.is_sent_finished[:] = True  # a full input takes no new hypothesis
+    search._keep_finished(cfg, beams, _candidates(cfg), 2)
+    if early_stopping:
+        assert beams.beam_scores.tolist() == [[np.float32(-0.2), NEG]]
+        return
+    # Both eos candidates finish, scored over two generated tokens: -0.05 and -0.25.
+    assert beams.beam_scores.tolist() == [[np.float32(-0.05), np.float32(-0.2)]]
+    assert beams.sequences[0, :, :3].tolist() == [[2, 2, 1], [2, 1, EOS]]
+    assert beams.is_sent_finished.tolist() == [[True, True]]
+    assert beams.beam_indices[0, 0, :2].tolist() == [0, 1]
+
+
+@pytest.mark.parametrize(
+    ("early_stopping", "best_running", "done"),
+    [(False, -1.0, True), (False, -0.2, False), ("never", -1.0, False), ("never", -1.9, True)],
+)
+def test_beams_done_when_no_running_beam_can_win(early_stopping, best_running, done):
+    cfg = _config(max_new_tokens=9, length_penalty=1.0, early_stopping=early_stopping)
+    beams = _mid_search(cfg)
+    beams.beam_scores[:] = [[-0.05, -0.2]]
+    beams.is_sent_finished[:] = True
+    beams.running_beam_scores[:] = [[best_running, -5.0]]
+    # cur_len 3: best_running / 2 generated tokens ("never": / 9, the most there can be) against
+    # the worst finished, -0.2.
+    assert search._beams_done(cfg, beams, _candidates(cfg), 3) is done
+
+
+def test_beams_done_when_every_candidate_ends():
+    cfg = _config(max_new_tokens=2)
+    beams = _mid_search(cfg)
+    beams.running_beam_scores[:] = [[-0.1, -5.0]]  # still improvable
+    assert search._beams_done(cfg, beams, _candidates(cfg), 3)
+
+
+def test_returned_sequences_cut_to_the_longest_hypothesis():
+    cfg = _config(max_new_tokens=4)
+    beams = _mid_search(cfg)
+    beams.beam_indices[0, 0, :3] = [0, 1, 0]
+    got = search._returned_sequences(cfg, beams, 1)
+    assert got.tolist() == [beams.sequences[0, 0, :4].tolist()]
+    assert search._returned_sequences(cfg, beams, 2).shape == (2, 4)
+
+
+class _Runner:
+    """Fixed next-token probabilities per step; records what beam search asks of it."""
+
+    def __init__(self, steps: list[list[list[float]]]):
+        self.steps = [np.log(np.array(s, np.float32)) for s in steps]
+        self.calls: list[tuple] = []
+
+    def start(self) -> np.ndarray:
+        return self.steps[0]
+
+    def advance(self, tokens: np.ndarray) -> np.ndarray:
+        self.calls.append(("advance", tokens.tolist()))
+        return self.steps[len([c for c in self.calls if c[0] == "advance"])]
+
+    def expand(self, n: int) -> None:
+        self.calls.append(("expand", n))
+
+    def reorder(self, rows: np.ndarray, *, within_batch: bool = False) -> None:
+        self.calls.append(("reorder", rows.tolist(), within_batch))
+
+
+def test_beam_search_runs_the_prompt_once_and_reorders_the_cache():
+    # Step 1: token 0 (0.6) and token 2 (0.3) run on. Step 2 (the last): beam 0 then eos,
+    # 0.6 * 0.8 = 0.48, beats beam 1 then token 0, 0.3 * 0.5 = 0.15.
+    runner = _Runner([[[0.6, 0.1, 0.3]], [[0.1, 0.8, 0.1], [0.5, 0.25, 0.25]]])
+    settings = _settings(max_new_tokens=2)
+    got = search.beam_search(runner, np.array([[START]]), settings, ProcessorList())
+    assert got.tolist() == [[START, 0, EOS]]
+    assert runner.calls == [("expand", 2), ("reorder", [0, 0], True), ("advance", [0, 2])]

@@ -28,6 +28,7 @@ from onnxmerge import (
 )
 from onnxmerge.errors import (
     ExportFolderError,
+    IncompatibleModelsError,
     InvalidMergedModelError,
     RefusedOutputError,
 )
@@ -143,27 +144,30 @@ def merge_seq2seq_with_report(
     tolerated = check.unknown_operators(models.values())
     step("splicing")
     dims.separate_symbolic_dims(parts)
-    spliced = splice.splice(parts, models)
+    model = splice.splice(parts, models)
     step("deduplicating")
-    rewrites = passes.run(spliced.model, rewrite_steps())
+    rewrites = passes.run(model, rewrite_steps())
     shared = tuple(s for r in rewrites for s in r.shared)
     configs = {
         contract.META_CONFIG: _read_json(export_dir / "config.json"),
         contract.META_GENERATION_CONFIG: _read_json(export_dir / "generation_config.json"),
     }
     config = configs[contract.META_CONFIG]
-    compat.check_same_checkpoint(
-        parts,
-        origins,
-        list(shared),
-        force=force,
-        config=json.loads(config) if config else None,
+    problems = compat.checkpoint_problems(
+        parts, origins, list(shared), json.loads(config) if config else None
     )
-    _add_metadata(spliced, configs)
+    if problems and not force:
+        raise IncompatibleModelsError(
+            "the files do not come from one model (pass force=True / --force to merge anyway):",
+            problems,
+        )
+    for problem in problems:
+        logger.warning("merging anyway: %s", problem)
+    model.metadata_props.update({key: text for key, text in configs.items() if text is not None})
     step("saving and checking")
     inputs_read = frozenset(f.resolve() for p in chosen.values() for f in (p, *data_files[p]))
     model_io.save_model_atomically(
-        spliced.model,
+        model,
         output,
         external_data=external_data,
         validate=lambda path: check.check_merged_model(path, tolerated, list(chosen.values())),
@@ -177,11 +181,11 @@ def merge_seq2seq_with_report(
     checkpoint = find_checkpoint(export_dir)
     result = MergeResult(
         path=output,
-        layout=spliced.layout,
+        layout=model.metadata_props[contract.META_LAYOUT],
         inputs=inputs,
         output_bytes=output_bytes,
         tensors_in=tensors_in,
-        tensors_out=len(spliced.model.graph.initializers),
+        tensors_out=len(model.graph.initializers),
         shared=shared,
         constants_lifted=passes.counts(rewrites)["constants_lifted"],
         checkpoint_bytes=checkpoint.stat().st_size if checkpoint else None,
@@ -304,14 +308,6 @@ def _read_json(path: Path) -> str | None:
         return json.dumps(json.loads(path.read_text(encoding="utf-8")), sort_keys=True)
     except (OSError, ValueError) as e:
         raise ExportFolderError(f"{path} is not valid JSON: {e}") from e
-
-
-def _add_metadata(spliced: splice.SplicedModel, configs: dict[str, str | None]) -> None:
-    meta = spliced.model.metadata_props
-    meta[contract.META_FORMAT_VERSION] = contract.FORMAT_VERSION
-    meta[contract.META_LAYOUT] = spliced.layout
-    meta[contract.META_ENCODER_INPUTS] = json.dumps(spliced.encoder_inputs)
-    meta.update({key: text for key, text in configs.items() if text is not None})
 
 
 __all__ = ["merge_seq2seq", "merge_seq2seq_with_report", "MergeResult", "InputFile"]

@@ -143,10 +143,11 @@ def merge_seq2seq_with_report(
     # Operators the checker does not know, which the merged model may hold too.
     tolerated = check.unknown_operators(models.values())
     step("splicing")
-    dims.separate_symbolic_dims(parts)
+    # Made before the splice, which moves the parts' nodes into one graph.
+    separate_dims = dims.SeparateSymbolicDims(parts)
     model = splice.splice(parts, models)
     step("deduplicating")
-    rewrites = passes.run(model, rewrite_steps())
+    rewrites = passes.run(model, (separate_dims, *rewrite_steps()))
     shared = tuple(s for r in rewrites for s in r.shared)
     configs = {
         contract.META_CONFIG: _read_json(export_dir / "config.json"),

@@ -189,6 +189,7 @@ def test_merge_result_reports_every_pass(tmp_path):
     result = merge_seq2seq_with_report(folder)
 
     assert list(result.rewrites) == [
+        "symbolic_dims_renamed",
         "constants_lifted",
         "tensors_shared",
         "nodes_hoisted",

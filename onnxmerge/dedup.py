@@ -529,7 +529,7 @@ def store_once_steps() -> tuple[ir.passes.InPlacePass, ...]:
 def store_once(model: ir.Model) -> DedupReport:
     """Run every pass of this module in order and report what each did."""
     results = run(model, store_once_steps())
-    report = DedupReport(shared=[s for r in results for s in r.shared])
+    report = DedupReport(shared=[s for r in results for s in r.records])
     for r in results:
         if r.name != "tensors_shared":
             setattr(report, r.name, r.count)

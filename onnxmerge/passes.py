@@ -13,11 +13,15 @@ import onnx_ir as ir
 
 @dataclass
 class StepResult(ir.passes.PassResult):
-    """``count`` things changed, reported under ``name``; ``shared`` lists merged tensors."""
+    """``count`` things changed, reported under ``name``.
+
+    ``records`` describes each change where callers need more than the count: the tensors
+    deduplication stored once, the weights quantization stored quantized.
+    """
 
     name: str = ""
     count: int = 0
-    shared: tuple = ()
+    records: tuple = ()
 
     @classmethod
     def counted(cls, model: ir.Model, name: str, count: int) -> StepResult:

@@ -25,6 +25,7 @@ import onnx_ir as ir
 
 from onnxmerge import quant_math
 from onnxmerge.errors import QuantizationError
+from onnxmerge.passes import StepResult
 
 logger = logging.getLogger(__name__)
 
@@ -278,6 +279,18 @@ def quantizable(value: ir.Value) -> bool:
         and not value.is_graph_output()
         and bool(value.uses())
     )
+
+
+class QuantizeWeights(ir.passes.InPlacePass):
+    """:func:`quantize_weights` as a pass; its records are the weights it quantized."""
+
+    def __init__(self, precision_of: Callable[[ir.Value], str]):
+        super().__init__()
+        self.precision_of = precision_of
+
+    def call(self, model: ir.Model) -> StepResult:
+        done = tuple(quantize_weights(model, self.precision_of))
+        return StepResult(model, bool(done), "weights_quantized", len(done), done)
 
 
 def quantize_weights(

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import onnx_ir as ir
 
-from onnxmerge import contract, dedup, inspection, model_io, quant_rewrite
+from onnxmerge import contract, dedup, inspection, model_io, passes, quant_rewrite
 from onnxmerge.errors import (
     InvalidMergedModelError,
     QuantizationError,
@@ -149,10 +149,16 @@ def _quantize_file(source: Path, output: Path, weights: str, encoder: str) -> Qu
         return weights
 
     before = model_io.tensor_bytes(model)
-    done = quant_rewrite.quantize_weights(model, precision_of)
-    # Equal scales or zero points (e.g. of two zero-initialized layers) are stored once too.
-    dedup.deduplicate_initializers(model.graph)
-    dedup.remove_unused_initializers(model.graph)
+    quantized, *_ = passes.run(
+        model,
+        (
+            quant_rewrite.QuantizeWeights(precision_of),
+            # Equal scales or zero points (e.g. of two zero-initialized layers) are stored once.
+            dedup.DeduplicateInitializers(),
+            dedup.RemoveUnusedInitializers(),
+        ),
+    )
+    done = quantized.records
     precision = {"encoder": encoder, "decoder": weights}
     meta[contract.META_FORMAT_VERSION] = contract.QUANTIZED_FORMAT_VERSION
     meta[contract.META_PRECISION] = json.dumps(precision, sort_keys=True)
@@ -168,7 +174,7 @@ def _quantize_file(source: Path, output: Path, weights: str, encoder: str) -> Qu
         precision=precision,
         bytes_before=model_io.file_bytes(source, data_files),
         bytes_after=model_io.file_bytes(output, model_io.data_files_of(output)),
-        weights=tuple(done),
+        weights=done,
     )
     logger.info(
         "quantized %d weights of %s (%d tensor bytes) into %s (%d bytes)",

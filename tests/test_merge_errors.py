@@ -112,7 +112,7 @@ def test_checkpoint_problems_are_returned_for_the_merge_to_judge():
     model = splice.splice(parts, models)
     (dedup_result,) = passes.run(model, [dedup.DeduplicateInitializers()])
 
-    problems = compat.checkpoint_problems(parts, origins, list(dedup_result.shared))
+    problems = compat.checkpoint_problems(parts, origins, list(dedup_result.records))
 
     assert len(problems) == 1
     assert "decoder_with_past.onnx shares 0% of its weights" in problems[0]

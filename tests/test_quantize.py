@@ -99,7 +99,7 @@ def test_weights_shared_by_both_branches_are_quantized_once(precision):
     model = ir.serde.deserialize_model(proto)
     if precision == "int4":
         quant_rewrite.raise_opset_for_int4(model)
-    done = quant_rewrite.quantize_weights(model, lambda _: precision)
+    done = quant_rewrite.QuantizeWeights(lambda _: precision)(model).records
     assert {d.name for d in done} == {"table", "w"}
     main = model.graph
     # No float copy left, no initializer inside a branch, one stored tensor per weight and part.

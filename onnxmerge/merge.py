@@ -30,7 +30,6 @@ from onnxmerge.errors import (
     ExportFolderError,
     IncompatibleModelsError,
     InvalidMergedModelError,
-    RefusedOutputError,
 )
 from onnxmerge.roles import Role
 
@@ -130,7 +129,8 @@ def merge_seq2seq_with_report(
     step = progress or (lambda _: None)
     step("loading")
     chosen, models, data_files = load_export(export_dir, output)
-    _check_output(output, chosen, data_files, overwrite)
+    files_read = [f for p in chosen.values() for f in (p, *data_files[p])]
+    model_io.check_output(output, files_read, overwrite=overwrite)
 
     parts = [
         part
@@ -166,13 +166,12 @@ def merge_seq2seq_with_report(
         logger.warning("merging anyway: %s", problem)
     model.metadata_props.update({key: text for key, text in configs.items() if text is not None})
     step("saving and checking")
-    inputs_read = frozenset(f.resolve() for p in chosen.values() for f in (p, *data_files[p]))
     model_io.save_model_atomically(
         model,
         output,
         external_data=external_data,
         validate=lambda path: check.check_merged_model(path, tolerated, list(chosen.values())),
-        protected=inputs_read,
+        protected=frozenset(f.resolve() for f in files_read),
     )
     output_bytes = model_io.file_bytes(output, model_io.data_files_of(output))
     inputs = tuple(
@@ -280,25 +279,6 @@ def load_export(
         {p: m for p, m in models.items() if p in kept},
         {p: d for p, d in data_files.items() if p in kept},
     )
-
-
-def _check_output(
-    output: Path, chosen: dict[Role, Path], data_files: dict[Path, set[Path]], overwrite: bool
-) -> None:
-    targets = [output, output.parent / model_io.data_file_name(output)]
-    inputs = set(chosen.values()) | {f for files in data_files.values() for f in files}
-    for target in targets:
-        for path in inputs:
-            if target.exists() and os.path.samefile(target, path):
-                raise RefusedOutputError(
-                    f"the output {target} is the input {path}; choose another output path"
-                )
-    if output.exists() and not overwrite:
-        raise RefusedOutputError(
-            f"{output} exists; pass overwrite=True (--overwrite) to replace it"
-        )
-    if output.exists() and output.is_dir():
-        raise RefusedOutputError(f"{output} is a folder; give a file path ending in .onnx")
 
 
 def _read_json(path: Path) -> str | None:

@@ -20,7 +20,6 @@ from onnxmerge import contract, dedup, inspection, model_io, passes, quant_rewri
 from onnxmerge.errors import (
     InvalidMergedModelError,
     QuantizationError,
-    RefusedOutputError,
 )
 from onnxmerge.quant_math import PRECISIONS
 
@@ -102,10 +101,7 @@ def quantize_with_report(
             f"encoder={encoder!r} is not a precision; choose one of {', '.join(PRECISIONS)}"
         )
     output = Path(output) if output is not None else default_output(source, weights)
-    if output.exists() and not overwrite:
-        raise RefusedOutputError(
-            f"{output} exists; pass overwrite=True (--overwrite) to replace it"
-        )
+    model_io.check_output(output, [source] if source.is_file() else [], overwrite=overwrite)
     if source.is_dir():
         return _quantize_export(source, output, weights, encoder)
     return _quantize_file(source, output, weights, encoder)
@@ -124,8 +120,6 @@ def _quantize_export(folder: Path, output: Path, weights: str, encoder: str) -> 
 
 
 def _quantize_file(source: Path, output: Path, weights: str, encoder: str) -> QuantizeResult:
-    if source.exists() and output.exists() and source.samefile(output):
-        raise RefusedOutputError(f"the output {output} is the input; choose another output path")
     model, data_files = model_io.load_model(source)
     meta = model.metadata_props
     if contract.META_FORMAT_VERSION not in meta:

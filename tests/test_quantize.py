@@ -18,6 +18,7 @@ from onnxmerge.errors import QuantizationError, RefusedOutputError
 from onnxmerge.sessions import open_session, session_options
 from onnxmerge.testing import quality
 from onnxmerge.testing.zoo import ARCHITECTURES
+from tests import textmodels as tm
 
 ort = pytest.importorskip("onnxruntime")
 
@@ -236,6 +237,18 @@ def test_default_output_uses_transformers_js_suffixes(merged):
     }
     with pytest.raises(RefusedOutputError, match="exists"):
         quantize(source, weights="int8")
+
+
+def test_the_source_is_never_the_output(tmp_path):
+    from onnxmerge import merge_seq2seq, quantize
+
+    source = merge_seq2seq(tm.write_export(tmp_path / "export"))
+    before = source.read_bytes()
+    with pytest.raises(RefusedOutputError, match="is the input"):
+        quantize(source, source, overwrite=True)
+    with pytest.raises(RefusedOutputError, match="is the input"):
+        quantize(source, source)
+    assert source.read_bytes() == before
 
 
 def test_encoder_keeps_its_own_precision(merged, tmp_path):

@@ -55,6 +55,14 @@ def _node(op: str, inputs: list, name: str, output: str | ir.Value, **ints: int)
     return ir.Node("", op, inputs, attributes=attributes, outputs=[value], name=name)
 
 
+def _free(name: str, used: set[str]) -> str:
+    candidate, counter = name, 1
+    while candidate in used:
+        counter += 1
+        candidate = f"{name}.{counter}"
+    return candidate
+
+
 # onnxruntime's float16 Gemm and MatMul round differently; float and double agree exactly.
 _EXACT_DTYPES = frozenset({ir.DataType.FLOAT, ir.DataType.DOUBLE})
 # Slice with inputs, which the rewrite uses, arrived in opset 10.
@@ -73,6 +81,7 @@ def gemm_for_transposed_weights(model: ir.Model) -> int:
     if model.opset_imports.get("", model.opset_imports.get("ai.onnx", 0)) < _MIN_OPSET:
         return 0
     rewritten = 0
+    prefixes: set[str] = set()
     for node in list(ir.traversal.RecursiveGraphIterator(main)):
         if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx"):
             continue
@@ -82,7 +91,9 @@ def gemm_for_transposed_weights(model: ir.Model) -> int:
             continue
         out_features, in_features = weight.shape
         graph = node.graph
-        prefix = f"{node.name or node.outputs[0].name}/gemm"
+        # Node names need not be unique; the names of the values made here must be.
+        prefix = _free(f"{node.name or node.outputs[0].name}/gemm", prefixes)
+        prefixes.add(prefix)
         flat_shape = _const(
             main, f"onnxmerge.flatten_to_2d_{in_features}", np.array([-1, in_features], np.int64)
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 import pytest
 
@@ -174,6 +175,26 @@ g (float[2, 16] x) => (float[2, 96] y) {
     assert (result.name, result.count, result.modified) == ("matmuls_to_gemm", 1, True)
     assert "Gemm" in _ops(model) and "MatMul" not in _ops(model)
     _same_outputs(model, feeds, before)
+
+
+def test_gemm_names_its_values_apart_when_two_matmuls_share_a_name():
+    embedding, x = _matrix(96, 16), _matrix(2, 16)
+    model = _model(
+        """
+g (float[2, 16] x) => (float[2, 96] y) {
+  wt = Transpose <perm = [1, 0]> (embedding)
+  [head] a = MatMul(x, wt)
+  [head] b = MatMul(x, wt)
+  y = Add(a, b)
+}""",
+        {"embedding": embedding},
+    )
+
+    assert tied_head.GemmForTransposedWeights()(model).count == 2
+
+    onnx.checker.check_model(ir.serde.serialize_model(model), full_check=True)
+    (got,) = tm.run_model(model, {"x": x})
+    np.testing.assert_allclose(got, 2 * x @ embedding.T, rtol=1e-5, atol=1e-5)
 
 
 def test_quantize_weights_stores_int8_codes_and_reports_each_weight():

@@ -148,7 +148,7 @@ def merge_seq2seq_with_report(
     model = splice.splice(parts, models)
     step("deduplicating")
     rewrites = passes.run(model, (separate_dims, *rewrite_steps()))
-    shared = tuple(s for r in rewrites for s in r.records)
+    shared = passes.records(rewrites)
     configs = {
         contract.META_CONFIG: _read_json(export_dir / "config.json"),
         contract.META_GENERATION_CONFIG: _read_json(export_dir / "generation_config.json"),

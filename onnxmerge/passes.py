@@ -36,3 +36,8 @@ def run(model: ir.Model, steps: Iterable[ir.passes.PassBase]) -> tuple[StepResul
 def counts(results: Iterable[StepResult]) -> dict[str, int]:
     """What every step did, by name, without the model (results keep it alive)."""
     return {r.name: r.count for r in results}
+
+
+def records(results: Iterable[StepResult]) -> tuple:
+    """Every step's records, in the order the steps ran."""
+    return tuple(record for r in results for record in r.records)

@@ -41,3 +41,22 @@ def counts(results: Iterable[StepResult]) -> dict[str, int]:
 def records(results: Iterable[StepResult]) -> tuple:
     """Every step's records, in the order the steps ran."""
     return tuple(record for r in results for record in r.records)
+
+
+def replace_result(old: ir.Node, new_nodes: list[ir.Node], result: ir.Value) -> None:
+    """Put ``new_nodes`` where ``old`` was; ``result`` takes the place of its one output.
+
+    A graph output keeps its name, so the graph's interface does not change.
+    """
+    graph = old.graph
+    graph.insert_before(old, new_nodes)
+    output = old.outputs[0]
+    result.type, result.shape = output.type, output.shape
+    is_output = output in graph.outputs
+    if is_output:
+        graph.outputs[graph.outputs.index(output)] = result
+    ir.convenience.replace_all_uses_with(output, result)
+    graph.remove(old, safe=True)
+    if is_output:
+        name, output.name = output.name, None
+        result.name = name

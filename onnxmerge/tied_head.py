@@ -13,7 +13,7 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
-from onnxmerge.passes import StepResult
+from onnxmerge.passes import StepResult, replace_result
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +90,6 @@ def gemm_for_transposed_weights(model: ir.Model) -> int:
         if weight is None or hidden is None or weight.dtype not in _EXACT_DTYPES:
             continue
         out_features, in_features = weight.shape
-        graph = node.graph
         # Node names need not be unique; the names of the values made here must be.
         prefix = _free(f"{node.name or node.outputs[0].name}/gemm", prefixes)
         prefixes.add(prefix)
@@ -125,21 +124,12 @@ def gemm_for_transposed_weights(model: ir.Model) -> int:
             f"{prefix}/out_shape",
             axis=0,
         )
-        output = node.outputs[0]
-        result = ir.Value(name=f"{prefix}/out", type=output.type, shape=output.shape)
+        result = ir.Value(name=f"{prefix}/out")
         reshape_out = _node(
             "Reshape", [gemm.outputs[0], concat.outputs[0]], f"{prefix}/reshape_out", result
         )
-        graph.insert_before(node, [reshape_in, gemm, shape, leading, concat, reshape_out])
-        is_output = output in graph.outputs
-        if is_output:
-            graph.outputs[graph.outputs.index(output)] = result
-        ir.convenience.replace_all_uses_with(output, result)
         transpose = node.inputs[1].producer()
-        graph.remove(node, safe=True)
-        if is_output:
-            name, output.name = output.name, None
-            result.name = name
+        replace_result(node, [reshape_in, gemm, shape, leading, concat, reshape_out], result)
         if not transpose.outputs[0].uses() and transpose.outputs[0] not in transpose.graph.outputs:
             transpose.graph.remove(transpose, safe=True)
         rewritten += 1

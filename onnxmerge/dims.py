@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import onnx_ir as ir
 
-from onnxmerge.passes import StepResult
+from onnxmerge.passes import StepResult, free_name
 from onnxmerge.roles import Role
 from onnxmerge.splice import Part
 
@@ -75,7 +75,7 @@ class SeparateSymbolicDims(ir.passes.InPlacePass):
         for role, values in self._parts:
             own = {n for v in values for n in _names(v)} - self._interface_names
             clashing = own & taken
-            new_names = {name: _free(f"{TAGS[role]}/{name}", taken | own) for name in clashing}
+            new_names = {name: free_name(f"{TAGS[role]}/{name}", taken | own) for name in clashing}
             taken |= (own - clashing) | set(new_names.values())
             renamed += len(clashing)
             for value in values:
@@ -89,11 +89,3 @@ class SeparateSymbolicDims(ir.passes.InPlacePass):
                         ]
                     )
         return StepResult.counted(model, "symbolic_dims_renamed", renamed)
-
-
-def _free(name: str, used: set[str]) -> str:
-    candidate, counter = name, 1
-    while candidate in used:
-        counter += 1
-        candidate = f"{name}.{counter}"
-    return candidate

@@ -1,6 +1,7 @@
-"""One result shape for every rewrite step of the merge, and the merge's sequence of them.
+"""One result shape for every rewrite pass, running passes in order, and what passes share.
 
-A step is an onnx-ir in-place pass; its result says, besides ``modified``, what it counted.
+A pass is an onnx-ir in-place pass; its result says, besides ``modified``, what it counted
+(docs/architecture.md lists them). The helpers at the end are the graph edits several passes make.
 """
 
 from __future__ import annotations
@@ -60,3 +61,12 @@ def replace_result(old: ir.Node, new_nodes: list[ir.Node], result: ir.Value) -> 
     if is_output:
         name, output.name = output.name, None
         result.name = name
+
+
+def free_name(name: str, used: set[str]) -> str:
+    """``name``, or ``name.2``, ``name.3``, … : the first that is not in ``used``."""
+    candidate, counter = name, 1
+    while candidate in used:
+        counter += 1
+        candidate = f"{name}.{counter}"
+    return candidate

@@ -13,7 +13,7 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
-from onnxmerge.passes import StepResult, replace_result
+from onnxmerge.passes import StepResult, free_name, replace_result
 
 logger = logging.getLogger(__name__)
 
@@ -55,14 +55,6 @@ def _node(op: str, inputs: list, name: str, output: str | ir.Value, **ints: int)
     return ir.Node("", op, inputs, attributes=attributes, outputs=[value], name=name)
 
 
-def _free(name: str, used: set[str]) -> str:
-    candidate, counter = name, 1
-    while candidate in used:
-        counter += 1
-        candidate = f"{name}.{counter}"
-    return candidate
-
-
 # onnxruntime's float16 Gemm and MatMul round differently; float and double agree exactly.
 _EXACT_DTYPES = frozenset({ir.DataType.FLOAT, ir.DataType.DOUBLE})
 # Slice with inputs, which the rewrite uses, arrived in opset 10.
@@ -91,7 +83,7 @@ def gemm_for_transposed_weights(model: ir.Model) -> int:
             continue
         out_features, in_features = weight.shape
         # Node names need not be unique; the names of the values made here must be.
-        prefix = _free(f"{node.name or node.outputs[0].name}/gemm", prefixes)
+        prefix = free_name(f"{node.name or node.outputs[0].name}/gemm", prefixes)
         prefixes.add(prefix)
         flat_shape = _const(
             main, f"onnxmerge.flatten_to_2d_{in_features}", np.array([-1, in_features], np.int64)

@@ -101,7 +101,8 @@ def quantize_with_report(
             f"encoder={encoder!r} is not a precision; choose one of {', '.join(PRECISIONS)}"
         )
     output = Path(output) if output is not None else default_output(source, weights)
-    model_io.check_output(output, [source] if source.is_file() else [], overwrite=overwrite)
+    inputs = [source, *model_io.data_files_of(source)] if source.is_file() else []
+    model_io.check_output(output, inputs, overwrite=overwrite)
     if source.is_dir():
         return _quantize_export(source, output, weights, encoder)
     return _quantize_file(source, output, weights, encoder)

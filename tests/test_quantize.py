@@ -251,6 +251,17 @@ def test_the_source_is_never_the_output(tmp_path):
     assert source.read_bytes() == before
 
 
+def test_the_source_data_file_is_never_the_output(tmp_path):
+    from onnxmerge import merge_seq2seq, quantize
+
+    source = merge_seq2seq(tm.write_export(tmp_path / "export"), external_data=True)
+    (data,) = model_io.data_files_of(source)
+    before = tm.folder_digest(source.parent)
+    with pytest.raises(RefusedOutputError, match="is the input"):
+        quantize(source, data, overwrite=True)
+    assert tm.folder_digest(source.parent) == before
+
+
 def test_encoder_keeps_its_own_precision(merged, tmp_path):
     from onnxmerge import quantize
     from onnxmerge.runtime import Seq2SeqModel

@@ -101,11 +101,16 @@ def quantize_with_report(
             f"encoder={encoder!r} is not a precision; choose one of {', '.join(PRECISIONS)}"
         )
     output = Path(output) if output is not None else default_output(source, weights)
-    inputs = [source, *model_io.data_files_of(source)] if source.is_file() else []
-    model_io.check_output(output, inputs, overwrite=overwrite)
+    model_io.check_output(output, _files_read(source), overwrite=overwrite)
     if source.is_dir():
         return _quantize_export(source, output, weights, encoder)
     return _quantize_file(source, output, weights, encoder)
+
+
+def _files_read(source: Path) -> list[Path]:
+    """The model and its data files, or those of every model in the export folder."""
+    models = sorted(source.glob("*.onnx")) if source.is_dir() else [source]
+    return [f for m in models if m.is_file() for f in (m, *model_io.data_files_of(m))]
 
 
 def _quantize_export(folder: Path, output: Path, weights: str, encoder: str) -> QuantizeResult:

@@ -262,6 +262,16 @@ def test_the_source_data_file_is_never_the_output(tmp_path):
     assert tm.folder_digest(source.parent) == before
 
 
+def test_no_file_of_the_export_is_the_output(tmp_path):
+    from onnxmerge import quantize
+
+    folder = tm.write_export(tmp_path / "export")
+    before = tm.folder_digest(folder)
+    with pytest.raises(RefusedOutputError, match="is the input"):
+        quantize(folder, folder / tm.ENCODER, overwrite=True)
+    assert tm.folder_digest(folder) == before
+
+
 def test_encoder_keeps_its_own_precision(merged, tmp_path):
     from onnxmerge import quantize
     from onnxmerge.runtime import Seq2SeqModel

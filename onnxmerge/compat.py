@@ -1,16 +1,15 @@
-"""Do the files of an export belong together? Checks that need the deduplication's findings."""
+"""Do the files of an export belong together? Checks that need the deduplication's findings.
+
+An analysis, not a rewrite: from what each part brought and what deduplication shared it returns
+the problems it finds; the merge decides whether they stop it.
+"""
 
 from __future__ import annotations
-
-import logging
 
 import onnx_ir as ir
 
 from onnxmerge import dedup, splice
-from onnxmerge.errors import IncompatibleModelsError
 from onnxmerge.roles import Role
-
-logger = logging.getLogger(__name__)
 
 # A decoder with past from the same checkpoint shares nearly all of its weights with the decoder.
 MIN_SHARED_FRACTION = 0.5
@@ -25,15 +24,13 @@ def origins(parts: list[splice.Part]) -> dict[int, tuple[Role, ir.Value]]:
     return found
 
 
-def check_same_checkpoint(
+def checkpoint_problems(
     parts: list[splice.Part],
     origin: dict[int, tuple[Role, ir.Value]],
     shared: list[dedup.SharedTensor],
-    *,
-    force: bool = False,
     config: dict | None = None,
-) -> None:
-    """Refuse files that share too little to come from one checkpoint, listing every problem.
+) -> list[str]:
+    """Why the files share too little to come from one checkpoint; empty when they do.
 
     ``config`` is the export's config.json: a model that declares separate encoder and decoder
     embeddings (Marian's ``share_encoder_decoder_embeddings: false``) shares none by design.
@@ -87,16 +84,7 @@ def check_same_checkpoint(
                 f"embedding of shape {list(sorted(embeddings)[0][1])} but share no weights; they "
                 "come from different checkpoints"
             )
-    if not problems:
-        return
-    if force:
-        for problem in problems:
-            logger.warning("merging anyway: %s", problem)
-        return
-    raise IncompatibleModelsError(
-        "the files do not come from one model (pass force=True / --force to merge anyway):",
-        problems,
-    )
+    return problems
 
 
 def _key(value: ir.Value) -> tuple:

@@ -9,12 +9,12 @@ import hashlib
 import logging
 import mmap
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import onnx_ir as ir
 
-from onnxmerge.passes import StepResult, run
+from onnxmerge.passes import StepResult
 
 logger = logging.getLogger(__name__)
 
@@ -44,24 +44,6 @@ class SharedTensor:
     removed: str
     nbytes: int
     transposed: bool
-
-
-@dataclass
-class DedupReport:
-    shared: list[SharedTensor] = field(default_factory=list)
-    constants_lifted: int = 0
-    nodes_hoisted: int = 0
-    nodes_merged: int = 0
-    aliases_dropped: int = 0
-    initializers_removed_unused: int = 0
-
-    @property
-    def bytes_saved(self) -> int:
-        return sum(s.nbytes for s in self.shared)
-
-    @property
-    def transposed(self) -> list[SharedTensor]:
-        return [s for s in self.shared if s.transposed]
 
 
 def _array(tensor: ir.TensorProtocol) -> np.ndarray | None:
@@ -524,16 +506,6 @@ def store_once_steps() -> tuple[ir.passes.InPlacePass, ...]:
         DropInitializerAliases(),
         RemoveUnusedInitializers(),
     )
-
-
-def store_once(model: ir.Model) -> DedupReport:
-    """Run every pass of this module in order and report what each did."""
-    results = run(model, store_once_steps())
-    report = DedupReport(shared=[s for r in results for s in r.shared])
-    for r in results:
-        if r.name != "tensors_shared":
-            setattr(report, r.name, r.count)
-    return report
 
 
 def find_duplicates(graph: ir.Graph, min_bytes: int = MIN_SHARED_BYTES) -> list[SharedTensor]:

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 
 import onnx_ir as ir
 
+from onnxmerge.passes import StepResult, free_name
 from onnxmerge.roles import Role
 from onnxmerge.splice import Part
 
@@ -50,42 +51,41 @@ def _names(value: ir.Value) -> set[str]:
     return {d.value for d in value.shape if isinstance(d, ir.SymbolicDim) and d.value}
 
 
-def separate_symbolic_dims(parts: list[Part]) -> int:
-    """Rename interior symbolic dims that an earlier part uses too; return how many were renamed.
+class SeparateSymbolicDims(ir.passes.InPlacePass):
+    """Rename interior symbolic dims that an earlier part uses too; count the names renamed.
 
     As with value names, the first part to use a name keeps it; later ones get their role's tag.
+    Made from the parts before the splice, while each part's nodes are still its own; run on the
+    spliced model, which holds the same values (the splice moves nodes, it does not copy values).
     """
-    shared = {
-        name
-        for part in parts
-        for value in (*part.inputs.values(), *part.outputs.values())
-        for name in _names(value)
-    }
-    taken: set[str] = set()
-    renamed = 0
-    for part in parts:
-        values = list(_interior_values(part))
-        own = {n for v in values for n in _names(v)} - shared
-        clashing = own & taken
-        new_names = {name: _free(f"{TAGS[part.role]}/{name}", taken | own) for name in clashing}
-        taken |= (own - clashing) | set(new_names.values())
-        renamed += len(clashing)
-        for value in values:
-            if _names(value) & clashing:
-                value.shape = ir.Shape(
-                    [
-                        new_names[d.value]
-                        if isinstance(d, ir.SymbolicDim) and d.value in clashing
-                        else d
-                        for d in value.shape
-                    ]
-                )
-    return renamed
 
+    def __init__(self, parts: list[Part]):
+        super().__init__()
+        self._interface_names = {
+            name
+            for part in parts
+            for value in (*part.inputs.values(), *part.outputs.values())
+            for name in _names(value)
+        }
+        self._parts = [(part.role, list(_interior_values(part))) for part in parts]
 
-def _free(name: str, used: set[str]) -> str:
-    candidate, counter = name, 1
-    while candidate in used:
-        counter += 1
-        candidate = f"{name}.{counter}"
-    return candidate
+    def call(self, model: ir.Model) -> StepResult:
+        taken: set[str] = set()
+        renamed = 0
+        for role, values in self._parts:
+            own = {n for v in values for n in _names(v)} - self._interface_names
+            clashing = own & taken
+            new_names = {name: free_name(f"{TAGS[role]}/{name}", taken | own) for name in clashing}
+            taken |= (own - clashing) | set(new_names.values())
+            renamed += len(clashing)
+            for value in values:
+                if _names(value) & clashing:
+                    value.shape = ir.Shape(
+                        [
+                            new_names[d.value]
+                            if isinstance(d, ir.SymbolicDim) and d.value in clashing
+                            else d
+                            for d in value.shape
+                        ]
+                    )
+        return StepResult.counted(model, "symbolic_dims_renamed", renamed)

@@ -29,8 +29,8 @@ from onnxmerge import (
 )
 from onnxmerge.errors import (
     ExportFolderError,
+    IncompatibleModelsError,
     InvalidMergedModelError,
-    RefusedOutputError,
 )
 from onnxmerge.roles import Role
 
@@ -130,7 +130,8 @@ def merge_seq2seq_with_report(
     step = progress or (lambda _: None)
     step("loading")
     chosen, models, data_files = load_export(export_dir, output)
-    _check_output(output, chosen, data_files, overwrite)
+    files_read = [f for p in chosen.values() for f in (p, *data_files[p])]
+    model_io.check_output(output, files_read, overwrite=overwrite)
 
     parts = [
         part
@@ -143,32 +144,35 @@ def merge_seq2seq_with_report(
     # Operators the checker does not know, which the merged model may hold too.
     tolerated = check.unknown_operators(models.values())
     step("splicing")
-    dims.separate_symbolic_dims(parts)
-    spliced = splice.splice(parts, models)
+    # Made before the splice, which moves the parts' nodes into one graph.
+    separate_dims = dims.SeparateSymbolicDims(parts)
+    model = splice.splice(parts, models)
     step("deduplicating")
-    rewrites = passes.run(spliced.model, rewrite_steps())
-    shared = tuple(s for r in rewrites for s in r.shared)
+    rewrites = passes.run(model, (separate_dims, *rewrite_steps()))
+    shared = passes.records(rewrites)
     configs = {
         contract.META_CONFIG: _read_json(export_dir / "config.json"),
         contract.META_GENERATION_CONFIG: _read_json(export_dir / "generation_config.json"),
     }
     config = configs[contract.META_CONFIG]
-    compat.check_same_checkpoint(
-        parts,
-        origins,
-        list(shared),
-        force=force,
-        config=json.loads(config) if config else None,
+    problems = compat.checkpoint_problems(
+        parts, origins, list(shared), json.loads(config) if config else None
     )
-    _add_metadata(spliced, configs)
+    if problems and not force:
+        raise IncompatibleModelsError(
+            "the files do not come from one model (pass force=True / --force to merge anyway):",
+            problems,
+        )
+    for problem in problems:
+        logger.warning("merging anyway: %s", problem)
+    model.metadata_props.update({key: text for key, text in configs.items() if text is not None})
     step("saving and checking")
-    inputs_read = frozenset(f.resolve() for p in chosen.values() for f in (p, *data_files[p]))
     model_io.save_model_atomically(
-        spliced.model,
+        model,
         output,
         external_data=external_data,
         validate=lambda path: check.check_merged_model(path, tolerated, list(chosen.values())),
-        protected=inputs_read,
+        protected=frozenset(f.resolve() for f in files_read),
     )
     output_bytes = model_io.file_bytes(output, model_io.data_files_of(output))
     inputs = tuple(
@@ -178,11 +182,11 @@ def merge_seq2seq_with_report(
     checkpoint = find_checkpoint(export_dir)
     result = MergeResult(
         path=output,
-        layout=spliced.layout,
+        layout=model.metadata_props[contract.META_LAYOUT],
         inputs=inputs,
         output_bytes=output_bytes,
         tensors_in=tensors_in,
-        tensors_out=len(spliced.model.graph.initializers),
+        tensors_out=len(model.graph.initializers),
         shared=shared,
         constants_lifted=passes.counts(rewrites)["constants_lifted"],
         checkpoint_bytes=checkpoint.stat().st_size if checkpoint else None,
@@ -282,25 +286,6 @@ def load_export(
     )
 
 
-def _check_output(
-    output: Path, chosen: dict[Role, Path], data_files: dict[Path, set[Path]], overwrite: bool
-) -> None:
-    targets = [output, output.parent / model_io.data_file_name(output)]
-    inputs = set(chosen.values()) | {f for files in data_files.values() for f in files}
-    for target in targets:
-        for path in inputs:
-            if target.exists() and os.path.samefile(target, path):
-                raise RefusedOutputError(
-                    f"the output {target} is the input {path}; choose another output path"
-                )
-    if output.exists() and not overwrite:
-        raise RefusedOutputError(
-            f"{output} exists; pass overwrite=True (--overwrite) to replace it"
-        )
-    if output.exists() and output.is_dir():
-        raise RefusedOutputError(f"{output} is a folder; give a file path ending in .onnx")
-
-
 def _read_json(path: Path) -> str | None:
     if not path.is_file():
         return None
@@ -309,14 +294,6 @@ def _read_json(path: Path) -> str | None:
         return json.dumps(json.loads(path.read_text(encoding="utf-8")), sort_keys=True)
     except (OSError, ValueError) as e:
         raise ExportFolderError(f"{path} is not valid JSON: {e}") from e
-
-
-def _add_metadata(spliced: splice.SplicedModel, configs: dict[str, str | None]) -> None:
-    meta = spliced.model.metadata_props
-    meta[contract.META_FORMAT_VERSION] = contract.FORMAT_VERSION
-    meta[contract.META_LAYOUT] = spliced.layout
-    meta[contract.META_ENCODER_INPUTS] = json.dumps(spliced.encoder_inputs)
-    meta.update({key: text for key, text in configs.items() if text is not None})
 
 
 __all__ = ["merge_seq2seq", "merge_seq2seq_with_report", "MergeResult", "InputFile"]

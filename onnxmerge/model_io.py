@@ -15,7 +15,7 @@ import re
 import shutil
 import stat
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -369,6 +369,24 @@ def _free_data_name(output: Path) -> str:
         counter += 1
         name = data_file_name(output.with_name(f"{output.stem}.{counter}{output.suffix}"))
     return name
+
+
+def check_output(output: Path, inputs: Iterable[Path], *, overwrite: bool) -> None:
+    """Refuse an output (or its data file) that is an input, exists unless ``overwrite``, or is a
+    folder."""
+    inputs = list(inputs)
+    for target in (output, output.parent / data_file_name(output)):
+        for path in inputs:
+            if target.exists() and os.path.samefile(target, path):
+                raise RefusedOutputError(
+                    f"the output {target} is the input {path}; choose another output path"
+                )
+    if output.exists() and not overwrite:
+        raise RefusedOutputError(
+            f"{output} exists; pass overwrite=True (--overwrite) to replace it"
+        )
+    if output.is_dir():
+        raise RefusedOutputError(f"{output} is a folder; give a file path ending in .onnx")
 
 
 def save_model_atomically(

@@ -1,6 +1,7 @@
-"""One result shape for every rewrite step of the merge, and the merge's sequence of them.
+"""One result shape for every rewrite pass, running passes in order, and what passes share.
 
-A step is an onnx-ir in-place pass; its result says, besides ``modified``, what it counted.
+A pass is an onnx-ir in-place pass; its result says, besides ``modified``, what it counted
+(docs/architecture.md lists them). The helpers at the end are the graph edits several passes make.
 """
 
 from __future__ import annotations
@@ -13,11 +14,15 @@ import onnx_ir as ir
 
 @dataclass
 class StepResult(ir.passes.PassResult):
-    """``count`` things changed, reported under ``name``; ``shared`` lists merged tensors."""
+    """``count`` things changed, reported under ``name``.
+
+    ``records`` describes each change where callers need more than the count: the tensors
+    deduplication stored once, the weights quantization stored quantized.
+    """
 
     name: str = ""
     count: int = 0
-    shared: tuple = ()
+    records: tuple = ()
 
     @classmethod
     def counted(cls, model: ir.Model, name: str, count: int) -> StepResult:
@@ -32,3 +37,36 @@ def run(model: ir.Model, steps: Iterable[ir.passes.PassBase]) -> tuple[StepResul
 def counts(results: Iterable[StepResult]) -> dict[str, int]:
     """What every step did, by name, without the model (results keep it alive)."""
     return {r.name: r.count for r in results}
+
+
+def records(results: Iterable[StepResult]) -> tuple:
+    """Every step's records, in the order the steps ran."""
+    return tuple(record for r in results for record in r.records)
+
+
+def replace_result(old: ir.Node, new_nodes: list[ir.Node], result: ir.Value) -> None:
+    """Put ``new_nodes`` where ``old`` was; ``result`` takes the place of its one output.
+
+    A graph output keeps its name, so the graph's interface does not change.
+    """
+    graph = old.graph
+    graph.insert_before(old, new_nodes)
+    output = old.outputs[0]
+    result.type, result.shape = output.type, output.shape
+    is_output = output in graph.outputs
+    if is_output:
+        graph.outputs[graph.outputs.index(output)] = result
+    ir.convenience.replace_all_uses_with(output, result)
+    graph.remove(old, safe=True)
+    if is_output:
+        name, output.name = output.name, None
+        result.name = name
+
+
+def free_name(name: str, used: set[str]) -> str:
+    """``name``, or ``name.2``, ``name.3``, … : the first that is not in ``used``."""
+    candidate, counter = name, 1
+    while candidate in used:
+        counter += 1
+        candidate = f"{name}.{counter}"
+    return candidate

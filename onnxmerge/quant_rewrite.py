@@ -25,6 +25,7 @@ import onnx_ir as ir
 
 from onnxmerge import quant_math
 from onnxmerge.errors import QuantizationError
+from onnxmerge.passes import StepResult, replace_result
 
 logger = logging.getLogger(__name__)
 
@@ -180,20 +181,6 @@ class _Rewriter:
             self._dequantized[cache_key] = node.outputs[0]
         return self._dequantized[cache_key]
 
-    def replace_result(self, old: ir.Node, new_nodes: list[ir.Node], result: ir.Value) -> None:
-        graph = old.graph
-        graph.insert_before(old, new_nodes)
-        output = old.outputs[0]
-        result.type, result.shape = output.type, output.shape
-        is_output = output in graph.outputs
-        if is_output:
-            graph.outputs[graph.outputs.index(output)] = result
-        ir.convenience.replace_all_uses_with(output, result)
-        graph.remove(old, safe=True)
-        if is_output:
-            name, output.name = output.name, None
-            result.name = name
-
     def gather_rows(self, node: ir.Node, codes: ir.Value, scale: ir.Value, zero: ir.Value | None):
         indices = node.inputs[1]
         rows = self.node("Gather", [codes, indices], ["rows"], axis=0)
@@ -228,7 +215,7 @@ class _Rewriter:
             current = sub.outputs[0]
         mul = self.node("Mul", [current, row_values(scale, "row_scale")], ["embedding"])
         nodes.append(mul)
-        self.replace_result(node, nodes, mul.outputs[0])
+        replace_result(node, nodes, mul.outputs[0])
 
     def transposed_codes(self, codes: ir.Value) -> ir.Value:
         """``codes`` transposed by one main-graph node: onnxruntime folds it once, at load."""
@@ -248,7 +235,7 @@ class _Rewriter:
         as_float = self.node("Cast", [product.outputs[0]], ["product_float"], to=ir.DataType.FLOAT)
         scales = self.node("Mul", [x_scale, scale], ["scales"])
         result = self.node("Mul", [as_float.outputs[0], scales.outputs[0]], ["result"])
-        self.replace_result(node, [quant, product, as_float, scales, result], result.outputs[0])
+        replace_result(node, [quant, product, as_float, scales, result], result.outputs[0])
 
 
 def raise_opset_for_int4(model: ir.Model) -> None:
@@ -278,6 +265,18 @@ def quantizable(value: ir.Value) -> bool:
         and not value.is_graph_output()
         and bool(value.uses())
     )
+
+
+class QuantizeWeights(ir.passes.InPlacePass):
+    """:func:`quantize_weights` as a pass; its records are the weights it quantized."""
+
+    def __init__(self, precision_of: Callable[[ir.Value], str]):
+        super().__init__()
+        self.precision_of = precision_of
+
+    def call(self, model: ir.Model) -> StepResult:
+        done = tuple(quantize_weights(model, self.precision_of))
+        return StepResult(model, bool(done), "weights_quantized", len(done), done)
 
 
 def quantize_weights(

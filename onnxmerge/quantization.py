@@ -16,11 +16,10 @@ from pathlib import Path
 
 import onnx_ir as ir
 
-from onnxmerge import contract, dedup, inspection, model_io, quant_rewrite
+from onnxmerge import contract, dedup, inspection, model_io, passes, quant_rewrite
 from onnxmerge.errors import (
     InvalidMergedModelError,
     QuantizationError,
-    RefusedOutputError,
 )
 from onnxmerge.quant_math import PRECISIONS
 
@@ -102,13 +101,16 @@ def quantize_with_report(
             f"encoder={encoder!r} is not a precision; choose one of {', '.join(PRECISIONS)}"
         )
     output = Path(output) if output is not None else default_output(source, weights)
-    if output.exists() and not overwrite:
-        raise RefusedOutputError(
-            f"{output} exists; pass overwrite=True (--overwrite) to replace it"
-        )
+    model_io.check_output(output, _files_read(source), overwrite=overwrite)
     if source.is_dir():
         return _quantize_export(source, output, weights, encoder)
     return _quantize_file(source, output, weights, encoder)
+
+
+def _files_read(source: Path) -> list[Path]:
+    """The model and its data files, or those of every model in the export folder."""
+    models = sorted(source.glob("*.onnx")) if source.is_dir() else [source]
+    return [f for m in models if m.is_file() for f in (m, *model_io.data_files_of(m))]
 
 
 def _quantize_export(folder: Path, output: Path, weights: str, encoder: str) -> QuantizeResult:
@@ -124,8 +126,6 @@ def _quantize_export(folder: Path, output: Path, weights: str, encoder: str) -> 
 
 
 def _quantize_file(source: Path, output: Path, weights: str, encoder: str) -> QuantizeResult:
-    if source.exists() and output.exists() and source.samefile(output):
-        raise RefusedOutputError(f"the output {output} is the input; choose another output path")
     model, data_files = model_io.load_model(source)
     meta = model.metadata_props
     if contract.META_FORMAT_VERSION not in meta:
@@ -149,10 +149,16 @@ def _quantize_file(source: Path, output: Path, weights: str, encoder: str) -> Qu
         return weights
 
     before = model_io.tensor_bytes(model)
-    done = quant_rewrite.quantize_weights(model, precision_of)
-    # Equal scales or zero points (e.g. of two zero-initialized layers) are stored once too.
-    dedup.deduplicate_initializers(model.graph)
-    dedup.remove_unused_initializers(model.graph)
+    quantized, *_ = passes.run(
+        model,
+        (
+            quant_rewrite.QuantizeWeights(precision_of),
+            # Equal scales or zero points (e.g. of two zero-initialized layers) are stored once.
+            dedup.DeduplicateInitializers(),
+            dedup.RemoveUnusedInitializers(),
+        ),
+    )
+    done = quantized.records
     precision = {"encoder": encoder, "decoder": weights}
     meta[contract.META_FORMAT_VERSION] = contract.QUANTIZED_FORMAT_VERSION
     meta[contract.META_PRECISION] = json.dumps(precision, sort_keys=True)
@@ -168,7 +174,7 @@ def _quantize_file(source: Path, output: Path, weights: str, encoder: str) -> Qu
         precision=precision,
         bytes_before=model_io.file_bytes(source, data_files),
         bytes_after=model_io.file_bytes(output, model_io.data_files_of(output)),
-        weights=tuple(done),
+        weights=done,
     )
     logger.info(
         "quantized %d weights of %s (%d tensor bytes) into %s (%d bytes)",

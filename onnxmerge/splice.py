@@ -7,6 +7,7 @@ move to the main graph, where both branches read them from the outer scope.
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -203,13 +204,6 @@ def _placeholder_friendly_input(name: str, value: ir.Value) -> ir.Value:
     return ir.Value(name=name, type=value.type, shape=ir.Shape(dims))
 
 
-@dataclass
-class SplicedModel:
-    model: ir.Model
-    encoder_inputs: list[str]
-    layout: str
-
-
 def _check_opsets(models: dict[Path, ir.Model]) -> tuple[dict[str, int], int]:
     opsets: dict[str, int] = {}
     problems: list[str] = []
@@ -227,8 +221,12 @@ def _check_opsets(models: dict[Path, ir.Model]) -> tuple[dict[str, int], int]:
     return opsets, max(model.ir_version for model in models.values())
 
 
-def splice(parts: list[Part], models: dict[Path, ir.Model]) -> SplicedModel:
-    """Join encoder and decoder parts into one model under the contract of ``docs/format.md``."""
+def splice(parts: list[Part], models: dict[Path, ir.Model]) -> ir.Model:
+    """Join encoder and decoder parts into one model under the contract of ``docs/format.md``.
+
+    A constructor, not a pass: it builds the model that the passes then rewrite, with the
+    contract's metadata (format version, layout, encoder inputs) already set.
+    """
     by_role = {p.role: p for p in parts}
     encoder = by_role[Role.ENCODER]
     decoder = by_role[Role.DECODER]
@@ -277,14 +275,18 @@ def splice(parts: list[Part], models: dict[Path, ir.Model]) -> SplicedModel:
         main.append(if_node)
         main.outputs.extend(if_node.outputs)
         layout = contract.LAYOUT_WITH_PAST
-    model = ir.Model(
+    return ir.Model(
         main,
         ir_version=ir_version,
         producer_name="onnxmerge",
         producer_version=__version__,
         functions=_local_functions(models),
+        metadata_props={
+            contract.META_FORMAT_VERSION: contract.FORMAT_VERSION,
+            contract.META_LAYOUT: layout,
+            contract.META_ENCODER_INPUTS: json.dumps(encoder_inputs),
+        },
     )
-    return SplicedModel(model, encoder_inputs, layout)
 
 
 def _main_inputs(

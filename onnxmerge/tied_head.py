@@ -13,7 +13,7 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
-from onnxmerge.passes import StepResult
+from onnxmerge.passes import StepResult, free_name, replace_result
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +48,13 @@ def _const(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
     return graph.initializers[name]
 
 
+def _node(op: str, inputs: list, name: str, output: str | ir.Value, **ints: int) -> ir.Node:
+    """One default-domain node named ``name`` with one output (a new value named ``output``)."""
+    value = output if isinstance(output, ir.Value) else ir.Value(name=output)
+    attributes = [ir.AttrInt64(key, number) for key, number in ints.items()]
+    return ir.Node("", op, inputs, attributes=attributes, outputs=[value], name=name)
+
+
 # onnxruntime's float16 Gemm and MatMul round differently; float and double agree exactly.
 _EXACT_DTYPES = frozenset({ir.DataType.FLOAT, ir.DataType.DOUBLE})
 # Slice with inputs, which the rewrite uses, arrived in opset 10.
@@ -66,6 +73,7 @@ def gemm_for_transposed_weights(model: ir.Model) -> int:
     if model.opset_imports.get("", model.opset_imports.get("ai.onnx", 0)) < _MIN_OPSET:
         return 0
     rewritten = 0
+    prefixes: set[str] = set()
     for node in list(ir.traversal.RecursiveGraphIterator(main)):
         if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx"):
             continue
@@ -74,66 +82,46 @@ def gemm_for_transposed_weights(model: ir.Model) -> int:
         if weight is None or hidden is None or weight.dtype not in _EXACT_DTYPES:
             continue
         out_features, in_features = weight.shape
-        graph = node.graph
-        prefix = f"{node.name or node.outputs[0].name}/gemm"
+        # Node names need not be unique; the names of the values made here must be.
+        prefix = free_name(f"{node.name or node.outputs[0].name}/gemm", prefixes)
+        prefixes.add(prefix)
         flat_shape = _const(
             main, f"onnxmerge.flatten_to_2d_{in_features}", np.array([-1, in_features], np.int64)
         )
-        rows = ir.Value(name=f"{prefix}/rows")
-        reshape_in = ir.Node(
-            "", "Reshape", [hidden, flat_shape], outputs=[rows], name=f"{prefix}/reshape_in"
+        reshape_in = _node(
+            "Reshape", [hidden, flat_shape], f"{prefix}/reshape_in", f"{prefix}/rows"
         )
-        product = ir.Value(name=f"{prefix}/product")
-        gemm = ir.Node(
-            "",
-            "Gemm",
-            [rows, weight],
-            attributes=[ir.AttrInt64("transB", 1)],
-            outputs=[product],
-            name=f"{prefix}/gemm",
+        gemm = _node(
+            "Gemm", [reshape_in.outputs[0], weight], f"{prefix}/gemm", f"{prefix}/product", transB=1
         )
-        full_shape = ir.Value(name=f"{prefix}/full_shape")
-        shape = ir.Node("", "Shape", [hidden], outputs=[full_shape], name=f"{prefix}/shape")
+        shape = _node("Shape", [hidden], f"{prefix}/shape", f"{prefix}/full_shape")
         # Slice rather than Shape(end=-1), which needs opset 15.
-        hidden_shape = ir.Value(name=f"{prefix}/hidden_shape")
-        leading = ir.Node(
-            "",
+        leading = _node(
             "Slice",
             [
-                full_shape,
+                shape.outputs[0],
                 _const(main, "onnxmerge.zero", np.array([0], np.int64)),
                 _const(main, "onnxmerge.minus_one", np.array([-1], np.int64)),
             ],
-            outputs=[hidden_shape],
-            name=f"{prefix}/leading_dims",
+            f"{prefix}/leading_dims",
+            f"{prefix}/hidden_shape",
         )
         columns = _const(
             main, f"onnxmerge.columns_{out_features}", np.array([out_features], np.int64)
         )
-        out_shape = ir.Value(name=f"{prefix}/out_shape")
-        concat = ir.Node(
-            "",
+        concat = _node(
             "Concat",
-            [hidden_shape, columns],
-            attributes=[ir.AttrInt64("axis", 0)],
-            outputs=[out_shape],
-            name=f"{prefix}/concat",
+            [leading.outputs[0], columns],
+            f"{prefix}/concat",
+            f"{prefix}/out_shape",
+            axis=0,
         )
-        output = node.outputs[0]
-        result = ir.Value(name=f"{prefix}/out", type=output.type, shape=output.shape)
-        reshape_out = ir.Node(
-            "", "Reshape", [product, out_shape], outputs=[result], name=f"{prefix}/reshape_out"
+        result = ir.Value(name=f"{prefix}/out")
+        reshape_out = _node(
+            "Reshape", [gemm.outputs[0], concat.outputs[0]], f"{prefix}/reshape_out", result
         )
-        graph.insert_before(node, [reshape_in, gemm, shape, leading, concat, reshape_out])
-        is_output = output in graph.outputs
-        if is_output:
-            graph.outputs[graph.outputs.index(output)] = result
-        ir.convenience.replace_all_uses_with(output, result)
         transpose = node.inputs[1].producer()
-        graph.remove(node, safe=True)
-        if is_output:
-            name, output.name = output.name, None
-            result.name = name
+        replace_result(node, [reshape_in, gemm, shape, leading, concat, reshape_out], result)
         if not transpose.outputs[0].uses() and transpose.outputs[0] not in transpose.graph.outputs:
             transpose.graph.remove(transpose, safe=True)
         rewritten += 1

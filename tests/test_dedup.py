@@ -8,7 +8,7 @@ import onnx.numpy_helper
 import onnx_ir as ir
 import pytest
 
-from onnxmerge import dedup, merge_seq2seq, merge_seq2seq_with_report
+from onnxmerge import dedup, merge_seq2seq, merge_seq2seq_with_report, passes
 from tests import textmodels as tm
 
 RNG = np.random.default_rng(7)
@@ -136,10 +136,10 @@ g (float[2, 3, 16] x) => (float[2, 3, 2, 8] a, float[2, 3, 4, 4] b) {
     x = _matrix(2, 3, 16)
     before = tm.run_model(model, {"x": x})
 
-    report = dedup.store_once(model)
+    results = passes.run(model, dedup.store_once_steps())
 
     assert _initializer_names(model) == {"shape_a", "shape_b"}
-    assert [(s.kept, s.removed) for s in report.shared] == [("shape_a", "shape_a_copy")]
+    assert [(s.kept, s.removed) for s in passes.records(results)] == [("shape_a", "shape_a_copy")]
     for got, expected in zip(tm.run_model(model, {"x": x}), before, strict=True):
         np.testing.assert_array_equal(got, expected)
 
@@ -168,7 +168,7 @@ g (bool[1] c, float[2, 16] x, int64[2] ids) => (float[2, 96] y, float[2, 16] emb
     feeds = {"x": _matrix(2, 16), "ids": np.array([3, 5], np.int64)}
     before = _both_branches(model, feeds)
 
-    report = dedup.store_once(model)
+    results = passes.run(model, dedup.store_once_steps())
 
     assert _initializer_names(model) == {"embedding"}
     main, inner = _transposes(model)
@@ -176,7 +176,7 @@ g (bool[1] c, float[2, 16] x, int64[2] ids) => (float[2, 96] y, float[2, 16] emb
     assert main[0].inputs[0].name == "embedding"
     # The second copy equals the first, the first is the embedding transposed: both are
     # reported against the tensor actually kept.
-    assert sorted((s.removed, s.kept, s.transposed) for s in report.shared) == [
+    assert sorted((s.removed, s.kept, s.transposed) for s in passes.records(results)) == [
         ("head", "embedding", True), ("head_again", "embedding", True)
     ]
     for got, expected in zip(_both_branches(model, feeds), before, strict=True):
@@ -229,8 +229,8 @@ g (float[2, 4] x) => (float[2, 4] y) {
 }
 """
     model = tm.ir_from_text(text, {"small": small, "small_t": np.ascontiguousarray(small.T)})
-    report = dedup.store_once(model)
-    assert report.shared == [] and report.constants_lifted == 0
+    results = passes.run(model, dedup.store_once_steps())
+    assert passes.records(results) == () and passes.counts(results)["constants_lifted"] == 0
     assert _initializer_names(model) == {"small", "small_t"}
     assert [n.op_type for n in model.graph] == ["Constant", "MatMul", "MatMul", "Add"]
 
@@ -268,10 +268,10 @@ def test_large_constants_in_both_branches_are_lifted_and_stored_once():
     feeds = {"x": _matrix(2, 16)}
     before = _both_branches(model, feeds)
 
-    report = dedup.store_once(model)
+    results = passes.run(model, dedup.store_once_steps())
 
-    assert report.constants_lifted == 2
-    assert len(report.shared) == 1
+    assert passes.counts(results)["constants_lifted"] == 2
+    assert len(passes.records(results)) == 1
     assert [n.op_type for n in tm.all_nodes(model)].count("Constant") == 0
     (only,) = model.graph.initializers.values()
     np.testing.assert_array_equal(only.const_value.numpy(), weight)
@@ -291,11 +291,12 @@ def test_transpose_of_a_shared_weight_in_both_branches_is_hoisted_once():
     feeds = {"x": _matrix(2, 16)}
     before = _both_branches(model, feeds)
 
-    report = dedup.store_once(model)
+    results = passes.run(model, dedup.store_once_steps())
 
     main, inner = _transposes(model)
     assert (len(main), len(inner)) == (1, 0)
-    assert report.nodes_hoisted == 2 and report.nodes_merged == 1
+    assert passes.counts(results)["nodes_hoisted"] == 2
+    assert passes.counts(results)["nodes_merged"] == 1
     for got, expected in zip(_both_branches(model, feeds), before, strict=True):
         np.testing.assert_array_equal(got, expected)
 
@@ -322,7 +323,7 @@ def test_hoisting_keeps_branch_outputs_produced_inside_the_branch():
     )
     model = tm.ir_from_text(text, {"embedding": embedding})
     before = _both_branches(model, {"unused": np.zeros(1, np.float32)})
-    dedup.store_once(model)
+    passes.run(model, dedup.store_once_steps())
     proto = ir.serde.serialize_model(model)
     onnx.checker.check_model(proto, full_check=True)
     after = _both_branches(model, {"unused": np.zeros(1, np.float32)})

@@ -8,69 +8,77 @@ import onnx_ir as ir
 
 from onnxmerge import dims, splice
 from onnxmerge.roles import Role
-from tests import textmodels as tm
 
 # Both graphs name a size they computed ``unk__0``, as onnxruntime's shape inference does in
 # every file it processes; here it means 2*N in one and N+1 in the other.
 ENCODER = """
 <ir_version: 8, opset_import: ["" : 17]>
-encoder (float[batch_size, seq] x) => (float[batch_size, seq_twice] y, float[batch_size, own] z)
+encoder (float[batch_size, seq] input_ids) => (float[batch_size, seq_twice] last_hidden_state)
 <float[batch_size, unk__0] t, float[batch_size, only_encoder] u>
 {
-    t = Concat <axis = 1> (x, x)
+    t = Concat <axis = 1> (input_ids, input_ids)
     u = Identity (t)
-    y = Identity (u)
-    z = Identity (t)
+    last_hidden_state = Identity (u)
 }
 """
 DECODER = """
 <ir_version: 8, opset_import: ["" : 17]>
-decoder (float[batch_size, seq] x) => (float[batch_size, unk__1] y)
+decoder (float[batch_size, seq] input_ids, float[batch_size, seq_twice] encoder_hidden_states)
+    => (float[batch_size, unk__1] logits)
 <float[batch_size, unk__0] t, float[batch_size, seq] s>
 {
     one = Constant <value = float[1, 1] {1.0}> ()
-    s = Identity (x)
+    s = Identity (input_ids)
     t = Concat <axis = 1> (s, one)
-    y = Identity (t)
+    logits = Concat <axis = 1> (t, encoder_hidden_states)
 }
 """
 
 
-def _part(text: str, role: Role) -> splice.Part:
-    model = ir.from_proto(tm.proto_from_text(text))
-    return splice.parts_of_file(model, role, Path(f"{role.value}.onnx"))[0]
+def _file(text: str, role: Role) -> tuple[Path, ir.Model, splice.Part]:
+    path = Path(f"{role.value}.onnx")
+    model = ir.from_onnx_text(text)
+    return path, model, splice.parts_of_file(model, role, path)[0]
 
 
-def _interior_dims(part: splice.Part) -> dict[str, list]:
+def _dims(values) -> dict[str, list]:
     return {
         v.name: [d if isinstance(d, int) else d.value for d in v.shape]
-        for n in part.graph
-        for v in n.outputs
-        if v.shape is not None and v not in part.outputs.values()
+        for v in values
+        if v.shape is not None
     }
 
 
 def test_interior_dims_an_earlier_part_uses_get_the_part_tag():
-    encoder, decoder = _part(ENCODER, Role.ENCODER), _part(DECODER, Role.DECODER)
-    assert dims.separate_symbolic_dims([encoder, decoder]) == 1
-    assert _interior_dims(encoder) == {
+    encoder_path, encoder_model, encoder = _file(ENCODER, Role.ENCODER)
+    decoder_path, decoder_model, decoder = _file(DECODER, Role.DECODER)
+    separate = dims.SeparateSymbolicDims([encoder, decoder])
+    model = splice.splice(
+        [encoder, decoder], {encoder_path: encoder_model, decoder_path: decoder_model}
+    )
+
+    result = separate(model)
+
+    assert (result.name, result.count, result.modified) == ("symbolic_dims_renamed", 1, True)
+    assert _dims(v for n in model.graph for v in n.outputs) == {
         "t": ["batch_size", "unk__0"],  # the first part keeps its names
         "u": ["batch_size", "only_encoder"],  # one part only: already unique
-    }
-    assert _interior_dims(decoder) == {
-        "t": ["batch_size", "decoder/unk__0"],
+        "last_hidden_state": ["batch_size", "seq_twice"],
         "s": ["batch_size", "seq"],  # an interface name means one size everywhere
+        "decoder/t": ["batch_size", "decoder/unk__0"],
+        # Interfaces keep the names other files and the merged model's contract use.
+        "logits": ["batch_size", "unk__1"],
     }
-    # Interfaces keep the names other files and the merged model's contract use.
-    assert [d.value for d in encoder.outputs["y"].shape] == ["batch_size", "seq_twice"]
-    assert [d.value for d in decoder.outputs["y"].shape] == ["batch_size", "unk__1"]
 
 
 def test_parts_without_clashes_are_left_alone():
-    encoder = _part(ENCODER, Role.ENCODER)
-    before = _interior_dims(encoder)
-    assert dims.separate_symbolic_dims([encoder]) == 0
-    assert _interior_dims(encoder) == before
+    _, model, encoder = _file(ENCODER, Role.ENCODER)
+    before = _dims(v for n in model.graph for v in n.outputs)
+
+    result = dims.SeparateSymbolicDims([encoder])(model)
+
+    assert (result.count, result.modified) == (0, False)
+    assert _dims(v for n in model.graph for v in n.outputs) == before
 
 
 def test_an_untouched_export_keeps_every_name(tiny_export):
@@ -82,4 +90,5 @@ def test_an_untouched_export_keeps_every_name(tiny_export):
     parts = [
         p for role, path in chosen.items() for p in splice.parts_of_file(models[path], role, path)
     ]
-    assert dims.separate_symbolic_dims(parts) == 0
+    separate = dims.SeparateSymbolicDims(parts)
+    assert separate(splice.splice(parts, models)).count == 0

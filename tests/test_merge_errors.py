@@ -16,7 +16,11 @@ from onnxmerge import (
     InvalidMergedModelError,
     OnnxMergeError,
     RefusedOutputError,
+    compat,
+    dedup,
     merge_seq2seq,
+    passes,
+    splice,
 )
 from onnxmerge import contract as contract_module
 from tests import textmodels as tm
@@ -100,6 +104,18 @@ def test_decoders_from_different_checkpoints(tmp_path):
     first, cached = tm.run_sources(folder, inputs)
     assert tm.max_abs_diff(first, tm.run_merged(path, inputs, use_cache=False)) <= 1e-6
     assert tm.max_abs_diff(cached, tm.run_merged(path, inputs, use_cache=True)) <= 1e-6
+
+
+def test_checkpoint_problems_are_returned_for_the_merge_to_judge():
+    parts, models = tm.export_parts(with_past_seed=99)
+    origins = compat.origins(parts)
+    model = splice.splice(parts, models)
+    (dedup_result,) = passes.run(model, [dedup.DeduplicateInitializers()])
+
+    problems = compat.checkpoint_problems(parts, origins, list(dedup_result.records))
+
+    assert len(problems) == 1
+    assert "decoder_with_past.onnx shares 0% of its weights" in problems[0]
 
 
 def test_encoder_from_another_checkpoint(tmp_path):

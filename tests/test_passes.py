@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 import pytest
 
-from onnxmerge import dedup, merge, merge_seq2seq_with_report, passes, tied_head
+from onnxmerge import (
+    dedup,
+    merge,
+    merge_seq2seq_with_report,
+    passes,
+    quant_rewrite,
+    tied_head,
+)
 from tests import textmodels as tm
 
 RNG = np.random.default_rng(11)
@@ -67,7 +75,7 @@ def test_deduplicate_reports_the_shared_tensor():
     result = dedup.DeduplicateInitializers()(model)
 
     assert (result.name, result.count, result.modified) == ("tensors_shared", 1, True)
-    assert [(s.kept, s.removed, s.nbytes, s.transposed) for s in result.shared] == [
+    assert [(s.kept, s.removed, s.nbytes, s.transposed) for s in result.records] == [
         ("w", "w_copy", weight.nbytes, False)
     ]
     _same_outputs(model, feeds, before)
@@ -169,7 +177,48 @@ g (float[2, 16] x) => (float[2, 96] y) {
     _same_outputs(model, feeds, before)
 
 
-@pytest.mark.parametrize("step", merge.rewrite_steps(), ids=lambda s: type(s).__name__)
+def test_gemm_names_its_values_apart_when_two_matmuls_share_a_name():
+    embedding, x = _matrix(96, 16), _matrix(2, 16)
+    model = _model(
+        """
+g (float[2, 16] x) => (float[2, 96] y) {
+  wt = Transpose <perm = [1, 0]> (embedding)
+  [head] a = MatMul(x, wt)
+  [head] b = MatMul(x, wt)
+  y = Add(a, b)
+}""",
+        {"embedding": embedding},
+    )
+
+    assert tied_head.GemmForTransposedWeights()(model).count == 2
+
+    onnx.checker.check_model(ir.serde.serialize_model(model), full_check=True)
+    (got,) = tm.run_model(model, {"x": x})
+    np.testing.assert_allclose(got, 2 * x @ embedding.T, rtol=1e-5, atol=1e-5)
+
+
+def test_quantize_weights_stores_int8_codes_and_reports_each_weight():
+    weight = _matrix(16, 16)
+    model = _model("g (float[2, 16] x) => (float[2, 16] y) { y = MatMul(x, w) }", {"w": weight})
+    feeds = {"x": _matrix(2, 16)}
+    (expected,) = tm.run_model(model, feeds)
+
+    result = quant_rewrite.QuantizeWeights(lambda _: "int8")(model)
+
+    assert (result.name, result.count, result.modified) == ("weights_quantized", 1, True)
+    assert [(w.name, w.precision, w.bytes_before) for w in result.records] == [
+        ("w", "int8", weight.nbytes)
+    ]
+    assert "w" not in model.graph.initializers and "MatMulInteger" in _ops(model)
+    (got,) = tm.run_model(model, feeds)
+    np.testing.assert_allclose(got, expected, atol=0.05 * np.abs(expected).max())
+
+
+@pytest.mark.parametrize(
+    "step",
+    [*merge.rewrite_steps(), quant_rewrite.QuantizeWeights(lambda _: "fp32")],
+    ids=lambda s: type(s).__name__,
+)
 def test_a_pass_with_nothing_to_do_reports_no_change(step):
     model = _model(
         "g (float[2, 16] x) => (float[2, 16] y) { y = MatMul(x, w) }", {"w": _matrix(16, 16)}
@@ -179,7 +228,7 @@ def test_a_pass_with_nothing_to_do_reports_no_change(step):
     result = step(model)
 
     assert isinstance(result, passes.StepResult)
-    assert (result.model, result.count, result.modified, result.shared) == (model, 0, False, ())
+    assert (result.model, result.count, result.modified, result.records) == (model, 0, False, ())
     assert ir.serde.serialize_model(model).SerializeToString() == before
 
 
@@ -189,6 +238,7 @@ def test_merge_result_reports_every_pass(tmp_path):
     result = merge_seq2seq_with_report(folder)
 
     assert list(result.rewrites) == [
+        "symbolic_dims_renamed",
         "reshape_targets_folded",
         "constants_lifted",
         "tensors_shared",

@@ -18,6 +18,7 @@ import pytest
 from onnxmerge import Seq2SeqModel, contract, dims, merge_seq2seq
 from onnxmerge.dedup import MIN_SHARED_BYTES
 from onnxmerge.errors import MergedModelRunError
+from onnxmerge.passes import StepResult
 from onnxmerge.runtime.processors import build_processors
 from onnxmerge.runtime.search import greedy_or_sample
 from onnxmerge.testing import zoo as models
@@ -197,6 +198,10 @@ def test_processed_export_merges_and_runs_like_the_processed_files(
     np.testing.assert_array_equal(model.generate(**inputs, max_new_tokens=NEW_TOKENS), expected)
 
 
+def _renaming_nothing(_, model):
+    return StepResult.counted(model, "symbolic_dims_renamed", 0)
+
+
 def test_quantized_t5_no_longer_shares_sizes_between_source_graphs(
     tiny_export, tmp_path, monkeypatch
 ):
@@ -205,7 +210,7 @@ def test_quantized_t5_no_longer_shares_sizes_between_source_graphs(
     became one name. Without the renaming step the output check now refuses it, naming the step."""
     folder = processed.processed_export(tiny_export("t5"), "quantize_dynamic QInt8")
     with monkeypatch.context() as patch:
-        patch.setattr(dims, "separate_symbolic_dims", lambda parts: 0)
+        patch.setattr(dims.SeparateSymbolicDims, "call", _renaming_nothing)
         with pytest.raises(MergedModelRunError, match="use_cache_branch = false") as caught:
             merge_seq2seq(folder, tmp_path / "model.onnx")
     assert "Shape mismatch" in caught.value.reason

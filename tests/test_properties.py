@@ -4,8 +4,8 @@ The graphs hold shared tensors, exact and transposed copies (square matrices and
 included), tensors whose bytes equal another's under a different dtype (which must not merge),
 small 1-D int64 tensors, tensors just under, at and just over the 1 KiB threshold, as main-graph
 initializers or as ``Constant`` nodes, read from the main graph, from an ``If`` and from an ``If``
-inside it (outer-scope references). After :func:`onnxmerge.dedup.store_once` and
-:func:`onnxmerge.tied_head.gemm_for_transposed_weights`:
+inside it (outer-scope references). After the merge's rewrite passes
+(:func:`onnxmerge.merge.rewrite_steps`: storing once, then the tied head):
 
 (a) every output of every branch is the same as before (onnxruntime, optimisations off);
 (b) no two initializers of 1 KiB or more hold the same data or transposed data;
@@ -33,7 +33,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from onnxmerge import dedup, merge_seq2seq, model_io, tied_head
+from onnxmerge import dedup, merge, merge_seq2seq, model_io, passes
 from tests import textmodels as tm
 
 OPSET = 17
@@ -265,11 +265,10 @@ def _run_all_branches(proto: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> l
     return results
 
 
-def _after_passes(source: onnx.ModelProto) -> tuple[ir.Model, dedup.DedupReport]:
+def _after_passes(source: onnx.ModelProto) -> tuple[ir.Model, tuple[dedup.SharedTensor, ...]]:
+    """The merge's rewrite passes on ``source``; the tensors they stored once."""
     model = ir.serde.deserialize_model(source)
-    report = dedup.store_once(model)
-    tied_head.gemm_for_transposed_weights(model)
-    return model, report
+    return model, passes.records(passes.run(model, merge.rewrite_steps()))
 
 
 def _assert_same_outputs(expected: list[np.ndarray], actual: list[np.ndarray]) -> None:
@@ -285,7 +284,7 @@ def test_store_once_keeps_outputs_removes_duplicates_and_passes_the_checker(spec
     onnx.checker.check_model(source, full_check=True)  # the generator itself is sound
     expected = _run_all_branches(source, feeds)
 
-    model, report = _after_passes(source)
+    model, shared_tensors = _after_passes(source)
     result = ir.serde.serialize_model(model)
 
     # (c) the checker, with full shape inference, on the serialised bytes
@@ -294,7 +293,7 @@ def test_store_once_keeps_outputs_removes_duplicates_and_passes_the_checker(spec
     assert dedup.find_duplicates(model.graph) == []
     # tensors whose bytes match under another dtype are different tensors
     dtypes = {t.name: t.array.dtype for t in spec.tensors}
-    for shared in report.shared:
+    for shared in shared_tensors:
         assert dtypes[shared.kept] == dtypes[shared.removed], shared
     # (a) every output of every branch, before and after
     _assert_same_outputs(expected, _run_all_branches(result, feeds))

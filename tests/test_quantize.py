@@ -18,6 +18,7 @@ from onnxmerge.errors import QuantizationError, RefusedOutputError
 from onnxmerge.sessions import open_session, session_options
 from onnxmerge.testing import quality
 from onnxmerge.testing.zoo import ARCHITECTURES
+from tests import textmodels as tm
 
 ort = pytest.importorskip("onnxruntime")
 
@@ -99,7 +100,7 @@ def test_weights_shared_by_both_branches_are_quantized_once(precision):
     model = ir.serde.deserialize_model(proto)
     if precision == "int4":
         quant_rewrite.raise_opset_for_int4(model)
-    done = quant_rewrite.quantize_weights(model, lambda _: precision)
+    done = quant_rewrite.QuantizeWeights(lambda _: precision)(model).records
     assert {d.name for d in done} == {"table", "w"}
     main = model.graph
     # No float copy left, no initializer inside a branch, one stored tensor per weight and part.
@@ -236,6 +237,39 @@ def test_default_output_uses_transformers_js_suffixes(merged):
     }
     with pytest.raises(RefusedOutputError, match="exists"):
         quantize(source, weights="int8")
+
+
+def test_the_source_is_never_the_output(tmp_path):
+    from onnxmerge import merge_seq2seq, quantize
+
+    source = merge_seq2seq(tm.write_export(tmp_path / "export"))
+    before = source.read_bytes()
+    with pytest.raises(RefusedOutputError, match="is the input"):
+        quantize(source, source, overwrite=True)
+    with pytest.raises(RefusedOutputError, match="is the input"):
+        quantize(source, source)
+    assert source.read_bytes() == before
+
+
+def test_the_source_data_file_is_never_the_output(tmp_path):
+    from onnxmerge import merge_seq2seq, quantize
+
+    source = merge_seq2seq(tm.write_export(tmp_path / "export"), external_data=True)
+    (data,) = model_io.data_files_of(source)
+    before = tm.folder_digest(source.parent)
+    with pytest.raises(RefusedOutputError, match="is the input"):
+        quantize(source, data, overwrite=True)
+    assert tm.folder_digest(source.parent) == before
+
+
+def test_no_file_of_the_export_is_the_output(tmp_path):
+    from onnxmerge import quantize
+
+    folder = tm.write_export(tmp_path / "export")
+    before = tm.folder_digest(folder)
+    with pytest.raises(RefusedOutputError, match="is the input"):
+        quantize(folder, folder / tm.ENCODER, overwrite=True)
+    assert tm.folder_digest(folder) == before
 
 
 def test_encoder_keeps_its_own_precision(merged, tmp_path):

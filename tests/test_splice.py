@@ -286,34 +286,16 @@ def test_merged_model_loads_in_onnx_ir_and_round_trips(tmp_path):
 # ---------------------------------------------------------------- splice's steps, alone
 
 
-def _export_parts() -> tuple[list, dict]:
-    """The parts of a small with-past export written as ONNX text, without touching disk."""
-    from onnxmerge.roles import Role
-    from onnxmerge.splice import parts_of_file
-
-    weights = tm.make_weights()
-    protos = {
-        Role.ENCODER: tm.make_encoder(weights),
-        Role.DECODER: tm.make_decoder(weights),
-        Role.DECODER_WITH_PAST: tm.make_decoder_with_past(weights),
-    }
-    models = {}
-    parts = []
-    for role, proto in protos.items():
-        path = Path(f"{role.value}.onnx")
-        models[path] = ir.serde.deserialize_model(proto)
-        parts += parts_of_file(models[path], role, path)
-    return parts, models
-
-
 def test_splice_called_directly_follows_the_contract():
     from onnxmerge.splice import splice
 
-    parts, models = _export_parts()
-    spliced = splice(parts, models)
-    graph = spliced.model.graph
-    assert spliced.layout == contract.LAYOUT_WITH_PAST
-    assert spliced.encoder_inputs == ["input_ids", "attention_mask"]
+    parts, models = tm.export_parts()
+    model = splice(parts, models)
+    graph = model.graph
+    meta = model.metadata_props
+    assert meta[contract.META_FORMAT_VERSION] == contract.FORMAT_VERSION
+    assert meta[contract.META_LAYOUT] == contract.LAYOUT_WITH_PAST
+    assert json.loads(meta[contract.META_ENCODER_INPUTS]) == ["input_ids", "attention_mask"]
     names = [v.name for v in graph.inputs]
     assert names[:3] == ["input_ids", "attention_mask", "decoder_input_ids"]
     assert names[-1] == contract.USE_CACHE_BRANCH
@@ -329,7 +311,7 @@ def test_splice_called_directly_follows_the_contract():
 def test_main_inputs_rename_optimum_names_and_report_dtype_clashes():
     from onnxmerge.splice import _main_inputs
 
-    parts, _ = _export_parts()
+    parts, _ = tm.export_parts()
     encoder, decoder, with_past = parts
     inputs, renames, problems = _main_inputs(encoder, [decoder, with_past], cached=True)
     assert renames[contract.OPTIMUM_DECODER_INPUT_IDS] == contract.DECODER_INPUT_IDS
@@ -346,7 +328,7 @@ def test_main_inputs_rename_optimum_names_and_report_dtype_clashes():
 def test_output_names_drop_presents_without_a_cached_branch():
     from onnxmerge.splice import _output_names
 
-    parts, _ = _export_parts()
+    parts, _ = tm.export_parts()
     decoder = parts[1]
     assert _output_names(decoder, cached=True) == list(decoder.outputs)
     assert _output_names(decoder, cached=False) == ["logits"]
@@ -355,7 +337,7 @@ def test_output_names_drop_presents_without_a_cached_branch():
 def test_hidden_state_problems_name_the_files():
     from onnxmerge.splice import _hidden_state_problems
 
-    parts, _ = _export_parts()
+    parts, _ = tm.export_parts()
     encoder, decoder, with_past = parts
     output = encoder.outputs[contract.OPTIMUM_ENCODER_OUTPUT]
     assert _hidden_state_problems(encoder, decoder, with_past, output) == []

@@ -558,3 +558,29 @@ def all_nodes(model) -> list:
     import onnx_ir as ir
 
     return list(ir.traversal.RecursiveGraphIterator(model.graph))
+
+
+def export_parts(*, with_past_seed: int | None = None) -> tuple[list, dict]:
+    """The parts of a small with-past export and their models, without touching disk.
+
+    ``with_past_seed`` gives the decoder with past weights of another checkpoint.
+    """
+    import onnx_ir as ir
+
+    from onnxmerge.roles import Role
+    from onnxmerge.splice import parts_of_file
+
+    weights = make_weights()
+    past_weights = make_weights(with_past_seed) if with_past_seed is not None else weights
+    protos = {
+        Role.ENCODER: make_encoder(weights),
+        Role.DECODER: make_decoder(weights),
+        Role.DECODER_WITH_PAST: make_decoder_with_past(past_weights),
+    }
+    models = {}
+    parts = []
+    for role, proto in protos.items():
+        path = Path(f"{role.value}.onnx")
+        models[path] = ir.serde.deserialize_model(proto)
+        parts += parts_of_file(models[path], role, path)
+    return parts, models

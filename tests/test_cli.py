@@ -420,6 +420,7 @@ def test_export_refuses_a_used_output_folder_before_exporting(marian, tmp_path) 
     assert (output / "model.onnx").read_bytes() == b"not replaced"
 
 
+@pytest.mark.export
 def test_demo_exports_merges_and_translates(tmp_path) -> None:
     pytest.importorskip("optimum.exporters.onnx", reason="the demo exports with optimum")
     work = tmp_path / "demo"

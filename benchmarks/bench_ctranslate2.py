@@ -196,10 +196,12 @@ def worker_ours(path: str, config: dict, repeats: int, threads: int) -> dict:
     import onnxmerge
     from onnxmerge.runtime.session import default_session_options
 
+    imported = time.perf_counter()
     options = default_session_options()
     options.intra_op_num_threads = threads
     model = onnxmerge.Seq2SeqModel(path, session_options=options)
     load_s = time.perf_counter() - start
+    import_s = imported - start
     rss = _common.self_rss_bytes()["rss_bytes"]
     cases = {}
     for name, batch, beams in CASES:
@@ -222,6 +224,7 @@ def worker_ours(path: str, config: dict, repeats: int, threads: int) -> dict:
         }
     return {
         "load_s": load_s,
+        "import_s": import_s,
         "rss_before_load_mb": rss_before / 1e6,
         "rss_after_load_mb": rss / 1e6,
         "cases": cases,
@@ -233,8 +236,10 @@ def worker_ctranslate2(path: str, config: dict, repeats: int, threads: int) -> d
     start = time.perf_counter()
     import ctranslate2
 
+    imported = time.perf_counter()
     translator = ctranslate2.Translator(path, device="cpu", inter_threads=1, intra_threads=threads)
     load_s = time.perf_counter() - start
+    import_s = imported - start
     rss = _common.self_rss_bytes()["rss_bytes"]
     index = {token_name(i, config): i for i in range(int(config["vocab_size"]))}
     cases = {}
@@ -259,6 +264,7 @@ def worker_ctranslate2(path: str, config: dict, repeats: int, threads: int) -> d
         }
     return {
         "load_s": load_s,
+        "import_s": import_s,
         "rss_before_load_mb": rss_before / 1e6,
         "rss_after_load_mb": rss / 1e6,
         "cases": cases,
@@ -310,7 +316,7 @@ def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
 def _medians(runs: list[dict]) -> dict:
     out = {
         k: statistics.median(r[k] for r in runs)
-        for k in ("load_s", "rss_after_load_mb", "rss_before_load_mb")
+        for k in ("load_s", "import_s", "rss_after_load_mb", "rss_before_load_mb")
     }
     out["cases"] = {
         case: {
@@ -326,6 +332,7 @@ def compare(ours: dict, theirs: dict) -> dict:
     ratios = {case: ours["cases"][case]["s"] / theirs["cases"][case]["s"] for case in ours["cases"]}
     ratios["rss_after_load_mb"] = ours["rss_after_load_mb"] / theirs["rss_after_load_mb"]
     ratios["load_s"] = ours["load_s"] / theirs["load_s"]
+    ratios["import_s"] = ours["import_s"] / theirs["import_s"]
     agreement = {
         case: _agreement(ours["cases"][case]["tokens"], theirs["cases"][case]["tokens"])
         for case in ours["cases"]
@@ -352,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.repeats, args.rounds = min(args.repeats, 1), 1
 
+    load_at_start = os.getloadavg()
     factory = _common.tiny_marian_config if args.quick else _common.opus_mt_config
     export = _common.export_cached(factory, "tied", args.cache_dir)
     full = factory()
@@ -410,6 +418,7 @@ def main(argv: list[str] | None = None) -> int:
             "rounds": args.rounds,
             "statistic": "median of the per-process medians",
             "load_s": "import + load, in a fresh process",
+            "import_s": "the import alone (onnxmerge with onnxruntime and numpy; ctranslate2)",
             "rss": "VmRSS after load, whole process",
         },
         "int8_ours": "; ".join(f"{v}: {p['made_by']}" for v, p in precisions.items()),
@@ -419,6 +428,7 @@ def main(argv: list[str] | None = None) -> int:
             "cpu_count": os.cpu_count(),
             # CTranslate2's float32 path slows down far more than onnxruntime when the machine
             # is oversubscribed: read the ratios together with the load.
+            "load_average_at_start": load_at_start,
             "load_average_at_end": os.getloadavg(),
             "onnxruntime": onnxruntime.__version__,
             "ctranslate2": ctranslate2.__version__,

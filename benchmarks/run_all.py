@@ -113,6 +113,12 @@ def _chart_runtime(generate: dict, img: Path) -> str | None:
     return path.name
 
 
+def _load_averages(environment: dict) -> str:
+    start, end = environment.get("load_average_at_start"), environment["load_average_at_end"]
+    one_minute = [f"{x[0]:.1f}" for x in (start, end) if x]
+    return " at the start, ".join(one_minute) + " at the end (1-minute)"
+
+
 def _ctranslate2_section(data: dict) -> list[str]:
     s = data["setting"]
     lines = ["## Generation against CTranslate2", "",
@@ -125,7 +131,9 @@ def _ctranslate2_section(data: dict) -> list[str]:
              "with the same token (the last, a forced eos on our side, left out). Both sides run "
              "in the same run, but CTranslate2's float32 path slows down far more than "
              "onnxruntime on an oversubscribed machine: from a loaded machine, the float32 "
-             "ratios are lower than on a quiet one and are not a result.", "",
+             "ratios are lower than on a quiet one and are not a result. Load average of this "
+             f"run: {_load_averages(data['environment'])}. `load_s` is import and load together, "
+             "`import_s` the import alone.", "",
              "| precision | measure | CTranslate2 | onnxmerge | ratio | target | token agreement |",
              "|---|---|---:|---:|---:|---:|---:|"]
     for precision, p in data["precisions"].items():

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import sys
 import tempfile
 import time
@@ -51,6 +52,25 @@ def _inputs(config: dict, batch: int, length: int, seed: int) -> dict[str, Any]:
     return {"input_ids": ids, "attention_mask": mask}
 
 
+def _alternating(sides: dict[str, Any], repeats: int) -> dict[str, tuple[float, float, Any]]:
+    """Each side once to warm up, then the sides in turn, so load on the machine hits both
+    alike: per side the median wall seconds, the median CPU seconds of this process (all its
+    threads) and the last result."""
+    results = {name: fn() for name, fn in sides.items()}
+    walls: dict[str, list[float]] = {name: [] for name in sides}
+    cpus: dict[str, list[float]] = {name: [] for name in sides}
+    for _ in range(repeats):
+        for name, fn in sides.items():
+            wall, cpu = time.perf_counter(), time.process_time()
+            results[name] = fn()
+            walls[name].append(time.perf_counter() - wall)
+            cpus[name].append(time.process_time() - cpu)
+    return {
+        name: (statistics.median(walls[name]), statistics.median(cpus[name]), results[name])
+        for name in sides
+    }
+
+
 def measure(
     export_dir: Path, batch: int, length: int, new_tokens: int, repeats: int, threads: int
 ) -> dict[str, Any]:
@@ -75,10 +95,14 @@ def measure(
         session = open_session(generator, options())
         inputs = _inputs(model.config, batch, length, seed=0)
         feeds = {**inputs, "max_new_tokens": np.array(new_tokens, np.int64)}
-        python_s, _, python_out = _common.median_time(
-            lambda: model.generate(**inputs, max_new_tokens=new_tokens), repeats
+        timed = _alternating(
+            {
+                "python": lambda: model.generate(**inputs, max_new_tokens=new_tokens),
+                "graph": lambda: session.run(None, feeds)[0],
+            },
+            repeats,
         )
-        graph_s, _, graph_out = _common.median_time(lambda: session.run(None, feeds)[0], repeats)
+        (python_s, python_cpu_s, python_out), (graph_s, graph_cpu_s, graph_out) = timed.values()
         identical = python_out.shape == graph_out.shape and bool((python_out == graph_out).all())
         generated = int(graph_out.shape[0] * (graph_out.shape[1] - 1))
     return {
@@ -92,6 +116,9 @@ def measure(
         "python_runtime_tokens_per_s": generated / python_s,
         "in_graph_loop_tokens_per_s": generated / graph_s,
         "speedup": python_s / graph_s,
+        "python_runtime_cpu_s": python_cpu_s,
+        "in_graph_loop_cpu_s": graph_cpu_s,
+        "cpu_ratio": graph_cpu_s / python_cpu_s,
         "build_generator_s": build_s,
         "merged_bytes": merged_bytes,
         "generator_bytes": generator_bytes,

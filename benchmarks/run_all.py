@@ -278,12 +278,18 @@ def render(out: Path, docs: Path) -> Path:
     generator = _load(out, "generator")
     if generator:
         lines += ["## The decoding loop inside the graph", "",
-                  "| batch | Python runtime tok/s | in-graph loop tok/s | file size vs merged |",
-                  "|---:|---:|---:|---:|"]
+                  f"{generator['model']}, greedy, {generator['runs'][0]['max_new_tokens']} new "
+                  "tokens, one `session.run` of the generator against `Seq2SeqModel.generate` "
+                  "on the merged file, taking turns in one process (`benchmarks/"
+                  "bench_generator.py`); CPU is the process's CPU time over all its threads.", "",
+                  "| batch | Python runtime tok/s | in-graph loop tok/s | in-graph / Python "
+                  "time | in-graph / Python CPU | same tokens | file size vs merged |",
+                  "|---:|---:|---:|---:|---:|---|---:|"]
         for r in generator["runs"]:
+            cpu = f"{r['cpu_ratio']:.2f}x" if "cpu_ratio" in r else ""
             lines.append(f"| {r['batch']} | {r['python_runtime_tokens_per_s']:.1f} | "
-                         f"{r['in_graph_loop_tokens_per_s']:.1f} | "
-                         f"+{r['generator_extra_bytes']} B |")
+                         f"{r['in_graph_loop_tokens_per_s']:.1f} | {1 / r['speedup']:.2f}x | "
+                         f"{cpu} | {r['identical_tokens']} | +{r['generator_extra_bytes']} B |")
         lines.append("")
     web = _load(out, "web")
     if web:

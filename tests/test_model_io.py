@@ -106,13 +106,18 @@ def test_parent_folder_location_is_refused(tmp_path, location):
         model_io.load_model(path)
 
 
-def test_symlink_leading_outside_is_refused(tmp_path):
+@pytest.mark.parametrize(
+    ("link", "match"),
+    [(lambda target, link: link.symlink_to(target), "outside"), (os.link, "hard links")],
+    ids=["symlink", "hard link"],
+)
+def test_data_file_linked_to_a_file_outside_is_refused(tmp_path, link, match):
     (tmp_path / "secret.bin").write_bytes(WEIGHT.tobytes())
     folder = tmp_path / "m"
     folder.mkdir()
-    (folder / "weights.bin").symlink_to(tmp_path / "secret.bin")
+    link(tmp_path / "secret.bin", folder / "weights.bin")
     path = _external_model(folder, "weights.bin", write_data=False)
-    with pytest.raises(UnsafeExternalDataError, match="outside"):
+    with pytest.raises(UnsafeExternalDataError, match=match):
         model_io.load_model(path)
 
 
@@ -139,16 +144,6 @@ def test_links_into_blobs_are_accepted_only_inside_a_cache_repo(tmp_path):
     _, snapshot = _hf_snapshot(tmp_path, repo_name="not-a-cache-repo")
     path = _external_model(snapshot, "model.onnx_data", write_data=False)
     with pytest.raises(UnsafeExternalDataError, match="outside"):
-        model_io.load_model(path)
-
-
-def test_hard_linked_data_file_is_refused(tmp_path):
-    (tmp_path / "secret.bin").write_bytes(WEIGHT.tobytes())
-    folder = tmp_path / "m"
-    folder.mkdir()
-    os.link(tmp_path / "secret.bin", folder / "weights.bin")
-    path = _external_model(folder, "weights.bin", write_data=False)
-    with pytest.raises(UnsafeExternalDataError, match="hard links"):
         model_io.load_model(path)
 
 

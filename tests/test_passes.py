@@ -33,9 +33,14 @@ def _ops(model: ir.Model) -> list[str]:
     return [n.op_type for n in tm.all_nodes(model)]
 
 
-def _same_outputs(model: ir.Model, feeds: dict[str, np.ndarray], before: list[np.ndarray]):
+def _run_once(step, model: ir.Model, feeds: dict[str, np.ndarray], name: str):
+    """Run ``step``: it reports one change under ``name`` and the model's outputs stay the same."""
+    before = tm.run_model(model, feeds)
+    result = step(model)
+    assert (result.name, result.count, result.modified) == (name, 1, True)
     for got, expected in zip(tm.run_model(model, feeds), before, strict=True):
         np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-6)
+    return result
 
 
 def test_lift_moves_a_large_branch_constant_to_the_main_graph_and_leaves_a_small_one():
@@ -52,15 +57,15 @@ g (bool[1] c, float[2, 16] x) => (float[2, 16] y) {{
       ey = Mul(x, two) }}
   >
 }}""")
-    feeds = {"c": np.array([True]), "x": _matrix(2, 16)}
-    before = tm.run_model(model, feeds)
+    _run_once(
+        dedup.LiftLargeConstants(),
+        model,
+        {"c": np.array([True]), "x": _matrix(2, 16)},
+        "constants_lifted",
+    )
 
-    result = dedup.LiftLargeConstants()(model)
-
-    assert (result.name, result.count, result.modified) == ("constants_lifted", 1, True)
     assert list(model.graph.initializers) == ["w"]
     assert _ops(model).count("Constant") == 1
-    _same_outputs(model, feeds, before)
 
 
 def test_deduplicate_reports_the_shared_tensor():
@@ -69,16 +74,13 @@ def test_deduplicate_reports_the_shared_tensor():
         "g (float[2, 16] x) => (float[2, 16] y) { a = MatMul(x, w)\n y = MatMul(a, w_copy) }",
         {"w": weight, "w_copy": weight.copy()},
     )
-    feeds = {"x": _matrix(2, 16)}
-    before = tm.run_model(model, feeds)
+    result = _run_once(
+        dedup.DeduplicateInitializers(), model, {"x": _matrix(2, 16)}, "tensors_shared"
+    )
 
-    result = dedup.DeduplicateInitializers()(model)
-
-    assert (result.name, result.count, result.modified) == ("tensors_shared", 1, True)
     assert [(s.kept, s.removed, s.nbytes, s.transposed) for s in result.records] == [
         ("w", "w_copy", weight.nbytes, False)
     ]
-    _same_outputs(model, feeds, before)
 
 
 def test_hoist_moves_a_branch_transpose_of_an_initializer_to_the_main_graph():
@@ -98,14 +100,14 @@ g (bool[1] c, float[2, 16] x) => (float[2, 8] y) {
             "axes": np.array([1], np.int64),
         },
     )
-    feeds = {"c": np.array([True]), "x": _matrix(2, 16)}
-    before = tm.run_model(model, feeds)
+    _run_once(
+        dedup.HoistConstantNodes(),
+        model,
+        {"c": np.array([True]), "x": _matrix(2, 16)},
+        "nodes_hoisted",
+    )
 
-    result = dedup.HoistConstantNodes()(model)
-
-    assert (result.name, result.count, result.modified) == ("nodes_hoisted", 1, True)
     assert [n.op_type for n in model.graph] == ["Transpose", "If"]
-    _same_outputs(model, feeds, before)
 
 
 def test_merge_equal_constant_nodes_keeps_one_of_two_equal_transposes():
@@ -120,14 +122,9 @@ g (float[2, 16] x) => (float[2, 8] y) {
 }""",
         {"w": _matrix(8, 16)},
     )
-    feeds = {"x": _matrix(2, 16)}
-    before = tm.run_model(model, feeds)
+    _run_once(dedup.MergeEqualConstantNodes(), model, {"x": _matrix(2, 16)}, "nodes_merged")
 
-    result = dedup.MergeEqualConstantNodes()(model)
-
-    assert (result.name, result.count, result.modified) == ("nodes_merged", 1, True)
     assert _ops(model).count("Transpose") == 1
-    _same_outputs(model, feeds, before)
 
 
 def test_drop_aliases_makes_readers_read_the_initializer():
@@ -135,15 +132,10 @@ def test_drop_aliases_makes_readers_read_the_initializer():
         "g (float[2, 16] x) => (float[2, 16] y) { alias = Identity(w)\n y = MatMul(x, alias) }",
         {"w": _matrix(16, 16)},
     )
-    feeds = {"x": _matrix(2, 16)}
-    before = tm.run_model(model, feeds)
+    _run_once(dedup.DropInitializerAliases(), model, {"x": _matrix(2, 16)}, "aliases_dropped")
 
-    result = dedup.DropInitializerAliases()(model)
-
-    assert (result.name, result.count, result.modified) == ("aliases_dropped", 1, True)
     assert _ops(model) == ["MatMul"]
     assert model.graph.node(0).inputs[1] is model.graph.initializers["w"]
-    _same_outputs(model, feeds, before)
 
 
 def test_remove_unused_initializers_keeps_the_read_ones():
@@ -167,14 +159,9 @@ g (float[2, 16] x) => (float[2, 96] y) {
 }""",
         {"embedding": _matrix(96, 16)},
     )
-    feeds = {"x": _matrix(2, 16)}
-    before = tm.run_model(model, feeds)
+    _run_once(tied_head.GemmForTransposedWeights(), model, {"x": _matrix(2, 16)}, "matmuls_to_gemm")
 
-    result = tied_head.GemmForTransposedWeights()(model)
-
-    assert (result.name, result.count, result.modified) == ("matmuls_to_gemm", 1, True)
     assert "Gemm" in _ops(model) and "MatMul" not in _ops(model)
-    _same_outputs(model, feeds, before)
 
 
 def test_gemm_names_its_values_apart_when_two_matmuls_share_a_name():

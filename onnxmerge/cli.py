@@ -117,6 +117,12 @@ class _Steps:
             print(f" {time.perf_counter() - self.started:.1f} s", file=sys.stderr, flush=True)
         self.current = None
 
+    def __enter__(self) -> _Steps:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.finish()
+
 
 def _with_checkpoint(result, source: Path):
     """The result, with the checkpoint of the model folder it was exported from when known."""
@@ -173,8 +179,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
     new_output = not output.exists()
     if args.generation:
         _refuse_existing_generator(output, args.overwrite)
-    steps = _Steps(quiet=args.json)
-    try:
+    with _Steps(quiet=args.json) as steps:
         result = merge_seq2seq_with_report(
             args.dir,
             args.output,
@@ -183,16 +188,12 @@ def cmd_merge(args: argparse.Namespace) -> int:
             force=args.force,
             progress=steps,
         )
-    finally:
-        steps.finish()
     data = _result_json(result)
     summary = _merge_summary(result)
     if args.weights:
-        steps(f"storing the weights as {args.weights}")
-        try:
+        with steps:
+            steps(f"storing the weights as {args.weights}")
             quantized = _quantize(result.path, None, args)
-        finally:
-            steps.finish()
         data["quantized"] = _jsonable(quantized)
         summary += "\n" + _quantize_summary(quantized)
         result = quantized  # the generator below runs on the quantized file
@@ -258,12 +259,9 @@ def _quantize_summary(result) -> str:
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
-    steps = _Steps(quiet=args.json)
-    steps(f"storing the weights as {args.weights}")
-    try:
+    with _Steps(quiet=args.json) as steps:
+        steps(f"storing the weights as {args.weights}")
         result = _quantize(args.file, args.output, args)
-    finally:
-        steps.finish()
     _emit(args, _jsonable(result), lambda: _quantize_summary(result))
     return EXIT_OK
 
@@ -346,8 +344,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         _tokenizers_only()
     from onnxmerge.runtime import Seq2SeqModel, TextGenerator
 
-    steps = _Steps(quiet=args.json)
-    try:
+    with _Steps(quiet=args.json) as steps:
         steps("loading the model")
         model = Seq2SeqModel(args.file)
         if args.text:
@@ -364,8 +361,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
         else:
             ids = np.array([args.ids], dtype=np.int64)
             sequences = model.generate(input_ids=ids, attention_mask=np.ones_like(ids), **options)
-    finally:
-        steps.finish()
     if args.text:
         _emit(
             args,
@@ -414,15 +409,12 @@ def cmd_export(args: argparse.Namespace) -> int:
             f"{output} exists and is not empty; pass --overwrite to export into it again, "
             "or choose another folder with -o"
         )
-    steps = _Steps(quiet=args.json)
-    try:
+    with _Steps(quiet=args.json) as steps:
         steps(f"exporting {args.model} with optimum")
         _export(args.model, output, args.task)
         _copy_tokenizer(Path(args.model), output)
         result = merge_seq2seq_with_report(output, overwrite=True, progress=steps)
         result = _with_checkpoint(result, Path(args.model))
-    finally:
-        steps.finish()
     _emit(args, _result_json(result), lambda: _merge_summary(result))
     return EXIT_OK
 
@@ -457,8 +449,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     work = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="onnxmerge-demo-"))
     export_dir = work / "export"
-    steps = _Steps(quiet=args.json)
-    try:
+    with _Steps(quiet=args.json) as steps:
         if not (export_dir / "encoder_model.onnx").exists():
             steps("exporting the demo model with optimum")
             _export(os.fspath(DEMO_MODEL_DIR), export_dir, "text2text-generation-with-past")
@@ -470,8 +461,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
         steps("translating")
         model = Seq2SeqModel(result.path)
         translations = model.translate(list(DEMO_SENTENCES))
-    finally:
-        steps.finish()
     payload = dict(
         merge=_result_json(result),
         translations=[
@@ -497,8 +486,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_web(args: argparse.Namespace) -> int:
     from onnxmerge.web import build_site
 
-    steps = _Steps(quiet=args.json)
-    try:
+    with _Steps(quiet=args.json) as steps:
         site = build_site(
             args.source,
             args.output,
@@ -508,8 +496,6 @@ def cmd_web(args: argparse.Namespace) -> int:
             overwrite=args.overwrite,
             progress=steps,
         )
-    finally:
-        steps.finish()
     files = {p.name: p.stat().st_size for p in sorted(site.iterdir())}
 
     def text() -> str:

@@ -18,7 +18,7 @@ from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 from onnxmerge.batch.sources import Job
-from onnxmerge.batch.task import ModelResult, Options, convert_one, failed
+from onnxmerge.batch.task import ModelResult, Options, convert_one, failed, proc_bytes
 from onnxmerge.errors import OnnxMergeError
 
 Task = Callable[[Job, str, Options], ModelResult]
@@ -32,14 +32,7 @@ WORKER_DIED = (
 
 def available_memory() -> int | None:
     """MemAvailable of this machine, in bytes."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    return proc_bytes("/proc/meminfo", "MemAvailable")
 
 
 def run_serial(

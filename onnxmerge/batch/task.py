@@ -345,11 +345,12 @@ def _publish(staging: Path, final: Path) -> None:
 # ------------------------------------------------------------------ memory of this process
 
 
-def _vm_size() -> int | None:
+def proc_bytes(path: str, key: str) -> int | None:
+    """The value of ``key`` (given in kB) in a /proc file such as /proc/self/status, in bytes."""
     try:
-        with open("/proc/self/status", encoding="ascii") as f:
+        with open(path, encoding="ascii") as f:
             for line in f:
-                if line.startswith("VmSize:"):
+                if line.startswith(f"{key}:"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
@@ -363,7 +364,7 @@ def _address_space_limit(extra_bytes: int | None) -> Iterator[None]:
     Past the cap allocations fail (``MemoryError`` in Python), so one model cannot take the
     memory of the machine's other workers.
     """
-    current = _vm_size()
+    current = proc_bytes("/proc/self/status", "VmSize")
     if extra_bytes is None or current is None:
         yield
         return
@@ -385,11 +386,4 @@ def _reset_peak_rss() -> None:
 
 
 def _peak_rss() -> int | None:
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    return proc_bytes("/proc/self/status", "VmHWM")

@@ -454,9 +454,9 @@ def write_outputs(page: Path, materials: Path, scratch: Path) -> None:
 if __name__ == "__main__":
     import tempfile
 
-    from tests.conftest import cached_demo_export
+    from onnxmerge.testing.zoo import demo_export
 
     with tempfile.TemporaryDirectory() as tmp:
-        materials = make_materials(Path(tmp) / "materials", cached_demo_export())
+        materials = make_materials(Path(tmp) / "materials", demo_export())
         for arg in sys.argv[1:]:
             write_outputs(Path(arg).resolve(), materials, Path(tempfile.mkdtemp(dir=tmp)))

@@ -26,6 +26,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,17 +70,8 @@ VARIANTS: tuple[str, ...] = (
 )
 
 # Architectures whose LM head is tied to the input embedding.
-TIED_HEAD_ARCHITECTURES: tuple[str, ...] = (
-    "marian",
-    "bart",
-    "mbart",
-    "m2m100",
-    "pegasus",
-    "blenderbot",
-    "blenderbot-small",
-    "t5",
-    "longt5",
-    "whisper",
+TIED_HEAD_ARCHITECTURES: tuple[str, ...] = tuple(
+    a for a in ARCHITECTURES if a not in ("t5-untied", "mt5", "vision-encoder-decoder")
 )
 
 ENCODER_FILE = "encoder_model.onnx"
@@ -108,6 +100,12 @@ _BART_TOKENS = {
     "eos_token_id": 2,
     "decoder_start_token_id": 3,
 }
+_BLENDERBOT_TOKENS = {
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "decoder_start_token_id": 3,
+}
 _T5_TOKENS = {"pad_token_id": 0, "eos_token_id": 1, "decoder_start_token_id": 0}
 
 
@@ -130,7 +128,8 @@ def cache_root() -> Path:
 # configs
 
 
-def _bart_family_common() -> dict[str, Any]:
+def _encoder_decoder_dims() -> dict[str, Any]:
+    """The sizes BART's config names, shared by its family and Whisper."""
     return {
         "vocab_size": VOCAB,
         "d_model": D_MODEL,
@@ -140,12 +139,15 @@ def _bart_family_common() -> dict[str, Any]:
         "decoder_attention_heads": HEADS,
         "encoder_ffn_dim": FFN,
         "decoder_ffn_dim": FFN,
-        "max_position_embeddings": MAX_POSITIONS,
         "init_std": INIT_STD,
         "dropout": 0.0,
         "attention_dropout": 0.0,
         "activation_dropout": 0.0,
     }
+
+
+def _bart_family_common() -> dict[str, Any]:
+    return {**_encoder_decoder_dims(), "max_position_embeddings": MAX_POSITIONS}
 
 
 def _t5_common() -> dict[str, Any]:
@@ -172,10 +174,7 @@ def build_config(arch: str) -> Any:
         # Marian's decoder starts from pad in real checkpoints; it is kept distinct here.
         return tf.MarianConfig(
             **_bart_family_common(),
-            pad_token_id=1,
-            eos_token_id=2,
-            bos_token_id=0,
-            decoder_start_token_id=3,
+            **_BART_TOKENS,
             decoder_vocab_size=VOCAB,
             share_encoder_decoder_embeddings=True,
             tie_word_embeddings=True,
@@ -195,15 +194,9 @@ def build_config(arch: str) -> Any:
             decoder_start_token_id=3,
         )
     if arch == "blenderbot":
-        return tf.BlenderbotConfig(
-            **_bart_family_common(), pad_token_id=0, bos_token_id=1, eos_token_id=2,
-            decoder_start_token_id=3,
-        )
+        return tf.BlenderbotConfig(**_bart_family_common(), **_BLENDERBOT_TOKENS)
     if arch == "blenderbot-small":
-        return tf.BlenderbotSmallConfig(
-            **_bart_family_common(), pad_token_id=0, bos_token_id=1, eos_token_id=2,
-            decoder_start_token_id=3,
-        )
+        return tf.BlenderbotSmallConfig(**_bart_family_common(), **_BLENDERBOT_TOKENS)
     if arch == "t5":
         return tf.T5Config(**_t5_common(), tie_word_embeddings=True, initializer_factor=1.0)
     if arch == "t5-untied":
@@ -220,27 +213,13 @@ def build_config(arch: str) -> Any:
         )
     if arch == "whisper":
         return tf.WhisperConfig(
-            vocab_size=VOCAB,
+            **_encoder_decoder_dims(),
+            **_BART_TOKENS,
             num_mel_bins=WHISPER_MEL_BINS,
-            d_model=D_MODEL,
-            encoder_layers=LAYERS,
-            decoder_layers=LAYERS,
-            encoder_attention_heads=HEADS,
-            decoder_attention_heads=HEADS,
-            encoder_ffn_dim=FFN,
-            decoder_ffn_dim=FFN,
             max_source_positions=WHISPER_SOURCE_POSITIONS,
             max_target_positions=MAX_POSITIONS,
-            init_std=INIT_STD,
-            pad_token_id=1,
-            bos_token_id=0,
-            eos_token_id=2,
-            decoder_start_token_id=3,
             suppress_tokens=None,
             begin_suppress_tokens=None,
-            dropout=0.0,
-            attention_dropout=0.0,
-            activation_dropout=0.0,
         )
     if arch == "vision-encoder-decoder":
         encoder = tf.ViTConfig(
@@ -452,6 +431,33 @@ def tiny_export(arch: str, variant: str = "default") -> TinyExport:
         if post is not None:
             post(onnx_dir)
     return export
+
+
+def _demo_export_key() -> str:
+    from onnxmerge.demo import DEMO_MODEL_DIR
+
+    digest = hashlib.sha256()
+    for path in sorted(DEMO_MODEL_DIR.iterdir()):
+        digest.update(path.name.encode() + path.read_bytes())
+    versions = package_versions(("torch", "transformers", "optimum", "optimum-onnx", "onnx"))
+    for name, version in versions.items():
+        digest.update(f"{name}={version}".encode())
+    return digest.hexdigest()[:16]
+
+
+def demo_export() -> Path:
+    """An optimum export of the shipped demo model, with its tokenizer, cached like the zoo."""
+    from onnxmerge.demo import DEMO_MODEL_DIR
+
+    entry = cache_root() / f"demo--{_demo_export_key()}"
+    if entry.is_dir():
+        return entry
+    with staging(entry) as folder:
+        export_onnx(DEMO_MODEL_DIR, folder, "text2text-generation-with-past")
+        for path in DEMO_MODEL_DIR.iterdir():
+            if path.name.startswith(("tokenizer", "special_tokens")):
+                shutil.copy2(path, folder / path.name)
+    return entry
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,12 +9,9 @@ page's npm packages come from tests/web (``npm ci --ignore-scripts``, done by
 from __future__ import annotations
 
 import contextlib
-import functools
-import http.server
 import json
 import os
 import shutil
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,10 +21,12 @@ import onnxmerge
 from onnxmerge import cli
 from onnxmerge.demo import LARGEST_NUMBER, french_number, is_held_out
 from onnxmerge.errors import InvalidMergedModelError, OnnxMergeError, RefusedOutputError
+from onnxmerge.testing.browser import launch_chromium, load_page, serve, strip_pad
 from onnxmerge.web import build_site
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WEB_DIR = Path(__file__).parent / "web"
+NODE_MODULES = WEB_DIR / "node_modules"
 SCREENSHOT = REPO_ROOT / "docs" / "img" / "web.png"
 HELD_OUT = [n for n in range(LARGEST_NUMBER + 1) if is_held_out(n)]
 
@@ -161,64 +160,25 @@ def test_an_unknown_precision_leaves_nothing_behind(demo_merged, tmp_path) -> No
 # the page in Chromium
 
 
-def _chromium() -> str:
-    found = shutil.which("chromium") or shutil.which("chromium-browser")
-    if found is None:
-        pytest.skip("chromium is not installed (scripts/setup.sh test installs it with apt-get)")
-    return found
-
-
-class _QuietHandler(http.server.SimpleHTTPRequestHandler):
-    def log_message(self, format, *args) -> None:  # noqa: A002
-        pass
-
-
-@contextlib.contextmanager
-def _serve(folder: Path) -> Iterator[str]:
-    handler = functools.partial(_QuietHandler, directory=os.fspath(folder))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}/"
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
 @pytest.fixture(scope="module")
 def browser():
     sync_api = pytest.importorskip("playwright.sync_api", reason="the page is driven by playwright")
-    executable = _chromium()
-    if not (WEB_DIR / "node_modules" / "onnxruntime-web").is_dir():
-        pytest.skip("the page's packages are not installed: npm ci --ignore-scripts in tests/web")
     with sync_api.sync_playwright() as playwright:
-        try:
-            # Chromium's sandbox refuses to start as root, which CI runs as.
-            args = ["--no-sandbox"] if os.geteuid() == 0 else []
-            launched = playwright.chromium.launch(executable_path=executable, args=args)
-        except sync_api.Error as e:
-            pytest.skip(f"{executable} did not start under Playwright: {e}")
+        launched, missing = launch_chromium(playwright, NODE_MODULES)
+        if launched is None:
+            pytest.skip(missing)
         yield launched
         launched.close()
 
 
-def _open(browser, site: Path):
-    link = site / "node_modules"
-    if not link.exists():
-        link.symlink_to(WEB_DIR / "node_modules", target_is_directory=True)
-    return site
-
-
-def _load_page(browser, url: str, init_script: str | None = None):
-    page = browser.new_page(viewport={"width": 800, "height": 640})
-    errors: list[str] = []
-    page.on("pageerror", lambda e: errors.append(str(e)))
-    if init_script:
-        page.add_init_script(init_script)
-    page.goto(url)
-    page.wait_for_selector("body[data-state]", timeout=60_000)
-    return page, errors
+@contextlib.contextmanager
+def _page(browser, site: Path) -> Iterator:
+    """The site's page, loaded; it raised no script error."""
+    with serve(site, NODE_MODULES) as server:
+        page, errors = load_page(browser, server.url, viewport={"width": 800, "height": 640})
+        yield page
+        page.close()
+    assert not errors
 
 
 def _python_translation(model_path: Path, texts: list[str]) -> tuple[list[list[int]], list[str]]:
@@ -232,24 +192,11 @@ def _python_translation(model_path: Path, texts: list[str]) -> tuple[list[list[i
     return sequences.tolist(), model.translate(texts)
 
 
-def _strip_pad(rows: list[list[int]], pad: int) -> list[list[int]]:
-    out = []
-    for row in rows:
-        row = list(row)
-        while len(row) > 1 and row[-1] == pad:
-            row.pop()
-        out.append(row)
-    return out
-
-
 @pytest.fixture(scope="module")
 def demo_page(browser, demo_site):
     """The fp32 demo site, loaded once: session creation dominates the time of these tests."""
-    with _serve(_open(browser, demo_site)) as url:
-        page, errors = _load_page(browser, url)
+    with _page(browser, demo_site) as page:
         yield page
-        page.close()
-    assert not errors
 
 
 def _check_translations(page, model_path: Path, screenshot: Path | None) -> None:
@@ -271,9 +218,9 @@ def _check_translations(page, model_path: Path, screenshot: Path | None) -> None
 
     expected_typed = _python_translation(model_path, typed)
     expected_batch = _python_translation(model_path, batch)
-    assert _strip_pad(last["sequences"], 84) == _strip_pad(expected_typed[0], 84)
+    assert strip_pad(last["sequences"], 84) == strip_pad(expected_typed[0], 84)
     assert shown == last["texts"] == expected_typed[1]
-    assert _strip_pad(from_api["sequences"], 84) == _strip_pad(expected_batch[0], 84)
+    assert strip_pad(from_api["sequences"], 84) == strip_pad(expected_batch[0], 84)
     assert from_api["texts"] == expected_batch[1]
 
 
@@ -286,11 +233,8 @@ def test_quantized_page_translates_held_out_numbers_like_python(
 ) -> None:
     quantized = _quantized(demo_merged)
     site = build_site(quantized, tmp_path / "site", tokenizer=demo_merged.parent)
-    with _serve(_open(browser, site)) as url:
-        page, errors = _load_page(browser, url)
+    with _page(browser, site) as page:
         _check_translations(page, quantized, None)
-        page.close()
-    assert not errors
 
 
 def test_page_tokenizes_numbers_like_python(demo_page, demo_site) -> None:
@@ -323,13 +267,13 @@ def test_page_tokenizes_numbers_like_python(demo_page, demo_site) -> None:
     ],
 )
 def test_page_says_what_the_browser_lacks(browser, demo_site, init_script, route, message) -> None:
-    with _serve(_open(browser, demo_site)) as url:
+    with serve(demo_site, NODE_MODULES) as server:
         page = browser.new_page()
         if route:
             page.route(route, lambda r: r.fulfill(status=404, body="missing"))
         if init_script:
             page.add_init_script(init_script)
-        page.goto(url)
+        page.goto(server.url)
         page.wait_for_selector("body[data-state=failed]", timeout=30_000)
         status = page.inner_text("#status")
         assert page.is_disabled("#translate")

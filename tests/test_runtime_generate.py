@@ -104,28 +104,23 @@ def _check(model, pt_model, inputs, **kwargs) -> np.ndarray:
     return actual
 
 
+def _searches():
+    for archs, cases, seed in ((WITH_PAST, CASES, 1), (MORE_CASES_ARCHS, MORE_CASES, 2)):
+        for case, settings in cases.items():
+            for arch in archs:
+                yield pytest.param(arch, settings, seed, id=f"{arch}-{case}")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("arch", WITH_PAST)
-def test_generate_matches_transformers(merged, arch, case):
+@pytest.mark.parametrize(("arch", "settings", "seed"), _searches())
+def test_generate_matches_transformers(merged, arch, settings, seed):
     from onnxmerge.testing import zoo
 
     model, pt_model, export = merged(arch)
-    inputs = zoo.sample_encoder_inputs(export, batch=2, seq=7, seed=1)
-    out = _check(model, pt_model, inputs, **CASES[case])
-    assert out.shape[0] == 2
+    inputs = zoo.sample_encoder_inputs(export, batch=2, seq=7, seed=seed)
+    out = _check(model, pt_model, inputs, **settings)
+    assert out.shape[0] == 2 * settings.get("num_return_sequences", 1)
     assert (out[:, 0] == model.resolve_settings().decoder_start_token_id).all()
-
-
-@pytest.mark.parametrize("case", list(MORE_CASES))
-@pytest.mark.parametrize("arch", MORE_CASES_ARCHS)
-def test_search_options_match_transformers(merged, arch, case):
-    from onnxmerge.testing import zoo
-
-    model, pt_model, export = merged(arch)
-    inputs = zoo.sample_encoder_inputs(export, batch=2, seq=7, seed=2)
-    out = _check(model, pt_model, inputs, **MORE_CASES[case])
-    assert out.shape[0] == 2 * MORE_CASES[case].get("num_return_sequences", 1)
 
 
 @pytest.mark.slow

@@ -129,39 +129,15 @@ def speed(files: dict[str, Path], source: str, repeats: int) -> dict[str, dict]:
     return results
 
 
-def _demo_export(cache_dir: Path) -> Path:
-    """An optimum export of the shipped demo model, cached (keyed on its files and versions)."""
-    import hashlib
-
-    from onnxmerge.demo import DEMO_MODEL_DIR
-
-    digest = hashlib.sha256()
-    for path in sorted(DEMO_MODEL_DIR.iterdir()):
-        digest.update(path.name.encode() + path.read_bytes())
-    digest.update(json.dumps(_common.package_versions(), sort_keys=True).encode())
-    entry = cache_dir / f"demo-{digest.hexdigest()[:16]}"
-    if not (entry / "encoder_model.onnx").exists():
-        from optimum.exporters.onnx import main_export
-
-        staging = Path(tempfile.mkdtemp(prefix=".demo-", dir=cache_dir))
-        task = "text2text-generation-with-past"
-        main_export(os.fspath(DEMO_MODEL_DIR), output=staging, task=task)
-        for path in DEMO_MODEL_DIR.iterdir():
-            if path.name.startswith(("tokenizer", "special_tokens")):
-                shutil.copy2(path, staging / path.name)
-        shutil.rmtree(entry, ignore_errors=True)
-        os.replace(staging, entry)
-    return entry
-
-
-def demo_quality(cache_dir: Path, scratch: Path, every: int) -> dict:
+def demo_quality(scratch: Path, every: int) -> dict:
     """Held-out numbers translated exactly as the fp32 file does, per precision."""
     from onnxmerge import merge_seq2seq, quantize
     from onnxmerge.demo import LARGEST_NUMBER, english_number, french_number, is_held_out
     from onnxmerge.runtime import Seq2SeqModel
+    from onnxmerge.testing.zoo import demo_export
 
     folder = scratch / "demo"
-    shutil.copytree(_demo_export(cache_dir), folder)
+    shutil.copytree(demo_export(), folder)
     merged = merge_seq2seq(folder)
     numbers = [n for n in range(LARGEST_NUMBER + 1) if is_held_out(n)][::every]
     sources = [french_number(n) for n in numbers]
@@ -282,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     from onnxmerge import merge_seq2seq, quantize
     from onnxmerge.testing.zoo import ARCHITECTURES
 
-    factory = _common.tiny_marian_config if args.quick else _common.opus_mt_config
+    factory = _common.marian_config(args.quick)
     export = _common.export_cached(factory, "tied", args.cache_dir)
     scratch = Path(tempfile.mkdtemp(prefix="bench-quantize-"))
     try:
@@ -297,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
             "sizes": {f"onnxmerge {name}": path.stat().st_size for name, path in files.items()},
             "anchors": anchors(export, merged, scratch),
             "speed": speed(files, source, 1 if args.quick else args.repeats),
-            "demo_quality": demo_quality(args.cache_dir, scratch, 50 if args.quick else 1),
+            "demo_quality": demo_quality(scratch, 50 if args.quick else 1),
             "cosine": cosine_table(["marian"] if args.quick else list(ARCHITECTURES), scratch),
             "targets": TARGETS,
         }
@@ -305,8 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(scratch, ignore_errors=True)
     ratios = {k: v / results["checkpoint_bytes"] for k, v in results["sizes"].items()}
     results["targets_met"] = {p: ratios[f"onnxmerge {p}"] <= t for p, t in TARGETS.items()}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2))
+    _common.write_results(args.out, results)
     print("\n".join(markdown(results)))
     return 0
 

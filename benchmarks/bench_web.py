@@ -26,19 +26,13 @@ Usage: python benchmarks/bench_web.py [--quick] [--out benchmarks/out/web.json]
 
 from __future__ import annotations
 
-import argparse
 import collections
-import functools
-import hashlib
-import http.server
 import json
 import os
 import platform
-import shutil
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -48,31 +42,14 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks import _common  # noqa: E402
+from onnxmerge.testing import zoo  # noqa: E402
+from onnxmerge.testing.browser import launch_chromium, load_page, serve, strip_pad  # noqa: E402
 
-DEFAULT_OUT = REPO_ROOT / "benchmarks" / "out" / "web.json"
 NODE_MODULES = REPO_ROOT / "tests" / "web" / "node_modules"
 THREADS = (1, 2)
 
 
 # ---------------------------------------------------------------- models
-
-
-def demo_export(cache_dir: Path = _common.DEFAULT_CACHE_DIR) -> Path:
-    """The shipped demo model exported with optimum, with its tokenizer, cached."""
-    from onnxmerge.demo import DEMO_MODEL_DIR
-
-    digest = hashlib.sha256(json.dumps(_common.package_versions(), sort_keys=True).encode())
-    for path in sorted(DEMO_MODEL_DIR.iterdir()):
-        digest.update(path.name.encode() + path.read_bytes())
-    folder = cache_dir / f"demo-{digest.hexdigest()[:16]}" / "onnx"
-    if not (folder / _common.ENCODER_FILE).exists():
-        with _common.staging(folder) as staging:
-            _common._run_main_export(
-                DEMO_MODEL_DIR, staging, "tied", "text2text-generation-with-past"
-            )
-            for name in ("tokenizer.json", "tokenizer_config.json"):
-                shutil.copy2(DEMO_MODEL_DIR / name, staging / name)
-    return folder
 
 
 def transformers_js_bytes(export_dir: Path, work: Path) -> dict[str, int]:
@@ -133,63 +110,17 @@ def python_side(
 # ---------------------------------------------------------------- browser side
 
 
-class _Handler(http.server.SimpleHTTPRequestHandler):
-    """Serves the site; counts the bytes of each file sent; isolates the page when asked."""
-
-    def end_headers(self) -> None:
-        if self.server.isolated:
-            self.send_header("Cross-Origin-Opener-Policy", "same-origin")
-            self.send_header("Cross-Origin-Embedder-Policy", "require-corp")
-        super().end_headers()
-
-    def copyfile(self, source, outputfile) -> None:
-        sent = 0
-        while chunk := source.read(1 << 20):
-            outputfile.write(chunk)
-            sent += len(chunk)
-        self.server.sent[self.path.split("?")[0]] += sent
-
-    def log_message(self, format, *args) -> None:  # noqa: A002
-        pass
-
-
-def _serve(site: Path, isolated: bool) -> http.server.ThreadingHTTPServer:
-    server = http.server.ThreadingHTTPServer(
-        ("127.0.0.1", 0), functools.partial(_Handler, directory=os.fspath(site))
-    )
-    server.isolated = isolated
-    server.sent = collections.Counter()
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server
-
-
 def browser_side(
     browser, site: Path, ids: list[list[int]], new_tokens: int, threads: int, repeats: int
 ) -> dict[str, Any]:
-    server = _serve(site, isolated=threads > 1)
-    context = browser.new_context()  # a cold cache: every file is downloaded
-    try:
-        page = context.new_page()
-        url = f"http://127.0.0.1:{server.server_address[1]}/?threads={threads}"
-        page.goto(url)
-        page.wait_for_selector("body[data-state]", timeout=600_000)
-        if page.get_attribute("body", "data-state") != "ready":
-            raise RuntimeError(f"the page did not load: {page.inner_text('#status')}")
-        timings = page.evaluate("window.onnxmerge.app.timings")
-        runs = page.evaluate(
-            """async ([ids, n, repeats]) => {
-                 const out = [];
-                 for (let i = 0; i <= repeats; i++) {
-                   out.push(await window.onnxmerge.generate(ids, n));
-                 }
-                 return out;
-               }""",
-            [ids, new_tokens, repeats],
-        )
-    finally:
-        context.close()
-        server.shutdown()
-        server.server_close()
+    with serve(site, NODE_MODULES, isolated=threads > 1) as server:
+        context = browser.new_context()  # a cold cache: every file is downloaded
+        try:
+            timings, runs = _page_runs(
+                context, f"{server.url}?threads={threads}", ids, new_tokens, repeats
+            )
+        finally:
+            context.close()
     return {
         "threads": threads,
         "threads_used": timings["threads"],
@@ -203,14 +134,23 @@ def browser_side(
     }
 
 
-def _strip(rows: list[list[int]], pad: int) -> list[list[int]]:
-    out = []
-    for row in rows:
-        row = list(row)
-        while len(row) > 1 and row[-1] == pad:
-            row.pop()
-        out.append(row)
-    return out
+def _page_runs(context, url: str, ids: list[list[int]], new_tokens: int, repeats: int):
+    """The page's own timings, then ``repeats`` + 1 translations (the first is a warm-up)."""
+    page, _ = load_page(context, url, timeout_ms=600_000)
+    if page.get_attribute("body", "data-state") != "ready":
+        raise RuntimeError(f"the page did not load: {page.inner_text('#status')}")
+    timings = page.evaluate("window.onnxmerge.app.timings")
+    runs = page.evaluate(
+        """async ([ids, n, repeats]) => {
+             const out = [];
+             for (let i = 0; i <= repeats; i++) {
+               out.push(await window.onnxmerge.generate(ids, n));
+             }
+             return out;
+           }""",
+        [ids, new_tokens, repeats],
+    )
+    return timings, runs
 
 
 def _download_parts(files: dict[str, int]) -> dict[str, int]:
@@ -246,12 +186,11 @@ def measure(
 
             tokenizer = DEMO_MODEL_DIR
         site = build_site(generator, tmp / "site", tokenizer=tokenizer)
-        (site / "node_modules").symlink_to(NODE_MODULES, target_is_directory=True)
         pad = json.loads((site / "site.json").read_text())["pad_token_id"]
         browser_runs = [browser_side(browser, site, ids, new_tokens, t, repeats) for t in THREADS]
         python_runs = [python_side(merged, generator, ids, new_tokens, t, repeats) for t in THREADS]
         same = all(
-            _strip(b["sequences"], pad) == _strip(p["sequences"], pad)
+            strip_pad(b["sequences"], pad) == strip_pad(p["sequences"], pad)
             for b, p in zip(browser_runs, python_runs, strict=True)
         )
         tjs = transformers_js_bytes(export_dir, tmp)
@@ -291,16 +230,6 @@ def _demo_ids(export_dir: Path) -> list[list[int]]:
 
     tokenizer = Tokenizer.from_file(os.fspath(export_dir / "tokenizer.json"))
     return [tokenizer.encode(DEMO_SENTENCES[2]).ids]
-
-
-def _launch(playwright):
-    executable = shutil.which("chromium") or shutil.which("chromium-browser")
-    if executable is None:
-        return None, "chromium is not installed (scripts/setup.sh test installs it)"
-    if not (NODE_MODULES / "onnxruntime-web").is_dir():
-        return None, "the page's packages are missing: npm ci --ignore-scripts in tests/web"
-    args = ["--no-sandbox"] if os.geteuid() == 0 else []
-    return playwright.chromium.launch(executable_path=executable, args=args), None
 
 
 def _mb(n: int) -> str:
@@ -389,9 +318,7 @@ def markdown(web: dict[str, Any]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="the demo model only")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser = _common.arguments(__doc__, "web", "the demo model only")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--new-tokens", type=int, default=32, help="for the opus-mt shape")
     args = parser.parse_args(argv)
@@ -415,13 +342,13 @@ def main(argv: list[str] | None = None) -> int:
         },
     }
     with sync_playwright() as playwright:
-        browser, skipped = _launch(playwright)
+        browser, skipped = launch_chromium(playwright, NODE_MODULES)
         if browser is None:
             result["skipped"] = skipped
         else:
             result["chromium"] = browser.version
             models = []
-            demo = demo_export()
+            demo = zoo.demo_export()
             models.append(measure("demo model", demo, _demo_ids(demo), 31, repeats, browser))
             if not args.quick:
                 opus = _common.export_cached(_common.opus_mt_config, "tied").onnx_dir
@@ -438,8 +365,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
             result["models"] = models
             browser.close()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    _common.write_results(args.out, result)
     if "skipped" in result:
         print(f"skipped: {result['skipped']}")
     for m in result.get("models", []):

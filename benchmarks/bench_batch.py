@@ -8,16 +8,14 @@
    checkpoint folder with ``--generation greedy``: the cost of each stage, and from it the
    projected time of 1,000 such models on N nodes shaped like this machine.
 
-Each mode runs in a fresh interpreter. ``--quick`` takes two architectures and a tiny Marian in
-place of the opus-mt shape, to check the pipeline.
+Each mode runs in a fresh interpreter. ``--quick`` takes two architectures, no Ray, and a tiny
+Marian in place of the opus-mt shape, to check the pipeline.
 
 Usage: python benchmarks/bench_batch.py [--quick] [--out benchmarks/out/batch.json]
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 import os
 import platform
@@ -33,11 +31,12 @@ if str(REPO_ROOT) not in sys.path:
 
 from benchmarks import _common  # noqa: E402
 
-DEFAULT_OUT = REPO_ROOT / "benchmarks" / "out" / "batch.json"
 QUICK_ARCHS = ("marian", "t5")
 # With past, a vision-encoder-decoder export is refused (README, "What it handles").
 VARIANTS = {"vision-encoder-decoder": "no-past"}
 MODES = ("serial", "pool", "ray")
+# --quick checks the pipeline; the Ray path of convert_many is tested in tests/test_batch.py.
+QUICK_MODES = ("serial", "pool")
 ZOO_SIZE = 1000
 NODE_COUNTS = (1, 4, 16, 64)
 
@@ -148,9 +147,7 @@ def project(stage: dict, cores: int, memory: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="two tiny models; a tiny Marian")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser = _common.arguments(__doc__, "batch", "two tiny models; a tiny Marian")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args(argv)
 
@@ -160,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     archs = QUICK_ARCHS if args.quick else ARCHITECTURES
     sources = [str(tiny_export(arch, VARIANTS.get(arch, "default")).onnx_dir) for arch in archs]
     modes = {}
-    for mode in MODES:
+    for mode in QUICK_MODES if args.quick else MODES:
         with tempfile.TemporaryDirectory(prefix="bench-batch-") as tmp:
             print(f"{mode}: {len(sources)} models", flush=True)
             measured = _common.run_in_subprocess(
@@ -174,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     for data in modes.values():
         data["speedup_over_serial"] = serial / data["convert_s"]
 
-    factory = _common.tiny_marian_config if args.quick else _common.opus_mt_config
+    factory = _common.marian_config(args.quick)
     folder = pytorch_folder(factory, _common.DEFAULT_CACHE_DIR)
     with tempfile.TemporaryDirectory(prefix="bench-batch-") as tmp:
         print(f"stages: {factory.__name__}", flush=True)
@@ -207,8 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "projection": project(stage, cores, memory_total()),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
+    _common.write_results(args.out, result)
     print(f"wrote {args.out}")
     return 0
 

@@ -21,6 +21,7 @@ merges should not pay for them.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
@@ -40,6 +41,7 @@ from onnxmerge.testing.exports import export_onnx, staging
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CACHE_DIR = REPO_ROOT / ".cache" / "bench"
+OUT_DIR = REPO_ROOT / "benchmarks" / "out"
 # Bump to invalidate cached exports after a change in how models are built or exported.
 CACHE_VERSION = "1"
 EXPORT_VARIANTS = ("tied", "untied")
@@ -50,6 +52,8 @@ ENCODER_FILE = "encoder_model.onnx"
 DECODER_FILE = "decoder_model.onnx"
 DECODER_WITH_PAST_FILE = "decoder_with_past_model.onnx"
 DECODER_MERGED_FILE = "decoder_model_merged.onnx"
+# What optimum writes before merging its decoders, and what onnxmerge merges.
+SEPARATE_FILES = (ENCODER_FILE, DECODER_FILE, DECODER_WITH_PAST_FILE)
 CHECKPOINT_FILE = "model.safetensors"
 
 
@@ -91,6 +95,11 @@ def tiny_marian_config() -> Any:
     return _marian_config(vocab=200, d_model=32, layers=2, heads=4, ffn=64, positions=64)
 
 
+def marian_config(quick: bool) -> Callable[[], Any]:
+    """The config factory of the reference model: the tiny Marian under ``--quick``."""
+    return tiny_marian_config if quick else opus_mt_config
+
+
 # ---------------------------------------------------------------- exports on disk
 
 
@@ -128,6 +137,34 @@ def median_time(fn: Callable[[], Any], repeats: int) -> tuple[float, list[float]
 
 def package_versions() -> dict[str, str]:
     return exports.package_versions(_VERSIONED)
+
+
+def generate_exactly(model: Any, ids: Any, mask: Any, beams: int, new_tokens: int) -> Any:
+    """``model.generate`` (onnxmerge's or transformers' API) for exactly ``new_tokens`` tokens."""
+    return model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        num_beams=beams,
+        min_new_tokens=new_tokens,
+        max_new_tokens=new_tokens,
+    )
+
+
+# ---------------------------------------------------------------- command line and results
+
+
+def arguments(doc: str, name: str, quick_help: str) -> argparse.ArgumentParser:
+    """The options every benchmark takes: ``--quick``, and ``--out`` (``benchmarks/out/NAME.json``
+    by default)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    parser.add_argument("--out", type=Path, default=OUT_DIR / f"{name}.json", help="JSON results")
+    return parser
+
+
+def write_results(path: Path, results: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=2, default=str) + "\n", encoding="utf-8")
 
 
 def cache_key(config: Any, variant: str) -> str:

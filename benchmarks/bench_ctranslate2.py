@@ -39,7 +39,6 @@ if str(REPO_ROOT) not in sys.path:
 
 from benchmarks import _common  # noqa: E402
 
-DEFAULT_OUT = REPO_ROOT / "benchmarks" / "out" / "ctranslate2.json"
 SOURCE_TOKENS = 32
 NEW_TOKENS = 32
 BATCH_LENGTHS = (32, 9, 27, 14, 31, 5, 20, 24)  # batch 8, mixed lengths
@@ -208,13 +207,7 @@ def worker_ours(path: str, config: dict, repeats: int, threads: int) -> dict:
         ids, mask = _padded(source_batches(config)[batch], config["pad_token_id"])
 
         def run(ids=ids, mask=mask, beams=beams):
-            return model.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                num_beams=beams,
-                min_new_tokens=NEW_TOKENS,
-                max_new_tokens=NEW_TOKENS,
-            )
+            return _common.generate_exactly(model, ids, mask, beams, NEW_TOKENS)
 
         median, times, out = _common.median_time(run, repeats)
         cases[f"{name}_b{batch}"] = {
@@ -341,9 +334,7 @@ def compare(ours: dict, theirs: dict) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny Marian model, one round")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser = _common.arguments(__doc__, "ctranslate2", "tiny Marian model, one round")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per case and process")
     parser.add_argument("--rounds", type=int, default=2, help="fresh processes per side")
     parser.add_argument("--threads", type=int, default=2)
@@ -360,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         args.repeats, args.rounds = min(args.repeats, 1), 1
 
     load_at_start = os.getloadavg()
-    factory = _common.tiny_marian_config if args.quick else _common.opus_mt_config
+    factory = _common.marian_config(args.quick)
     export = _common.export_cached(factory, "tied", args.cache_dir)
     full = factory()
     config = {k: int(getattr(full, k)) for k in ("vocab_size", "pad_token_id", "eos_token_id")}
@@ -434,8 +425,7 @@ def main(argv: list[str] | None = None) -> int:
             "ctranslate2": ctranslate2.__version__,
         },
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    _common.write_results(args.out, results)
     for precision, data in precisions.items():
         summary = {k: round(v, 2) for k, v in data["ratios"].items()}
         agree = {k: round(v, 2) for k, v in data["token_agreement"].items()}

@@ -90,13 +90,7 @@ def worker_ours(model_path: Path, repeats: int, source: list[int]) -> dict:
     ids, mask = _as_arrays(source)
 
     def run(beams):
-        return lambda: model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            num_beams=beams,
-            min_new_tokens=NEW_TOKENS,
-            max_new_tokens=NEW_TOKENS,
-        )
+        return lambda: _common.generate_exactly(model, ids, mask, beams, NEW_TOKENS)
 
     return _measure(load, baseline, rss, run, repeats)
 
@@ -115,13 +109,7 @@ def worker_optimum(export_dir: Path, repeats: int, source: list[int]) -> dict:
     def run(beams):
         def generate():
             with torch.no_grad():
-                return model.generate(
-                    input_ids=ids,
-                    attention_mask=mask,
-                    num_beams=beams,
-                    min_new_tokens=NEW_TOKENS,
-                    max_new_tokens=NEW_TOKENS,
-                ).numpy()
+                return _common.generate_exactly(model, ids, mask, beams, NEW_TOKENS).numpy()
 
         return generate
 
@@ -187,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.repeats, args.rounds = min(args.repeats, 2), 1
 
-    factory = _common.tiny_marian_config if args.quick else _common.opus_mt_config
+    factory = _common.marian_config(args.quick)
     export = _common.export_cached(factory, "tied", args.cache_dir)
     export_dir, config = export.onnx_dir, factory()
     source = ",".join(map(str, source_ids(config)))
@@ -266,8 +254,7 @@ def main(argv: list[str] | None = None) -> int:
             "beam4": ours["beam4_tokens"] == theirs["beam4_tokens"],
         },
     }
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(results, indent=2))
+    _common.write_results(args.output, results)
     summary = {k: round(v, 3) for k, v in ratios.items()}
     print(f"ratios ours/optimum: {summary}; same tokens: {results['same_tokens']}")
     return 0

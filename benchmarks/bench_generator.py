@@ -15,8 +15,6 @@ Usage: python benchmarks/bench_generator.py [--quick] [--out benchmarks/out/gene
 
 from __future__ import annotations
 
-import argparse
-import json
 import platform
 import statistics
 import sys
@@ -30,8 +28,6 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks import _common  # noqa: E402
-
-DEFAULT_OUT = REPO_ROOT / "benchmarks" / "out" / "generator.json"
 
 
 def _inputs(config: dict, batch: int, length: int, seed: int) -> dict[str, Any]:
@@ -128,9 +124,7 @@ def measure(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny Marian model")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser = _common.arguments(__doc__, "generator", "tiny Marian model")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--source-length", type=int, default=32)
@@ -138,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=0, help="onnxruntime threads (0: default)")
     args = parser.parse_args(argv)
 
-    factory = _common.tiny_marian_config if args.quick else _common.opus_mt_config
+    factory = _common.marian_config(args.quick)
     export = _common.export_cached(factory, "tied")
     runs = [
         measure(export.onnx_dir, b, args.source_length, args.new_tokens, args.repeats, args.threads)
@@ -158,8 +152,7 @@ def main(argv: list[str] | None = None) -> int:
             "packages": _common.package_versions(),
         },
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    _common.write_results(args.out, result)
     for run in runs:
         print(
             f"batch {run['batch']}: python loop {run['python_runtime_tokens_per_s']:.1f} tok/s, "

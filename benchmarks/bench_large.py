@@ -38,16 +38,10 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks import _common  # noqa: E402
-from benchmarks._common import (  # noqa: E402
-    DECODER_FILE,
-    DECODER_MERGED_FILE,
-    DECODER_WITH_PAST_FILE,
-    ENCODER_FILE,
-)
 
 DEFAULT_OUT = REPO_ROOT / "benchmarks" / "out" / "large.json"
 TARGET_PEAK_PRIVATE_BYTES = int(1.5 * 2**30)
-REQUIRED_FILES = (ENCODER_FILE, DECODER_FILE, DECODER_WITH_PAST_FILE)
+REQUIRED_FILES = _common.SEPARATE_FILES
 EXPORT_RECORD = "export_record.json"
 GIB = 2**30
 
@@ -122,11 +116,11 @@ def export_large(cache_dir: Path) -> dict[str, Any]:
         missing = [f for f in REQUIRED_FILES if not (staging / f).exists()]
         if missing:
             raise RuntimeError(f"the export did not write {missing}: {record.get('export_error')}")
-        merged = staging / DECODER_MERGED_FILE
+        merged = staging / _common.DECODER_MERGED_FILE
         record["optimum_wrote_decoder_model_merged"] = merged.exists()
         if merged.exists() and record["export_error"]:
             merged.unlink()
-            for leftover in staging.glob(DECODER_MERGED_FILE + "*"):
+            for leftover in staging.glob(_common.DECODER_MERGED_FILE + "*"):
                 leftover.unlink()
         record["files"] = {
             p.name: p.stat().st_size for p in sorted(staging.iterdir()) if p.is_file()
@@ -202,8 +196,8 @@ def merge_optimum(export_dir: str, output: str) -> dict[str, Any]:
 
     folder = Path(export_dir)
     try:
-        merge_decoders(folder / DECODER_FILE, folder / DECODER_WITH_PAST_FILE, save_path=output,
-                       strict=False)
+        merge_decoders(folder / _common.DECODER_FILE, folder / _common.DECODER_WITH_PAST_FILE,
+                       save_path=output, strict=False)
     except Exception as e:  # recorded, not raised: the failure is the measurement
         return {"failed": True, "error": f"{type(e).__name__}: {e}"[:1000],
                 "traceback": tb.format_exc()[-3000:]}
@@ -262,7 +256,7 @@ def run_benchmark(cache_dir: Path, scratch: Path, *, skip_verify: bool, skip_opt
             )
     shutil.rmtree(ours_out.parent, ignore_errors=True)  # room for optimum's attempt
     if not skip_optimum:
-        optimum_out = scratch / "optimum" / DECODER_MERGED_FILE
+        optimum_out = scratch / "optimum" / _common.DECODER_MERGED_FILE
         optimum_out.parent.mkdir(parents=True, exist_ok=True)
         results["optimum_merge_decoders"] = _in_child(
             "benchmarks.bench_large:merge_optimum", (str(export_dir), str(optimum_out)),
@@ -385,8 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if args.scratch is None:
             shutil.rmtree(scratch, ignore_errors=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2, default=str) + "\n", encoding="utf-8")
+    _common.write_results(args.out, results)
     print(markdown(results))
     print(f"\nwrote {args.out}")
     return 0

@@ -18,7 +18,6 @@ Usage: python benchmarks/bench_merge.py [--quick] [--out benchmarks/out/merge.js
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -40,14 +39,13 @@ from benchmarks._common import (  # noqa: E402
     ENCODER_FILE,
 )
 
-DEFAULT_OUT = REPO_ROOT / "benchmarks" / "out" / "merge.json"
 TARGET_CHECKPOINT_RATIO = 1.01
 TARGET_TIME_RATIO = 1.0
 TARGET_RSS_RATIO = 0.5
 
 LAYOUTS: dict[str, tuple[str, ...]] = {
-    "encoder+decoder+decoder_with_past": (ENCODER_FILE, DECODER_FILE, DECODER_WITH_PAST_FILE),
-    "all four files": (ENCODER_FILE, DECODER_FILE, DECODER_WITH_PAST_FILE, DECODER_MERGED_FILE),
+    "encoder+decoder+decoder_with_past": _common.SEPARATE_FILES,
+    "all four files": (*_common.SEPARATE_FILES, DECODER_MERGED_FILE),
     "encoder+decoder_model_merged": (ENCODER_FILE, DECODER_MERGED_FILE),
 }
 OURS_LAYOUT = "onnxmerge model.onnx"
@@ -160,25 +158,29 @@ def profile_ours(export_dir: str, output: str, top: int = 25) -> dict[str, Any]:
 
     from onnxmerge import compat, merge, model_io, passes, roles, splice
 
+    # Each phase as module.function; a few carry a note, or share the name of the public one.
+    phases = {
+        merge: "load_export _references validate_merged_file",
+        model_io: "load_model check_external_data save_model_atomically _fsync file_bytes",
+        onnx: "load",
+        ir.serde: "deserialize_model",
+        ir: "save",
+        roles: "judge",
+        splice: "parts_of_file splice",
+        compat: "origins checkpoint_problems",
+        passes: "run",
+    }
+    labels = {
+        "merge._references": "merge._references (onnx.load of output)",
+        "merge.validate_merged_file": "validate_merged_file (checker full_check)",
+        "passes.run": "passes.run (store once, tied head)",
+    }
     recorder = _PhaseRecorder()
-    recorder.wrap(merge, "load_export", "merge.load_export")
     recorder.wrap(merge, "_load_export", "merge.load_export")
-    recorder.wrap(model_io, "load_model", "model_io.load_model")
-    recorder.wrap(onnx, "load", "onnx.load")
-    recorder.wrap(model_io, "check_external_data", "model_io.check_external_data")
-    recorder.wrap(ir.serde, "deserialize_model", "ir.serde.deserialize_model")
-    recorder.wrap(roles, "judge", "roles.judge")
-    recorder.wrap(splice, "parts_of_file", "splice.parts_of_file")
-    recorder.wrap(compat, "origins", "compat.origins")
-    recorder.wrap(splice, "splice", "splice.splice")
-    recorder.wrap(passes, "run", "passes.run (store once, tied head)")
-    recorder.wrap(compat, "checkpoint_problems", "compat.checkpoint_problems")
-    recorder.wrap(model_io, "save_model_atomically", "model_io.save_model_atomically")
-    recorder.wrap(ir, "save", "ir.save")
-    recorder.wrap(model_io, "_fsync", "model_io._fsync")
-    recorder.wrap(merge, "validate_merged_file", "validate_merged_file (checker full_check)")
-    recorder.wrap(merge, "_references", "merge._references (onnx.load of output)")
-    recorder.wrap(model_io, "file_bytes", "model_io.file_bytes")
+    for owner, names in phases.items():
+        for name in names.split():
+            label = f"{owner.__name__.removeprefix('onnxmerge.').removeprefix('onnx_')}.{name}"
+            recorder.wrap(owner, name, labels.get(label, label))
 
     _common.reset_peak_rss()
     baseline = _common.self_rss_bytes()["rss_bytes"]
@@ -210,6 +212,11 @@ def profile_ours(export_dir: str, output: str, top: int = 25) -> dict[str, Any]:
 # ---------------------------------------------------------------- onnxruntime check
 
 
+def _run(session, feeds: dict[str, Any]) -> dict[str, Any]:
+    names = [o.name for o in session.get_outputs()]
+    return dict(zip(names, session.run(None, feeds), strict=True))
+
+
 def ort_check(export_dir: Path, merged: Path) -> dict[str, Any]:
     """Run the merged file for one first step and one cached step; compare with the export files."""
     import numpy as np
@@ -239,27 +246,15 @@ def ort_check(export_dir: Path, merged: Path) -> dict[str, Any]:
         "use_cache_branch": np.array([False]),
         **{i.name: empty for i in past_inputs},
     }
-    out_names = [o.name for o in model.get_outputs()]
-    first = dict(zip(out_names, model.run(None, feed), strict=True))
-
+    first = _run(model, feed)
     (hidden,) = encoder.run(None, {"input_ids": input_ids, "attention_mask": attention_mask})
-    dec_names = [o.name for o in decoder.get_outputs()]
-    reference = dict(
-        zip(
-            dec_names,
-            decoder.run(
-                None,
-                {
-                    "input_ids": decoder_ids,
-                    "encoder_attention_mask": attention_mask,
-                    "encoder_hidden_states": hidden,
-                },
-            ),
-            strict=True,
-        )
-    )
-    first_diff = max(
-        float(np.abs(first[name] - reference[name]).max()) for name in dec_names if name in first
+    reference = _run(
+        decoder,
+        {
+            "input_ids": decoder_ids,
+            "encoder_attention_mask": attention_mask,
+            "encoder_hidden_states": hidden,
+        },
     )
 
     next_ids = first["logits"][:, -1].argmax(-1)[:, None].astype(np.int64)
@@ -268,41 +263,17 @@ def ort_check(export_dir: Path, merged: Path) -> dict[str, Any]:
         for name, value in first.items()
         if name.startswith("present.")
     }
-    cached = dict(
-        zip(
-            out_names,
-            model.run(
-                None,
-                {
-                    **feed,
-                    "decoder_input_ids": next_ids,
-                    "use_cache_branch": np.array([True]),
-                    **past,
-                },
-            ),
-            strict=True,
-        )
+    cached = _run(
+        model,
+        {**feed, "decoder_input_ids": next_ids, "use_cache_branch": np.array([True]), **past},
     )
     past_feed = {i.name: past[i.name] for i in with_past.get_inputs() if i.name in past}
-    wp_names = [o.name for o in with_past.get_outputs()]
-    reference_cached = dict(
-        zip(
-            wp_names,
-            with_past.run(
-                None,
-                {
-                    "input_ids": next_ids,
-                    "encoder_attention_mask": attention_mask,
-                    **past_feed,
-                },
-            ),
-            strict=True,
-        )
+    reference_cached = _run(
+        with_past, {"input_ids": next_ids, "encoder_attention_mask": attention_mask, **past_feed}
     )
-    cached_diff = max(
-        float(np.abs(cached[name] - reference_cached[name]).max())
-        for name in wp_names
-        if name in cached
+    first_diff, cached_diff = (
+        max(float(np.abs(got[name] - want[name]).max()) for name in want if name in got)
+        for got, want in ((first, reference), (cached, reference_cached))
     )
     return {
         "loads": True,
@@ -337,23 +308,17 @@ def bench_export(export: _common.Export, repeats: int, scratch: Path, profile: b
     for folder in (ours_out.parent, optimum_out.parent):
         folder.mkdir(parents=True, exist_ok=True)
 
-    def clear(folder: Path) -> Any:
-        return lambda: [p.unlink() for p in folder.iterdir() if p.is_file()]
+    def measured(merge: str, out: Path, preload: str) -> dict[str, Any]:
+        return _common.repeat_in_subprocess(
+            f"benchmarks.bench_merge:{merge}",
+            (export_dir, str(out)),
+            repeats=repeats,
+            preload=(preload,),
+            before_each=lambda: [p.unlink() for p in out.parent.iterdir() if p.is_file()],
+        )
 
-    ours = _common.repeat_in_subprocess(
-        "benchmarks.bench_merge:merge_ours",
-        (export_dir, str(ours_out)),
-        repeats=repeats,
-        preload=("onnxmerge.merge",),
-        before_each=clear(ours_out.parent),
-    )
-    optimum = _common.repeat_in_subprocess(
-        "benchmarks.bench_merge:merge_optimum",
-        (export_dir, str(optimum_out)),
-        repeats=repeats,
-        preload=("optimum.onnx",),
-        before_each=clear(optimum_out.parent),
-    )
+    ours = measured("merge_ours", ours_out, "onnxmerge.merge")
+    optimum = measured("merge_optimum", optimum_out, "optimum.onnx")
     report = ours["runs"][-1]["result"]
     for runs in (ours, optimum):
         for run in runs["runs"]:
@@ -476,9 +441,7 @@ def profile_markdown(variant: str, profile: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny model, one run each")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON results file")
+    parser = _common.arguments(__doc__, "merge", "tiny model, one run each")
     parser.add_argument(
         "--repeats", type=int, default=None, help="runs per tool (default 3; 1 with --quick)"
     )
@@ -492,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true", help="also profile onnxmerge's merge")
     args = parser.parse_args(argv)
     repeats = args.repeats or (1 if args.quick else 3)
-    factory = _common.tiny_marian_config if args.quick else _common.opus_mt_config
+    factory = _common.marian_config(args.quick)
 
     results: dict[str, Any] = {
         "benchmark": "merge",
@@ -533,8 +496,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         for variant, v in results["variants"].items()
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2, default=str) + "\n", encoding="utf-8")
+    _common.write_results(args.out, results)
     print(markdown(results))
     for variant, v in results["variants"].items():
         if "profile" in v:

@@ -10,7 +10,6 @@ Usage: python benchmarks/bench_sizes.py [--out benchmarks/out/sizes.json] [--arc
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 from pathlib import Path
@@ -19,7 +18,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-DEFAULT_OUT = REPO_ROOT / "benchmarks" / "out" / "sizes.json"
+from benchmarks import _common  # noqa: E402
+
+DEFAULT_OUT = _common.OUT_DIR / "sizes.json"
 LAYOUTS = {
     "encoder+decoder+decoder_with_past": (
         "encoder_model.onnx", "decoder_model.onnx", "decoder_with_past_model.onnx"),
@@ -86,8 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     for arch in args.archs:
         variants = ["head-copy", "head-tied"] if arch in ("marian", "bart", "t5") else ["default"]
         rows.extend(measure(arch, v) for v in variants)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"benchmark": "sizes", "rows": rows}, indent=2))
+    _common.write_results(args.out, {"benchmark": "sizes", "rows": rows})
     print(markdown(rows))
     return 0
 

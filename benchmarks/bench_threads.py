@@ -11,8 +11,6 @@ Usage: python benchmarks/bench_threads.py [--quick] [--out benchmarks/out/thread
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 import tempfile
 import time
@@ -26,7 +24,6 @@ if str(REPO_ROOT) not in sys.path:
 
 from benchmarks import _common  # noqa: E402
 
-DEFAULT_OUT = REPO_ROOT / "benchmarks" / "out" / "threads.json"
 NEW_TOKENS = 16
 CALLER_THREADS = (1, 2, 8)
 
@@ -96,9 +93,7 @@ def memory_over_calls(model, calls: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny model, fewer calls")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser = _common.arguments(__doc__, "threads", "tiny model, fewer calls")
     parser.add_argument("--calls", type=int, default=10_000, help="calls for the memory run")
     parser.add_argument("--calls-per-thread", type=int, default=50)
     args = parser.parse_args(argv)
@@ -116,8 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         "throughput": rows,
         "memory": memory,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    _common.write_results(args.out, result)
     for row in rows:
         print(
             f"{row['caller_threads']} caller threads: {row['tokens_per_s']:.1f} tok/s, "

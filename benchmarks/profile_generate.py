@@ -10,7 +10,6 @@ Usage: python benchmarks/profile_generate.py [--quick] [--out benchmarks/out/pro
 
 from __future__ import annotations
 
-import argparse
 import collections
 import json
 import statistics
@@ -26,7 +25,6 @@ if str(REPO_ROOT) not in sys.path:
 
 from benchmarks import _common  # noqa: E402
 
-DEFAULT_OUT = REPO_ROOT / "benchmarks" / "out" / "profile.json"
 NEW_TOKENS = 32
 
 
@@ -157,13 +155,11 @@ def merge_without(step_type: type, export_dir: Path, target: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny Marian model")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser = _common.arguments(__doc__, "profile", "tiny Marian model")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
-    factory = _common.tiny_marian_config if args.quick else _common.opus_mt_config
+    factory = _common.marian_config(args.quick)
     export = _common.export_cached(factory, "tied")
     full = factory()
     config = {k: int(getattr(full, k)) for k in ("vocab_size", "eos_token_id")}
@@ -184,8 +180,7 @@ def main(argv: list[str] | None = None) -> int:
 
         unfolded = merge_without(FoldReshapeTargets, export.onnx_dir, Path(tmp) / "unfolded.onnx")
         result["without_reshape_folding"] = profile(unfolded, config, args.threads, args.repeats)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    _common.write_results(args.out, result)
     print(json.dumps(result["searches"], indent=1))
     return 0
 

@@ -11,10 +11,12 @@ only those files, so the docs always show numbers that one command produced.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -204,6 +206,41 @@ def _profile_section(data: dict) -> list[str]:
     return [*lines, ""]
 
 
+def _large_section(large: dict) -> list[str]:
+    ours, theirs = large["onnxmerge"], large.get("optimum_merge_decoders", {})
+    result = ours["result"]
+    failed = theirs.get("result", {}).get("error")
+    lines = ["## Past 2 GB (facebook/mbart-large-50 shape)", "",
+             f"{large['export_input_bytes'] / 2**30:.2f} GiB of export files (optimum's own "
+             "post-processing fails on this model and leaves the three files). Written by "
+             "`benchmarks/bench_large.py` (run separately: its export takes about 10 "
+             "minutes).",
+             "", "| step | outcome | wall s | peak private GiB |", "|---|---|---:|---:|",
+             f"| onnxmerge merge | {result['output_bytes'] / 2**30:.2f} GiB as model.onnx + "
+             f"model.onnx_data; {result['shared']} tensors shared ({result['transposed']} "
+             f"transposed) | {ours['wall_s']:.0f} | "
+             f"{ours['peak_private_bytes'] / 2**30:.2f} |",
+             "| check_model(full_check=True) | "
+             f"{'passes' if large['checker']['result']['ok'] else 'fails'} "
+             f"| {large['checker']['wall_s']:.1f} | "
+             f"{large['checker']['peak_private_bytes'] / 2**30:.2f} |",
+             f"| both branches against the export (onnxruntime) | max abs diff "
+             f"{large['verify']['result']['max_abs_diff']:.1e} | "
+             f"{large['verify']['wall_s']:.0f} | "
+             f"{large['verify']['peak_private_bytes'] / 2**30:.2f} |"]
+    if theirs:
+        outcome = "fails: " + failed if failed else "succeeds"
+        lines.append(f"| optimum merge_decoders | {outcome} "
+                     f"| {theirs['wall_s']:.0f} | {theirs['peak_private_bytes'] / 2**30:.2f} |")
+    lines.append("")
+    return lines
+
+
+def _markdown_of(script: str) -> Callable[[dict], list[str]]:
+    """The ``markdown`` function of a benchmark script, imported when its results are there."""
+    return lambda data: importlib.import_module(f"benchmarks.{script}").markdown(data)
+
+
 def render(out: Path, docs: Path) -> Path:
     img = docs / "img"
     img.mkdir(parents=True, exist_ok=True)
@@ -291,59 +328,20 @@ def render(out: Path, docs: Path) -> Path:
                          f"{r['in_graph_loop_tokens_per_s']:.1f} | {1 / r['speedup']:.2f}x | "
                          f"{cpu} | {r['identical_tokens']} | +{r['generator_extra_bytes']} B |")
         lines.append("")
-    web = _load(out, "web")
-    if web:
-        from benchmarks.bench_web import markdown as web_markdown
-
-        lines += web_markdown(web)
-
-    batch = _load(out, "batch")
-    if batch:
-        from benchmarks.bench_batch import markdown as batch_markdown
-
-        lines += ["## Converting a zoo (`onnxmerge batch`)", "", *batch_markdown(batch), ""]
-    ctranslate2 = _load(out, "ctranslate2")
-    if ctranslate2:
-        lines += _ctranslate2_section(ctranslate2)
-    threads = _load(out, "threads")
-    if threads:
-        lines += _threads_section(threads)
-    profile = _load(out, "profile")
-    if profile:
-        lines += _profile_section(profile)
-    quantize = _load(out, "quantize")
-    if quantize:
-        from benchmarks.bench_quantize import markdown as quantize_markdown
-
-        lines += quantize_markdown(quantize)
-    large = _load(out, "large")
-    if large:
-        ours, theirs = large["onnxmerge"], large.get("optimum_merge_decoders", {})
-        result = ours["result"]
-        failed = theirs.get("result", {}).get("error")
-        lines += ["## Past 2 GB (facebook/mbart-large-50 shape)", "",
-                  f"{large['export_input_bytes'] / 2**30:.2f} GiB of export files (optimum's own "
-                  "post-processing fails on this model and leaves the three files). Written by "
-                  "`benchmarks/bench_large.py` (run separately: its export takes about 10 "
-                  "minutes).",
-                  "", "| step | outcome | wall s | peak private GiB |", "|---|---|---:|---:|",
-                  f"| onnxmerge merge | {result['output_bytes'] / 2**30:.2f} GiB as model.onnx + "
-                  f"model.onnx_data; {result['shared']} tensors shared ({result['transposed']} "
-                  f"transposed) | {ours['wall_s']:.0f} | "
-                  f"{ours['peak_private_bytes'] / 2**30:.2f} |",
-                  "| check_model(full_check=True) | "
-                  f"{'passes' if large['checker']['result']['ok'] else 'fails'} "
-                  f"| {large['checker']['wall_s']:.1f} | "
-                  f"{large['checker']['peak_private_bytes'] / 2**30:.2f} |",
-                  f"| both branches against the export (onnxruntime) | max abs diff "
-                  f"{large['verify']['result']['max_abs_diff']:.1e} | "
-                  f"{large['verify']['wall_s']:.0f} | "
-                  f"{large['verify']['peak_private_bytes'] / 2**30:.2f} |"]
-        if theirs:
-            outcome = "fails: " + failed if failed else "succeeds"
-            lines.append(f"| optimum merge_decoders | {outcome} "
-                         f"| {theirs['wall_s']:.0f} | {theirs['peak_private_bytes'] / 2**30:.2f} |")
-        lines.append("")
+    sections = {
+        "web": _markdown_of("bench_web"),
+        "batch": lambda data: ["## Converting a zoo (`onnxmerge batch`)", "",
+                               *_markdown_of("bench_batch")(data), ""],
+        "ctranslate2": _ctranslate2_section,
+        "threads": _threads_section,
+        "profile": _profile_section,
+        "quantize": _markdown_of("bench_quantize"),
+        "large": _large_section,
+    }
+    for name, section in sections.items():
+        data = _load(out, name)
+        if data:
+            lines += section(data)
     target = docs / "benchmarks.md"
     target.write_text("\n".join(lines))
     return target

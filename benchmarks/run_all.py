@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -44,16 +45,21 @@ def _benchmarks(out: Path, quick: bool) -> dict[str, list[str]]:
     }
 
 
-def run(out: Path, quick: bool, only: list[str] | None) -> None:
+def run(out: Path, quick: bool, only: list[str] | None, jobs: int = 1) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    for name, argv in _benchmarks(out, quick).items():
-        if (only and name not in only) or (not only and name in ("large", "profile")):
-            continue
+
+    def one(name: str, argv: list[str]) -> None:
         started = time.perf_counter()
         print(f"== {name}: {' '.join(argv)}", flush=True)
         subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / argv[0]), *argv[1:]],
                        check=True, cwd=REPO_ROOT)
         print(f"== {name}: {time.perf_counter() - started:.0f} s", flush=True)
+
+    chosen = {name: argv for name, argv in _benchmarks(out, quick).items()
+              if not ((only and name not in only) or (not only and name in ("large", "profile")))}
+    # More than one at a time only to check the pipeline: measured runs need the machine alone.
+    with ThreadPoolExecutor(jobs) as pool:
+        list(pool.map(one, chosen, chosen.values()))
 
 
 def _load(out: Path, name: str) -> dict | None:
@@ -355,12 +361,14 @@ def main(argv: list[str] | None = None) -> int:
                         choices=["merge", "sizes", "generate", "generator", "web", "batch",
                                  "ctranslate2", "threads", "profile", "quantize", "large"])
     parser.add_argument("--out", type=Path, default=OUT, help="folder for the JSON results")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="benchmarks run at a time (with --quick; figures need 1)")
     parser.add_argument("--docs", type=Path, default=DOCS, help="folder for benchmarks.md")
     args = parser.parse_args(argv)
     if str(REPO_ROOT) not in sys.path:
         sys.path.insert(0, str(REPO_ROOT))
     if not args.render:
-        run(args.out, args.quick, args.only)
+        run(args.out, args.quick, args.only, args.jobs if args.quick else 1)
     print(f"wrote {render(args.out, args.docs)}")
     return 0
 

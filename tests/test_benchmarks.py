@@ -19,7 +19,7 @@ pytest.importorskip("matplotlib")
 
 def test_run_all_quick_writes_results_and_docs(tmp_path):
     result = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "benchmarks" / "run_all.py"), "--quick",
+        [sys.executable, str(REPO_ROOT / "benchmarks" / "run_all.py"), "--quick", "--jobs", "2",
          "--out", str(tmp_path / "out"), "--docs", str(tmp_path / "docs")],
         capture_output=True, text=True, timeout=900, cwd=REPO_ROOT,
     )

@@ -189,6 +189,17 @@ def _padded(rows: list[list[int]], pad: int):
     return ids, mask
 
 
+def _side(load_s: float, import_s: float, rss_before: int, rss: int, cases: dict) -> dict:
+    """One side's measurements, as both workers report them."""
+    return {
+        "load_s": load_s,
+        "import_s": import_s,
+        "rss_before_load_mb": rss_before / 1e6,
+        "rss_after_load_mb": rss / 1e6,
+        "cases": cases,
+    }
+
+
 def worker_ours(path: str, config: dict, repeats: int, threads: int) -> dict:
     rss_before = _common.self_rss_bytes()["rss_bytes"]
     start = time.perf_counter()
@@ -215,13 +226,7 @@ def worker_ours(path: str, config: dict, repeats: int, threads: int) -> dict:
             "times": times,
             "tokens": [r[1:].tolist() for r in out],
         }
-    return {
-        "load_s": load_s,
-        "import_s": import_s,
-        "rss_before_load_mb": rss_before / 1e6,
-        "rss_after_load_mb": rss / 1e6,
-        "cases": cases,
-    }
+    return _side(load_s, import_s, rss_before, rss, cases)
 
 
 def worker_ctranslate2(path: str, config: dict, repeats: int, threads: int) -> dict:
@@ -255,13 +260,7 @@ def worker_ctranslate2(path: str, config: dict, repeats: int, threads: int) -> d
             "times": times,
             "tokens": [[index[t] for t in r.hypotheses[0]] for r in out],
         }
-    return {
-        "load_s": load_s,
-        "import_s": import_s,
-        "rss_before_load_mb": rss_before / 1e6,
-        "rss_after_load_mb": rss / 1e6,
-        "cases": cases,
-    }
+    return _side(load_s, import_s, rss_before, rss, cases)
 
 
 def _child(side: str, path: Path, config: dict, repeats: int, threads: int) -> dict:

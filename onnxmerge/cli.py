@@ -619,8 +619,7 @@ def _check_merge_args(args: argparse.Namespace) -> str | None:
 
 
 def _precision_arguments(p: argparse.ArgumentParser, *, required: bool) -> None:
-    from onnxmerge.quant_math import PRECISIONS
-    from onnxmerge.quantization import WEIGHT_PRECISIONS
+    from onnxmerge.contract import PRECISIONS, WEIGHT_PRECISIONS
 
     p.add_argument(
         "--weights",

@@ -23,6 +23,9 @@ META_GENERATION_CONFIG = "onnxmerge.generation_config"
 META_ENCODER_INPUTS = "onnxmerge.encoder_inputs"
 META_GENERATOR = "onnxmerge.generator"  # a generator model (docs/generator.md), not a merged one
 META_PRECISION = "onnxmerge.precision"  # version 2: precision per part (docs/format.md)
+# The values META_PRECISION may hold, and those a whole file's weights can be quantized to.
+PRECISIONS = ("fp32", "fp16", "int8", "uint8", "int4")
+WEIGHT_PRECISIONS = ("int8", "uint8", "fp16", "int4")
 
 LAYOUT_WITH_PAST = "with_past"
 LAYOUT_WITHOUT_PAST = "without_past"

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
-PRECISIONS = ("fp32", "fp16", "int8", "uint8", "int4")
 INTEGER_PRECISIONS = frozenset({"int8", "uint8", "int4"})
 # Block length of int4 weights along their input dimension. 64 keeps the scales at 1/16 of the
 # codes' bytes; it is a power of two, as onnxruntime's 4-bit MatMul kernels want.

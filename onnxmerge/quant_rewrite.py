@@ -284,7 +284,7 @@ def quantize_weights(
 ) -> list[QuantizedWeight]:
     """Store each large float weight of the main graph in ``precision_of(weight)``; return them.
 
-    ``precision_of`` returns one of :data:`quant_math.PRECISIONS`; ``"fp32"`` leaves the weight
+    ``precision_of`` returns one of :data:`contract.PRECISIONS`; ``"fp32"`` leaves the weight
     as it is. The caller raises the opset first when any weight becomes int4.
     """
     rewriter = _Rewriter(model)

@@ -17,15 +17,14 @@ from pathlib import Path
 import onnx_ir as ir
 
 from onnxmerge import contract, dedup, inspection, model_io, passes, quant_rewrite
+from onnxmerge.contract import PRECISIONS, WEIGHT_PRECISIONS
 from onnxmerge.errors import (
     InvalidMergedModelError,
     QuantizationError,
 )
-from onnxmerge.quant_math import PRECISIONS
 
 logger = logging.getLogger(__name__)
 
-WEIGHT_PRECISIONS = ("int8", "uint8", "fp16", "int4")
 # transformers.js's file name suffixes for each precision.
 SUFFIXES = {"int8": "_int8", "uint8": "_uint8", "fp16": "_fp16", "int4": "_q4"}
 

@@ -263,7 +263,7 @@ def _convert(job: Job, staging: Path, options: Options, seconds: dict[str, float
 
 def check_features(options: Options) -> None:
     """Refuse options that would fail every model, before any work starts."""
-    from onnxmerge.quantization import WEIGHT_PRECISIONS
+    from onnxmerge.contract import WEIGHT_PRECISIONS
 
     if options.weights and options.weights not in WEIGHT_PRECISIONS:
         raise OnnxMergeError(

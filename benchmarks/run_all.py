@@ -180,8 +180,8 @@ def _profile_section(data: dict) -> list[str]:
              f"{data['model']}, batch 1, {data['new_tokens']} new tokens, {data['threads']} "
              "threads (`benchmarks/profile_generate.py`; run with `--only profile`). Per-step "
              "times wrap `InferenceSession.run`; the operator split is onnxruntime's profiler "
-             "over one `generate()`. Measured under load, so read the shares, not the absolute "
-             "times.", "",
+             "over one `generate()`. Absolute times follow the machine's load; read the "
+             "shares and the ratios.", "",
              "| search | per token ms | first step ms | cached step ms | Python outside run | "
              "operators | outside operators (in run) | top operators (share of operator time) |",
              "|---|---:|---:|---:|---:|---:|---:|---|"]

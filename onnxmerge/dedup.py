@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from onnxmerge.passes import StepResult
+from onnxmerge.passes import StepResult, is_op
 
 logger = logging.getLogger(__name__)
 
@@ -212,7 +212,7 @@ def lift_large_constants(model: ir.Model, min_bytes: int = MIN_SHARED_BYTES) -> 
     main = model.graph
     lifted = 0
     for node in list(ir.traversal.RecursiveGraphIterator(main)):
-        if node.op_type != "Constant" or node.domain not in ("", "ai.onnx"):
+        if not is_op(node, "Constant"):
             continue
         attr = node.attributes.get("value")
         if attr is None or attr.type != ir.AttributeType.TENSOR:
@@ -440,7 +440,7 @@ def drop_initializer_aliases(graph: ir.Graph) -> int:
     """
     dropped = 0
     for node in list(graph):
-        if node.op_type != "Identity" or node.domain not in ("", "ai.onnx"):
+        if not is_op(node, "Identity"):
             continue
         source, alias = node.inputs[0], node.outputs[0]
         if source is None or not source.is_initializer() or alias.is_graph_output():

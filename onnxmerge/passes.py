@@ -63,6 +63,11 @@ def replace_result(old: ir.Node, new_nodes: list[ir.Node], result: ir.Value) -> 
         result.name = name
 
 
+def is_op(node: ir.Node | None, op_type: str) -> bool:
+    """Whether ``node`` is the standard (``ai.onnx``) operator ``op_type``."""
+    return node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx")
+
+
 def free_name(name: str, used: set[str]) -> str:
     """``name``, or ``name.2``, ``name.3``, … : the first that is not in ``used``."""
     candidate, counter = name, 1

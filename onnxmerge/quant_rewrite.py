@@ -25,7 +25,7 @@ import onnx_ir as ir
 
 from onnxmerge import quant_math
 from onnxmerge.errors import QuantizationError
-from onnxmerge.passes import StepResult, replace_result
+from onnxmerge.passes import StepResult, is_op, replace_result
 
 logger = logging.getLogger(__name__)
 
@@ -50,25 +50,19 @@ class QuantizedWeight:
     bytes_after: int
 
 
-def _is_default_domain(node: ir.Node) -> bool:
-    return node.domain in ("", "ai.onnx")
-
-
 def _reads_rows(node: ir.Node, index: int) -> bool:
     """Whether this use reads the weight row by row: an embedding Gather or ``Gemm(transB=1)``."""
-    if not _is_default_domain(node):
-        return False
-    if node.op_type == "Gather" and index == 0:
+    if is_op(node, "Gather") and index == 0:
         axis = node.attributes.get("axis")
         return axis is None or axis.value == 0
-    if node.op_type == "Gemm" and index == 1:
+    if is_op(node, "Gemm") and index == 1:
         trans_b = node.attributes.get("transB")
         return trans_b is not None and trans_b.value == 1
     return False
 
 
 def _reads_columns(node: ir.Node, index: int) -> bool:
-    return _is_default_domain(node) and node.op_type == "MatMul" and index == 1
+    return is_op(node, "MatMul") and index == 1
 
 
 def _plain_head_gemm(node: ir.Node, index: int) -> bool:

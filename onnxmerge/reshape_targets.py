@@ -19,14 +19,13 @@ import onnx
 import onnx_ir as ir
 import onnx_ir.passes.common
 
-from onnxmerge.passes import StepResult
+from onnxmerge.passes import StepResult, is_op
 
 logger = logging.getLogger(__name__)
 
 # Initializers above this size leave the copy that shape inference reads; only their type and
 # shape matter to it.
 _INFERENCE_TENSOR_LIMIT = 1024
-_DEFAULT_DOMAINS = ("", "ai.onnx")
 
 Dim = int | str | None
 
@@ -109,7 +108,7 @@ def inferred_shapes(model: ir.Model) -> dict[str, tuple[Dim, ...]]:
 
 def folded_target(node: ir.Node, shapes: dict[str, tuple[Dim, ...]]) -> list[int] | str:
     """The constant target of a ``Reshape`` node, or why it cannot be folded."""
-    if node.op_type != "Reshape" or node.domain not in _DEFAULT_DOMAINS:
+    if not is_op(node, "Reshape"):
         return "not a Reshape"
     allowzero = node.attributes.get("allowzero")
     if allowzero is not None and allowzero.value:
@@ -118,7 +117,7 @@ def folded_target(node: ir.Node, shapes: dict[str, tuple[Dim, ...]]) -> list[int
     if target is None or target.const_value is not None:
         return "the target is already constant"
     concat = target.producer()
-    if concat is None or concat.op_type != "Concat" or concat.domain not in _DEFAULT_DOMAINS:
+    if not is_op(concat, "Concat"):
         return "the target is not a Concat"
     elements: list[int | _AxisOf] = []
     for part in concat.inputs:
@@ -168,6 +167,8 @@ def _replace_target(node: ir.Node, target: list[int]) -> None:
 
 
 def _constant(value: ir.Value) -> ir.TensorProtocol | None:
+    # Not ir.convenience.get_const_tensor: it renames a Constant's tensor after its output, which
+    # would change the bytes of every merged file whose targets stay unfolded.
     producer = value.producer()
     if value.const_value is None and producer is not None and producer.op_type == "Constant":
         attribute = producer.attributes.get("value")

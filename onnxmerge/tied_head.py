@@ -13,7 +13,7 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
-from onnxmerge.passes import StepResult, free_name, replace_result
+from onnxmerge.passes import StepResult, free_name, is_op, replace_result
 
 logger = logging.getLogger(__name__)
 
@@ -23,7 +23,7 @@ def _transposed_initializer(value: ir.Value | None, main: ir.Graph) -> ir.Value 
     if value is None:
         return None
     node = value.producer()
-    if node is None or node.op_type != "Transpose" or node.domain not in ("", "ai.onnx"):
+    if not is_op(node, "Transpose"):
         return None
     source = node.inputs[0]
     if source is None or not source.is_initializer() or source.graph is not main:
@@ -75,7 +75,7 @@ def gemm_for_transposed_weights(model: ir.Model) -> int:
     rewritten = 0
     prefixes: set[str] = set()
     for node in list(ir.traversal.RecursiveGraphIterator(main)):
-        if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx"):
+        if not is_op(node, "MatMul"):
             continue
         weight = _transposed_initializer(node.inputs[1], main)
         hidden = node.inputs[0]

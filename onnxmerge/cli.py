@@ -245,7 +245,12 @@ def _quantize(source, output, args: argparse.Namespace):
     from onnxmerge.quantization import quantize_with_report
 
     return quantize_with_report(
-        source, output, weights=args.weights, encoder=args.encoder, overwrite=args.overwrite
+        source,
+        output,
+        weights=args.weights,
+        encoder=args.encoder,
+        overwrite=args.overwrite,
+        external_data=True if args.external_data else None,
     )
 
 
@@ -618,6 +623,15 @@ def _check_merge_args(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _external_data_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--external-data",
+        action="store_true",
+        help="store weights in OUTPUT_data beside the model: faster to load, less memory "
+        "(automatic past 2 GB)",
+    )
+
+
 def _precision_arguments(p: argparse.ArgumentParser, *, required: bool) -> None:
     from onnxmerge.contract import PRECISIONS, WEIGHT_PRECISIONS
 
@@ -667,11 +681,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dir", help="folder written by optimum-cli export onnx")
     p.add_argument("-o", "--output", help="output file (default: DIR/model.onnx)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
-    p.add_argument(
-        "--external-data",
-        action="store_true",
-        help="store weights in OUTPUT_data beside the model (automatic past 2 GB)",
-    )
+    _external_data_argument(p)
     p.add_argument(
         "--force",
         action="store_true",
@@ -690,6 +700,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file", help="merged model (or an export folder, merged first)")
     p.add_argument("-o", "--output", help="output file (default: model_int8.onnx etc. beside FILE)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    _external_data_argument(p)
     _precision_arguments(p, required=True)
 
     p = add("verify", cmd_verify, "compare a merged model with the files it came from")

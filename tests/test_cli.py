@@ -181,6 +181,19 @@ def test_merge_external_data_writes_the_weights_beside_the_model(marian, tmp_pat
     assert verified.returncode == EXIT_OK, verified.stdout + verified.stderr
 
 
+def test_quantize_external_data_writes_the_weights_beside_the_output(tmp_path) -> None:
+    from onnxmerge import merge_seq2seq
+    from tests import textmodels as tm
+
+    source = merge_seq2seq(tm.write_export(tmp_path / "export"))
+    output = tmp_path / "q" / "model_int8.onnx"
+    result = run("quantize", source, "-o", output, "--weights", "int8", "--external-data", "--json")
+    assert result.returncode == EXIT_OK, result.stderr
+    data = output.with_name("model_int8.onnx_data")
+    assert data.is_file() and data.stat().st_size > 0
+    assert json.loads(result.stdout)["bytes_after"] == output.stat().st_size + data.stat().st_size
+
+
 def test_merge_with_generation_writes_the_loop_model(marian, tmp_path) -> None:
     import onnx
 

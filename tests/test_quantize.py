@@ -262,6 +262,39 @@ def test_the_source_data_file_is_never_the_output(tmp_path):
     assert tm.folder_digest(source.parent) == before
 
 
+def test_external_data_follows_the_source_unless_asked(tmp_path):
+    from onnxmerge import merge_seq2seq, quantize
+    from onnxmerge.runtime import Seq2SeqModel
+
+    single = merge_seq2seq(tm.write_export(tmp_path / "single"))
+    external = merge_seq2seq(tm.write_export(tmp_path / "external"), external_data=True)
+    written = {
+        "one file, as the source": quantize(single),
+        "data file, as the source": quantize(external),
+        "data file, asked": quantize(single, tmp_path / "asked.onnx", external_data=True),
+        "one file, asked": quantize(external, tmp_path / "inline.onnx", external_data=False),
+    }
+    data_files = {k: model_io.data_files_of(path) for k, path in written.items()}
+    assert data_files["data file, as the source"] == {
+        (tmp_path / "external" / "model_int8.onnx_data").resolve()
+    }
+    assert data_files["data file, asked"] == {(tmp_path / "asked.onnx_data").resolve()}
+    assert data_files["one file, as the source"] == data_files["one file, asked"] == set()
+    # The layout changes where the bytes are, not the model.
+    ids = np.array([[5, 17, 33, 2]], np.int64)
+    tokens = {
+        k: Seq2SeqModel(path, session_options=session_options(threads=1)).generate(
+            input_ids=ids,
+            attention_mask=np.ones_like(ids),
+            decoder_start_token_id=0,
+            max_new_tokens=4,
+        )
+        for k, path in written.items()
+    }
+    first = next(iter(tokens.values()))
+    assert all(np.array_equal(t, first) for t in tokens.values()), tokens
+
+
 def test_no_file_of_the_export_is_the_output(tmp_path):
     from onnxmerge import quantize
 

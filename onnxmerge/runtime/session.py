@@ -8,11 +8,8 @@ pass them back without copying.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
 import os
-import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +19,7 @@ import numpy as np
 
 from onnxmerge import contract as c
 from onnxmerge.errors import GenerationError, InvalidMergedModelError
+from onnxmerge.runtime.memory import release_free_heap, release_mapped_weights
 from onnxmerge.sessions import ORT_TO_NUMPY, open_session
 
 logger = logging.getLogger(__name__)
@@ -121,23 +119,6 @@ def default_session_options() -> Any:
     return options
 
 
-def release_free_heap() -> None:
-    """Give the memory freed while onnxruntime loaded the model back to the system.
-
-    Loading parses the whole file and builds pre-packed weights; glibc keeps the freed parse
-    buffers in the heap, where they count as resident memory (about half the file's size).
-    """
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = getattr(libc, "malloc_trim", None)
-        if trim is not None:
-            trim(0)
-    except OSError:  # pragma: no cover - not glibc
-        logger.debug("malloc_trim is not available")
-
-
 class MergedSession:
     """An onnxruntime session over a merged model, with the step API."""
 
@@ -165,6 +146,7 @@ class MergedSession:
                 f"onnxruntime cannot load {self.path}: {error}"
             ) from error
         release_free_heap()
+        release_mapped_weights(self.path.parent)
         inputs = self.session.get_inputs()
         outputs = self.session.get_outputs()
         metadata = self.session.get_modelmeta().custom_metadata_map

@@ -1,0 +1,84 @@
+"""Hand memory that onnxruntime no longer needs after loading back to the system (Linux only).
+
+Both steps are best effort: elsewhere, or where the C library lacks the call, they do nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import sys
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+_MADV_DONTNEED = 4  # Linux's value on every architecture onnxruntime ships for
+
+
+def _libc() -> ctypes.CDLL | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:  # pragma: no cover - not glibc
+        return None
+
+
+def release_free_heap() -> None:
+    """Give the memory freed while onnxruntime loaded the model back to the system.
+
+    Loading parses the whole file and builds pre-packed weights; glibc keeps the freed parse
+    buffers in the heap, where they count as resident memory (about half the file's size).
+    """
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is None:
+        logger.debug("malloc_trim is not available")
+        return
+    trim(0)
+
+
+def clean_file_mappings(folder: Path, smaps: str = "/proc/self/smaps") -> list[tuple[int, int]]:
+    """``(start, end)`` of this process's mappings of files in ``folder`` that hold no page of
+    their own: every resident page is the file's, so dropping it loses nothing."""
+    folder = folder.resolve()
+    try:
+        text = Path(smaps).read_text()
+    except OSError:
+        return []
+    found = []
+    region: tuple[int, int] | None = None
+    for line in text.splitlines():
+        fields = line.split(maxsplit=5)
+        if "-" in fields[0] and len(fields) >= 5:  # a mapping's header line
+            region = None
+            if len(fields) == 6 and "x" not in fields[1] and Path(fields[5]).parent == folder:
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                region = (start, end)
+        elif region is not None and fields[0] == "Anonymous:":
+            # Pages written since mapping (copy on write) are the process's own: keep those.
+            if fields[1] == "0":
+                found.append(region)
+            region = None
+    return found
+
+
+def release_mapped_weights(folder: Path) -> int:
+    """Drop this process's resident pages of unmodified file mappings in ``folder``; returns bytes.
+
+    onnxruntime maps a model's external data file instead of reading it. Pre-packing then reads
+    every weight once, which leaves the whole file resident in the process although the packed
+    copies are what runs: only the embedding rows a step gathers are read again. Dropping clean
+    pages costs nothing: they stay in the page cache, and a later read maps them back.
+    """
+    libc = _libc()
+    if libc is None:
+        return 0
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    released = 0
+    for start, end in clean_file_mappings(folder):
+        if libc.madvise(start, end - start, _MADV_DONTNEED) == 0:
+            released += end - start
+        else:  # pragma: no cover - the kernel refused; nothing is lost
+            logger.debug("madvise failed: errno %d", ctypes.get_errno())
+    return released

@@ -1,0 +1,70 @@
+"""Memory handed back after loading: only pages that a file can give again are dropped."""
+
+from __future__ import annotations
+
+import mmap
+import sys
+from pathlib import Path
+
+import pytest
+
+from onnxmerge.runtime.memory import clean_file_mappings, release_mapped_weights
+
+PAGE = mmap.PAGESIZE
+
+SMAPS = """\
+7f0000000000-7f0000004000 rw-p 00000000 fe:00 11 /models/a/model.onnx_data
+Rss:                  16 kB
+Anonymous:             0 kB
+7f0000004000-7f0000008000 rw-p 00004000 fe:00 11 /models/a/model.onnx_data
+Rss:                  16 kB
+Anonymous:             4 kB
+7f0000008000-7f000000c000 r-xp 00000000 fe:00 12 /models/a/libcustom.so
+Anonymous:             0 kB
+7f000000c000-7f0000010000 r--p 00000000 fe:00 13 /models/b/model.onnx_data
+Anonymous:             0 kB
+7f0000010000-7f0000014000 rw-p 00000000 00:00 0
+Anonymous:            16 kB
+"""
+
+
+def test_only_unwritten_data_mappings_of_the_folder_are_chosen(tmp_path):
+    smaps = tmp_path / "smaps"
+    smaps.write_text(SMAPS)
+    folder = Path("/models/a")
+    assert clean_file_mappings(folder, str(smaps)) == [(0x7F0000000000, 0x7F0000004000)]
+
+
+def _resident_kb(start: int) -> int:
+    """Rss of the mapping that starts at ``start``, from /proc/self/smaps."""
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith(f"{start:x}-"):
+            rss = next(x for x in lines[i + 1 :] if x.startswith("Rss:"))
+            return int(rss.split()[1])
+    raise AssertionError("mapping not found")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and madvise are Linux's")
+def test_clean_pages_are_dropped_and_written_pages_kept(tmp_path):
+    data = tmp_path / "model.onnx_data"
+    content = bytes(range(256)) * (8 * PAGE // 256)
+    data.write_bytes(content)
+    with data.open("rb") as f:
+        # Private and writable, as onnxruntime maps external data.
+        view = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    try:
+        start = next(s for s, _ in clean_file_mappings(tmp_path))
+        assert bytes(view) == content  # every page resident now
+        assert _resident_kb(start) >= 8 * PAGE // 1024
+
+        assert release_mapped_weights(tmp_path) == 8 * PAGE
+        assert _resident_kb(start) == 0
+        assert bytes(view) == content  # read back from the file
+
+        view[0] = 255  # a page of the process's own now: the mapping is left alone
+        assert clean_file_mappings(tmp_path) == []
+        assert release_mapped_weights(tmp_path) == 0
+        assert view[0] == 255 and bytes(view[1:]) == content[1:]
+    finally:
+        view.close()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from onnxmerge.runtime.memory import clean_file_mappings, release_mapped_weights
+from onnxmerge.runtime.memory import clean_file_mappings, is_data_file_of, release_mapped_weights
 
 PAGE = mmap.PAGESIZE
 
@@ -19,20 +19,27 @@ Anonymous:             0 kB
 7f0000004000-7f0000008000 rw-p 00004000 fe:00 11 /models/a/model.onnx_data
 Rss:                  16 kB
 Anonymous:             4 kB
-7f0000008000-7f000000c000 r-xp 00000000 fe:00 12 /models/a/libcustom.so
+7f0000008000-7f000000c000 r-xp 00000000 fe:00 12 /models/a/model.so
 Anonymous:             0 kB
 7f000000c000-7f0000010000 r--p 00000000 fe:00 13 /models/b/model.onnx_data
+Anonymous:             0 kB
+7f0000014000-7f0000018000 r--p 00000000 fe:00 14 /models/a/model_int8.onnx_data
+Anonymous:             0 kB
+7f0000018000-7f000001c000 r--p 00000000 fe:00 15 /models/a/model.1.onnx_data
 Anonymous:             0 kB
 7f0000010000-7f0000014000 rw-p 00000000 00:00 0
 Anonymous:            16 kB
 """
 
 
-def test_only_unwritten_data_mappings_of_the_folder_are_chosen(tmp_path):
+def test_only_unwritten_mappings_of_the_model_data_are_chosen(tmp_path):
     smaps = tmp_path / "smaps"
     smaps.write_text(SMAPS)
-    folder = Path("/models/a")
-    assert clean_file_mappings(folder, str(smaps)) == [(0x7F0000000000, 0x7F0000004000)]
+    chosen = is_data_file_of(Path("/models/a/model.onnx"))
+    assert clean_file_mappings(chosen, str(smaps)) == [
+        (0x7F0000000000, 0x7F0000004000),
+        (0x7F0000018000, 0x7F000001C000),
+    ]
 
 
 def _resident_kb(start: int) -> int:
@@ -47,6 +54,7 @@ def _resident_kb(start: int) -> int:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and madvise are Linux's")
 def test_clean_pages_are_dropped_and_written_pages_kept(tmp_path):
+    model = tmp_path / "model.onnx"
     data = tmp_path / "model.onnx_data"
     content = bytes(range(256)) * (8 * PAGE // 256)
     data.write_bytes(content)
@@ -54,17 +62,17 @@ def test_clean_pages_are_dropped_and_written_pages_kept(tmp_path):
         # Private and writable, as onnxruntime maps external data.
         view = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
     try:
-        start = next(s for s, _ in clean_file_mappings(tmp_path))
+        start = next(s for s, _ in clean_file_mappings(is_data_file_of(model)))
         assert bytes(view) == content  # every page resident now
         assert _resident_kb(start) >= 8 * PAGE // 1024
 
-        assert release_mapped_weights(tmp_path) == 8 * PAGE
+        assert release_mapped_weights(model) == 8 * PAGE
         assert _resident_kb(start) == 0
         assert bytes(view) == content  # read back from the file
 
         view[0] = 255  # a page of the process's own now: the mapping is left alone
-        assert clean_file_mappings(tmp_path) == []
-        assert release_mapped_weights(tmp_path) == 0
+        assert clean_file_mappings(is_data_file_of(model)) == []
+        assert release_mapped_weights(model) == 0
         assert view[0] == 255 and bytes(view[1:]) == content[1:]
     finally:
         view.close()

@@ -9,6 +9,7 @@ import ctypes
 import ctypes.util
 import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -38,10 +39,11 @@ def release_free_heap() -> None:
     trim(0)
 
 
-def clean_file_mappings(folder: Path, smaps: str = "/proc/self/smaps") -> list[tuple[int, int]]:
-    """``(start, end)`` of this process's mappings of files in ``folder`` that hold no page of
-    their own: every resident page is the file's, so dropping it loses nothing."""
-    folder = folder.resolve()
+def clean_file_mappings(
+    chosen: Callable[[Path], bool], smaps: str = "/proc/self/smaps"
+) -> list[tuple[int, int]]:
+    """``(start, end)`` of this process's mappings of ``chosen`` files that hold no page of their
+    own: every resident page is the file's, so dropping it loses nothing."""
     try:
         text = Path(smaps).read_text()
     except OSError:
@@ -52,7 +54,7 @@ def clean_file_mappings(folder: Path, smaps: str = "/proc/self/smaps") -> list[t
         fields = line.split(maxsplit=5)
         if "-" in fields[0] and len(fields) >= 5:  # a mapping's header line
             region = None
-            if len(fields) == 6 and "x" not in fields[1] and Path(fields[5]).parent == folder:
+            if len(fields) == 6 and "x" not in fields[1] and chosen(Path(fields[5])):
                 start, end = (int(x, 16) for x in fields[0].split("-"))
                 region = (start, end)
         elif region is not None and fields[0] == "Anonymous:":
@@ -63,8 +65,19 @@ def clean_file_mappings(folder: Path, smaps: str = "/proc/self/smaps") -> list[t
     return found
 
 
-def release_mapped_weights(folder: Path) -> int:
-    """Drop this process's resident pages of unmodified file mappings in ``folder``; returns bytes.
+def is_data_file_of(model: Path) -> Callable[[Path], bool]:
+    """Whether a path is one of ``model``'s external data files by the names writers give them
+    (``model.onnx_data``, ``model.onnx.data``, ``model.0.onnx_data``), without parsing the model."""
+    folder, prefix = model.resolve().parent, f"{model.stem}."
+
+    def chosen(path: Path) -> bool:
+        return path.parent == folder and path.name.startswith(prefix) and path.name != model.name
+
+    return chosen
+
+
+def release_mapped_weights(model: Path) -> int:
+    """Drop this process's resident pages of ``model``'s external data; returns the bytes.
 
     onnxruntime maps a model's external data file instead of reading it. Pre-packing then reads
     every weight once, which leaves the whole file resident in the process although the packed
@@ -76,7 +89,7 @@ def release_mapped_weights(folder: Path) -> int:
         return 0
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     released = 0
-    for start, end in clean_file_mappings(folder):
+    for start, end in clean_file_mappings(is_data_file_of(model)):
         if libc.madvise(start, end - start, _MADV_DONTNEED) == 0:
             released += end - start
         else:  # pragma: no cover - the kernel refused; nothing is lost

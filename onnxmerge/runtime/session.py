@@ -146,7 +146,7 @@ class MergedSession:
                 f"onnxruntime cannot load {self.path}: {error}"
             ) from error
         release_free_heap()
-        release_mapped_weights(self.path.parent)
+        release_mapped_weights(self.path)
         inputs = self.session.get_inputs()
         outputs = self.session.get_outputs()
         metadata = self.session.get_modelmeta().custom_metadata_map

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from onnxmerge.runtime import search
-from onnxmerge.runtime.processors import ProcessorList
+from onnxmerge.runtime.processors import ProcessorList, log_softmax, softmax
 from onnxmerge.settings import resolve_settings
 
 START, EOS, NEG = 2, 1, np.float32(-1.0e9)
@@ -47,6 +47,58 @@ def test_topk_indices_put_the_lower_index_first_on_ties():
     assert search._topk_indices(values, 2).tolist() == [[1, 2]]
     assert search._topk_indices(values, 3).tolist() == [[1, 2, 4]]
     assert search._topk_indices(values, 5).tolist() == [[1, 2, 4, 0, 3]]
+
+
+def _rows_with_ties(rng: np.random.Generator, dtype: type) -> np.ndarray:
+    """Rows wide enough for the bounded path, with -inf, repeated top values and a -inf row."""
+    values = rng.standard_normal((3, int(rng.integers(200, 3000)))).astype(dtype)
+    values[rng.random(values.shape) < 0.3] = -np.inf
+    if rng.random() < 0.5:  # ties around the top
+        top = np.sort(values[0])[-rng.integers(1, 12) :]
+        values[0, rng.integers(0, values.shape[1], size=len(top))] = top
+    if rng.random() < 0.2:
+        values[1] = -np.inf
+        values[1, rng.integers(0, values.shape[1], size=3)] = 0.5
+    return values
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])  # log-probs; beam sampling's keys
+def test_topk_indices_match_the_full_partition_with_ties_and_neg_inf(monkeypatch, dtype):
+    rng = np.random.default_rng(0)
+    partitioned = 0
+    full = search._topk_by_partition
+
+    def counted(values, k):
+        nonlocal partitioned
+        partitioned += 1
+        return full(values, k)
+
+    monkeypatch.setattr(search, "_topk_by_partition", counted)
+    for _ in range(150):
+        values = _rows_with_ties(rng, dtype)
+        k = int(rng.integers(1, 12))
+        np.testing.assert_array_equal(search._topk_indices(values, k), full(values, k))
+    assert 0 < partitioned < 150  # both paths ran
+
+
+def test_topk_indices_fall_back_on_a_nan_bound():
+    values = np.random.default_rng(1).standard_normal((2, 400)).astype(np.float32)
+    values[0, ::16] = np.nan
+    np.testing.assert_array_equal(
+        search._topk_indices(values, 4), search._topk_by_partition(values, 4)
+    )
+
+
+def test_log_softmax_and_softmax_keep_the_textbook_values_bit_for_bit():
+    rng = np.random.default_rng(2)
+    logits = (rng.standard_normal((2, 4, 3, 20011)) * 20).astype(np.float32)
+    logits[..., ::7] = -np.inf
+    for scores in (logits, logits[:, :, -1, :]):  # the last position, as the runner hands it
+        shifted = scores - scores.max(axis=-1, keepdims=True)
+        exp = np.exp(shifted)
+        total = exp.sum(axis=-1, keepdims=True)
+        np.testing.assert_array_equal(log_softmax(scores), shifted - np.log(total))
+        np.testing.assert_array_equal(softmax(scores), exp / total)
 
 
 def test_beam_config_keeps_enough_candidates_for_every_eos():

@@ -275,14 +275,23 @@ class TopP:
 
 
 def softmax(scores: np.ndarray) -> np.ndarray:
-    shifted = scores - scores.max(axis=-1, keepdims=True)
-    exp = np.exp(shifted)
-    return exp / exp.sum(axis=-1, keepdims=True)
+    exp = scores - scores.max(axis=-1, keepdims=True)
+    np.exp(exp, out=exp)
+    exp /= exp.sum(axis=-1, keepdims=True)
+    return exp
 
 
 def log_softmax(scores: np.ndarray) -> np.ndarray:
-    shifted = scores - scores.max(axis=-1, keepdims=True)
-    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+    """``shifted - log(sum(exp(shifted)))`` with ``shifted = scores - max``, over the last axis."""
+    rows = scores.reshape(-1, scores.shape[-1])
+    out = np.empty(rows.shape, dtype=rows.dtype)
+    scratch = np.empty(rows.shape[1], dtype=rows.dtype)
+    # Beam search runs this on [batch * beams, vocab] every step: a row at a time, its passes
+    # stay in cache. Each value goes through the same operations as over the whole array.
+    for row, shifted in zip(rows, out, strict=True):
+        np.subtract(row, row.max(), out=shifted)
+        shifted -= np.log(np.exp(shifted, out=scratch).sum())
+    return out.reshape(scores.shape)
 
 
 class ProcessorList(list):

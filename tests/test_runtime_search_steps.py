@@ -9,7 +9,12 @@ import numpy as np
 import pytest
 
 from onnxmerge.runtime import search
-from onnxmerge.runtime.processors import ProcessorList, log_softmax, softmax
+from onnxmerge.runtime.processors import (
+    ProcessorList,
+    build_processors,
+    log_softmax,
+    softmax,
+)
 from onnxmerge.settings import resolve_settings
 
 START, EOS, NEG = 2, 1, np.float32(-1.0e9)
@@ -51,7 +56,7 @@ def test_topk_indices_put_the_lower_index_first_on_ties():
 
 def _rows_with_ties(rng: np.random.Generator, dtype: type) -> np.ndarray:
     """Rows wide enough for the bounded path, with -inf, repeated top values and a -inf row."""
-    values = rng.standard_normal((3, int(rng.integers(200, 3000)))).astype(dtype)
+    values = rng.standard_normal((3, int(rng.integers(1000, 4000)))).astype(dtype)
     values[rng.random(values.shape) < 0.3] = -np.inf
     if rng.random() < 0.5:  # ties around the top
         top = np.sort(values[0])[-rng.integers(1, 12) :]
@@ -81,9 +86,9 @@ def test_topk_indices_match_the_full_partition_with_ties_and_neg_inf(monkeypatch
     assert 0 < partitioned < 150  # both paths ran
 
 
-def test_topk_indices_fall_back_on_a_nan_bound():
-    values = np.random.default_rng(1).standard_normal((2, 400)).astype(np.float32)
-    values[0, ::16] = np.nan
+def test_topk_indices_skip_nan_as_the_full_partition_does():
+    values = np.random.default_rng(1).standard_normal((2, 4000)).astype(np.float32)
+    values[values > 2.5] = np.nan
     np.testing.assert_array_equal(
         search._topk_indices(values, 4), search._topk_by_partition(values, 4)
     )
@@ -230,3 +235,46 @@ def test_beam_search_runs_the_prompt_once_and_reorders_the_cache():
     got = search.beam_search(runner, np.array([[START]]), settings, ProcessorList())
     assert got.tolist() == [[START, 0, EOS]]
     assert runner.calls == [("expand", 2), ("reorder", [0, 0], True), ("advance", [0, 2])]
+
+
+class _Bigram:
+    """A runner whose next logits depend on each row's last token, so beams reorder."""
+
+    def __init__(self, table: np.ndarray, last: np.ndarray):
+        self.table, self.last = table, last
+
+    def start(self) -> np.ndarray:
+        return self.table[self.last]
+
+    def advance(self, tokens: np.ndarray) -> np.ndarray:
+        self.last = tokens
+        return self.table[tokens]
+
+    def expand(self, n: int) -> None:
+        self.last = np.repeat(self.last, n)
+
+    def reorder(self, rows: np.ndarray, *, within_batch: bool = False) -> None:
+        self.last = self.last[rows]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"no_repeat_ngram_size": 2, "min_new_tokens": 4, "forced_eos_token_id": EOS},
+        {"do_sample": True, "top_k": 40},
+    ],
+)
+def test_beam_search_tokens_do_not_depend_on_which_top_k_runs(monkeypatch, overrides):
+    table = (np.random.default_rng(3).standard_normal((600, 600)) * 3).astype(np.float32)
+    prompt = np.array([[START], [5], [9]])
+    settings = _settings(num_beams=4, max_new_tokens=10, **overrides)
+
+    def generate():
+        runner = _Bigram(table, prompt[:, 0])
+        processors = build_processors(settings)
+        return search.beam_search(runner, prompt, settings, processors, np.random.default_rng(0))
+
+    bounded = generate()
+    monkeypatch.setattr(search, "_topk_indices", search._topk_by_partition)
+    np.testing.assert_array_equal(bounded, generate())

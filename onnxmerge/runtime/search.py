@@ -31,7 +31,7 @@ class StepRunner(Protocol):
 def _finished_by_eos(tokens: np.ndarray, eos: np.ndarray | None) -> np.ndarray:
     if eos is None:
         return np.zeros(tokens.shape, dtype=bool)
-    return np.isin(tokens, eos)
+    return (tokens[..., None] == eos).any(axis=-1)
 
 
 def sample_tokens(probs: np.ndarray, rng: np.random.Generator) -> np.ndarray:
@@ -79,33 +79,45 @@ def greedy_or_sample(
 
 def _gather(tensor: np.ndarray, indices: np.ndarray) -> np.ndarray:
     """``take_along_dim`` on axis 1 with ``indices`` of shape [batch, k]."""
-    while indices.ndim < tensor.ndim:
-        indices = indices[..., None]
-    return np.take_along_axis(tensor, indices, axis=1)
+    # Plain indexing: np.take_along_axis costs more in checks than these small arrays do.
+    return tensor[np.arange(len(indices))[:, None], indices]
+
+
+_SLABS = 32  # few enough that the tiny test models' beams * vocab take the fast path too
 
 
 def _topk_indices(values: np.ndarray, k: int) -> np.ndarray:
     """Indices of the k largest values per row, largest first, lower index first on ties.
 
-    The same indices as ``_topk_by_partition``, found without partitioning the whole row: the
-    k-th largest of every 16th value is a lower bound for the row's k-th largest, which leaves
-    about 16 k candidates to sort. A tie at the k-th place, a NaN bound or too many candidates
-    (a row of -inf) go to ``_topk_by_partition``, whose pick among such ties is kept as it is.
+    The same indices as ``_topk_by_partition``, without partitioning whole rows (beam search
+    asks for 2 * beams of beams * vocab every step). The first ``width`` columns are viewed as
+    ``_SLABS`` slabs; the maximum over slabs of each column group is a value of the row, so
+    the k-th largest of these maxima bounds the row's k-th largest from below, and only the
+    groups that reach it, and the columns past ``width``, hold candidates. A NaN, too many
+    candidates (a row of -inf) or a tie at the k-th place go to ``_topk_by_partition``, so
+    ties keep its pick.
     """
     rows, n = values.shape
-    sample = values[:, ::16]
-    if sample.shape[1] <= k:
+    group_count = n // _SLABS
+    if group_count <= k:
         return _topk_by_partition(values, k)
-    bound = np.partition(sample, -k, axis=1)[:, -k, None]
-    candidates = np.flatnonzero(values >= bound)
-    if candidates.size > 64 * k * rows:
+    width = _SLABS * group_count
+    groups = values[:, :width].reshape(rows, _SLABS, group_count)  # column: slab, then group
+    group_max = groups.max(axis=1)
+    if np.isnan(group_max).any():
         return _topk_by_partition(values, k)
-    row, col = np.divmod(candidates, n)
-    counts = np.bincount(row, minlength=rows)
-    if counts.min() < k:
+    bound = np.partition(group_max, -k, axis=1)[:, -k, None]
+    # np.nonzero on 2-D masks costs ten times a flat one here.
+    row, group = np.divmod(np.flatnonzero(group_max >= bound), group_count)
+    if row.size > 16 * k * rows:
         return _topk_by_partition(values, k)
+    hit, slab = np.divmod(np.flatnonzero(groups[row, :, group] >= bound[row]), _SLABS)
+    tail_row, tail_col = np.nonzero(values[:, width:] >= bound)
+    row = np.concatenate((row[hit], tail_row))
+    col = np.concatenate((slab * group_count + group[hit], tail_col + width))
     picked = values[row, col]
     order = np.lexsort((col, -picked, row))  # by row, largest first, lower index first
+    counts = np.bincount(row, minlength=rows)
     first = np.cumsum(counts) - counts
     top = order[first[:, None] + np.arange(k)]
     runner_up = order[np.minimum(first + k, row.size - 1)]
@@ -120,8 +132,8 @@ def _topk_by_partition(values: np.ndarray, k: int) -> np.ndarray:
     if k < values.shape[1]:
         part = np.argpartition(-values, k - 1, axis=1)[:, :k]
         part.sort(axis=1)
-        order = np.argsort(-np.take_along_axis(values, part, axis=1), axis=1, kind="stable")
-        return np.take_along_axis(part, order, axis=1)
+        order = np.argsort(-_gather(values, part), axis=1, kind="stable")
+        return _gather(part, order)
     return np.argsort(-values, axis=1, kind="stable")[:, :k]
 
 
@@ -278,7 +290,7 @@ def _top_candidates(
     else:
         topk_indices = _topk_indices(log_probs, cfg.beams_to_keep)
     vocab = log_probs.shape[1] // cfg.num_beams
-    topk_log_probs = np.take_along_axis(log_probs, topk_indices, axis=1)
+    topk_log_probs = _gather(log_probs, topk_indices)
     topk_beams = topk_indices // vocab
     topk_ids = topk_indices % vocab
     topk_running_beam_indices = _gather(beams.running_beam_indices, topk_beams)

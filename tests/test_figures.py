@@ -111,3 +111,28 @@ def test_architecture_session_memory_is_the_generate_benchmark() -> None:
     generate = _load("generate")
     ours, theirs = (generate[side]["rss_after_load_mb"] for side in ("ours", "optimum"))
     _assert_quoted(text, f"holds {ours:.0f} MB against {theirs:.0f} MB", "architecture.md")
+
+
+CTRANSLATE2_COLUMNS = ("float32", "float32 external data", "int8", "int8 external data")
+CTRANSLATE2_ROWS = (
+    ("greedy time", "greedy_b1"),
+    ("beam-4 time", "beam4_b1"),
+    ("memory after load", "rss_after_load_mb"),
+    ("load time", "load_s"),
+)
+
+
+def ctranslate2_readme_rows(precisions: dict) -> list[str]:
+    """The README's table against CTranslate2, row by row, from the benchmark's ratios."""
+    return [
+        f"| {label} | "
+        + " | ".join(f"{precisions[c]['ratios'][key]:.2f}×" for c in CTRANSLATE2_COLUMNS)
+        + " |"
+        for label, key in CTRANSLATE2_ROWS
+    ]
+
+
+def test_readme_ctranslate2_ratios_are_the_ctranslate2_benchmark() -> None:
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    for row in ctranslate2_readme_rows(_load("ctranslate2")["precisions"]):
+        _assert_quoted(readme, row, "README.md")

@@ -1,7 +1,9 @@
 """Read a tied LM head straight from the embedding, with no transposed copy in memory.
 
 After deduplication a tied head is ``MatMul(hidden, Transpose(embedding))``. onnxruntime folds the
-Transpose into a second, transposed copy of the embedding at load time (122 MB for opus-mt-fr-en).
+Transpose into a second, transposed copy of the embedding at load time (122 MB for opus-mt-fr-en),
+which stays where weights are not pre-packed (``session.disable_prepacking``, runtimes without
+pre-packing); with pre-packing on, the head's packed copy replaces it in either form.
 ``Gemm(transB=1)`` reads the embedding as it is stored, so this pass rewrites each such MatMul into
 Reshape -> Gemm(transB=1) -> Reshape, which computes the same numbers.
 """

@@ -172,11 +172,12 @@ def build_ours(
         ("int8", plain, quantize_ours),
         # quantize keeps the source's layout: the weights go to model.onnx_data
         ("int8 external data", external, quantize_ours),
-        ("int8 optimized", optimized, quantize_ours),
-        ("int8 quantize_dynamic", plain, quantize_dynamic_stand_in),
     ]
-    if not references:
-        makers = [m for m in makers if m[1] is not optimized and m[2] is quantize_ours]
+    if references:
+        makers += [
+            ("int8 optimized", optimized, quantize_ours),
+            ("int8 quantize_dynamic", plain, quantize_dynamic_stand_in),
+        ]
     for variant, source, maker in makers:
         target = scratch / variant.replace(" ", "-") / "model.onnx"
         target.parent.mkdir()

@@ -351,7 +351,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     with _Steps(quiet=args.json) as steps:
         steps("loading the model")
-        model = Seq2SeqModel(args.file)
+        model = Seq2SeqModel(args.file, session_cache=args.session_cache)
         if args.text:
             steps("loading the tokenizer")
             tokenizer = TextGenerator.load_tokenizer(model.path.parent)
@@ -727,6 +727,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--max-new-tokens", type=_at_least(1))
     p.add_argument("--num-beams", type=_at_least(1))
+    p.add_argument(
+        "--session-cache",
+        metavar="DIR",
+        help="keep onnxruntime's optimized graph in DIR, so that later runs load faster",
+    )
 
     p = add(
         "export", cmd_export, "export a local model folder (or hub id) with optimum, then merge"

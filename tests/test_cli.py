@@ -357,6 +357,17 @@ def test_generate_ids_gives_the_runtime_tokens(merged_model) -> None:
     assert len(expected[0]) <= 1 + 6
 
 
+def test_generate_with_a_session_cache_gives_the_same_tokens(merged_model, tmp_path) -> None:
+    args = ("generate", merged_model, "--ids", *SOURCE_IDS, "--max-new-tokens", "6")
+    plain = run(*args)
+    cache = tmp_path / "cache"
+    for _ in range(2):  # writes the entry, then reads it
+        cached = run(*args, "--session-cache", cache)
+        assert cached.returncode == EXIT_OK, cached.stderr
+        assert cached.stdout == plain.stdout
+    assert [p.name.startswith("model-") for p in cache.iterdir()] == [True]
+
+
 def test_generate_refuses_ids_outside_the_vocabulary(merged_model) -> None:
     result = run("generate", merged_model, "--ids", "100000", "2")
     assert_one_line_error(result, EXIT_ERROR, "100000")

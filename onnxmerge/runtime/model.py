@@ -58,6 +58,8 @@ class Seq2SeqModel:
         providers: onnxruntime execution providers (default: CPU).
         session_options: an ``onnxruntime.SessionOptions``; the default enables all graph
             optimizations.
+        session_cache: a folder where the first load saves onnxruntime's optimized graph, so
+            that later loads skip the graph optimizations (``docs/runtime.md``); default: none.
 
     Raises:
         InvalidMergedModelError: the file is not a merged seq2seq model.
@@ -69,8 +71,11 @@ class Seq2SeqModel:
         *,
         providers: Sequence[Any] | None = None,
         session_options: Any | None = None,
+        session_cache: str | os.PathLike | None = None,
     ):
-        self._session = MergedSession(path, providers=providers, session_options=session_options)
+        self._session = MergedSession(
+            path, providers=providers, session_options=session_options, session_cache=session_cache
+        )
         self.path = self._session.path
         self.info = self._session.info
         self.config: dict = dict(self.info.config)

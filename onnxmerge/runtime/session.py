@@ -20,6 +20,7 @@ import numpy as np
 from onnxmerge import contract as c
 from onnxmerge.errors import GenerationError, InvalidMergedModelError
 from onnxmerge.runtime.memory import release_free_heap, release_mapped_weights
+from onnxmerge.runtime.session_cache import open_with_cache
 from onnxmerge.sessions import ORT_TO_NUMPY, open_session
 
 logger = logging.getLogger(__name__)
@@ -120,7 +121,10 @@ def default_session_options() -> Any:
 
 
 class MergedSession:
-    """An onnxruntime session over a merged model, with the step API."""
+    """An onnxruntime session over a merged model, with the step API.
+
+    ``opened`` is the file onnxruntime read: the model, or its entry in ``session_cache``.
+    """
 
     def __init__(
         self,
@@ -128,6 +132,7 @@ class MergedSession:
         *,
         providers: Sequence[Any] | None = None,
         session_options: Any | None = None,
+        session_cache: str | os.PathLike | None = None,
     ):
         try:
             import onnxruntime  # noqa: F401 - say what to install before anything else fails
@@ -140,13 +145,18 @@ class MergedSession:
             raise InvalidMergedModelError(f"{self.path} is not a file; pass the merged .onnx file")
         options = session_options if session_options is not None else default_session_options()
         try:
-            self.session = open_session(self.path, options, providers)
+            if session_cache is None:
+                self.session, self.opened = open_session(self.path, options, providers), self.path
+            else:
+                self.session, self.opened = open_with_cache(
+                    self.path, session_cache, options, providers
+                )
         except Exception as error:
             raise InvalidMergedModelError(
                 f"onnxruntime cannot load {self.path}: {error}"
             ) from error
         release_free_heap()
-        release_mapped_weights(self.path)
+        release_mapped_weights(self.opened)
         inputs = self.session.get_inputs()
         outputs = self.session.get_outputs()
         metadata = self.session.get_modelmeta().custom_metadata_map

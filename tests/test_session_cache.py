@@ -1,0 +1,107 @@
+"""The session cache: onnxruntime's optimized graph saved once, read by later loads, never stale."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests import textmodels as tm
+
+ort = pytest.importorskip("onnxruntime")
+
+from onnxmerge import Seq2SeqModel, merge_seq2seq  # noqa: E402
+from onnxmerge.runtime.session import default_session_options  # noqa: E402
+from onnxmerge.runtime.session_cache import ENTRY_DATA, ENTRY_MODEL  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def export(tmp_path_factory) -> Path:
+    folder = tm.write_export(tmp_path_factory.mktemp("cache") / "export")
+    config = json.loads((folder / "config.json").read_text())
+    ids = {"eos_token_id": 0, "pad_token_id": 1, "decoder_start_token_id": 2}
+    config.update(ids, is_encoder_decoder=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "generation_config.json").write_text(json.dumps(ids))
+    return folder
+
+
+@pytest.fixture(params=[False, True], ids=["one-file", "external-data"])
+def merged(request, export, tmp_path) -> Path:
+    return merge_seq2seq(export, tmp_path / "model" / "model.onnx", external_data=request.param)
+
+
+def _generate(model: Seq2SeqModel) -> np.ndarray:
+    inputs = tm.sample_inputs(seed=3, batch=3)
+    return model.generate(
+        input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], max_new_tokens=5
+    )
+
+
+def _entries(cache: Path) -> list[Path]:
+    return sorted(p for p in cache.iterdir() if not p.name.startswith("."))
+
+
+def test_the_second_load_reads_the_saved_graph_and_generates_the_same(merged, tmp_path):
+    cache = tmp_path / "cache"
+    expected = _generate(Seq2SeqModel(merged))
+    first = Seq2SeqModel(merged, session_cache=cache)
+    assert first._session.opened == merged  # the first load optimizes, and saves what it ran
+    (entry,) = _entries(cache)
+    assert (entry / ENTRY_MODEL).is_file() and (entry / ENTRY_DATA).stat().st_size > 0
+    second = Seq2SeqModel(merged, session_cache=cache)
+    assert second._session.opened == entry / ENTRY_MODEL
+    assert second.info == first.info  # the contract's metadata travels with the saved graph
+    for model in (first, second):
+        np.testing.assert_array_equal(_generate(model), expected)
+
+
+def test_a_changed_model_gets_a_new_entry_in_place_of_the_old(merged, tmp_path):
+    cache = tmp_path / "cache"
+    Seq2SeqModel(merged, session_cache=cache)
+    (old,) = _entries(cache)
+    later = os.stat(merged).st_mtime_ns + 10**9
+    os.utime(merged, ns=(later, later))  # what rewriting the file in place changes
+    model = Seq2SeqModel(merged, session_cache=cache)
+    assert model._session.opened == merged
+    (new,) = _entries(cache)
+    assert new != old and new.name.rsplit("-", 1)[0] == old.name.rsplit("-", 1)[0]
+
+
+def test_other_session_settings_get_their_own_entry(merged, tmp_path):
+    cache = tmp_path / "cache"
+    Seq2SeqModel(merged, session_cache=cache)
+    options = default_session_options()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    model = Seq2SeqModel(merged, session_options=options, session_cache=cache)
+    assert model._session.opened == merged  # a graph optimized otherwise is not reused
+
+
+def test_a_broken_entry_is_written_again(merged, tmp_path):
+    cache = tmp_path / "cache"
+    Seq2SeqModel(merged, session_cache=cache)
+    (entry,) = _entries(cache)
+    (entry / ENTRY_MODEL).write_bytes(b"not a model")
+    model = Seq2SeqModel(merged, session_cache=cache)
+    assert model._session.opened == merged
+    assert Seq2SeqModel(merged, session_cache=cache)._session.opened == entry / ENTRY_MODEL
+
+
+def test_a_cache_that_cannot_be_written_leaves_the_load_as_without_it(merged, tmp_path):
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    model = Seq2SeqModel(merged, session_cache=blocked / "cache")
+    assert model._session.opened == merged
+    np.testing.assert_array_equal(_generate(model), _generate(Seq2SeqModel(merged)))
+
+
+def test_the_callers_session_options_are_left_as_given(merged, tmp_path):
+    options = default_session_options()
+    level = options.graph_optimization_level
+    for _ in range(2):  # the writing load, then the reading one
+        Seq2SeqModel(merged, session_options=options, session_cache=tmp_path / "cache")
+        assert options.optimized_model_filepath == ""
+        assert options.graph_optimization_level == level

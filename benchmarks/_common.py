@@ -25,6 +25,7 @@ import argparse
 import hashlib
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -137,6 +138,27 @@ def median_time(fn: Callable[[], Any], repeats: int) -> tuple[float, list[float]
 
 def package_versions() -> dict[str, str]:
     return exports.package_versions(_VERSIONED)
+
+
+# Instruction sets that decide which int8 and float kernels both runtimes pick.
+_CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8")
+
+
+def cpu_description() -> dict[str, Any]:
+    """The processor's model name and the kernel-relevant instruction sets (Linux), so that runs
+    on different machines are told apart."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+                break
+    except OSError:
+        pass
+    return {"model": model, "flags": [f for f in _CPU_FLAGS if f in flags]}
 
 
 def generate_exactly(model: Any, ids: Any, mask: Any, beams: int, new_tokens: int) -> Any:

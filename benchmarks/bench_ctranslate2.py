@@ -6,16 +6,19 @@ optimum and merged by the onnxmerge under test on one side, and converted by ctr
 so a synthetic word-level vocabulary ``t0 ... tN`` is written into a copy of the folder). Both
 sides get the same ids; each side runs in a fresh process with 2 threads: greedy and 4 beams at
 batch 1 (32 source ids) and batch 8 (mixed lengths), exactly 32 new tokens (eos is forbidden
-before that on both sides), load time (import + load), resident memory after load, and how often
-the generated tokens agree.
+before that on both sides), load time (import + load, and each apart), resident memory after
+the import and after load, and how often the generated tokens agree. Every ratio also comes with
+its lowest and highest value over the rounds, as the spread between runs on a small machine.
 
 Our files, each against CTranslate2 at its precision: the plain merged file (``float32``); the
 same with its weights in a data file beside it (``float32 external data``, which onnxruntime maps
 rather than parses); the export's files each through onnxruntime's transformer optimizer before
 the merge (``float32 optimized``); ``onnxmerge.quantize(..., weights="int8")`` of the three
-(``int8``, ``int8 external data``, ``int8 optimized``); and onnxruntime's
+(``int8``, ``int8 external data``, ``int8 optimized``); onnxruntime's
 ``quantize_dynamic(QInt8, EnableSubgraph)`` on the merged file (``int8 quantize_dynamic``), a
-reference for onnxruntime's int8 kernels.
+reference for onnxruntime's int8 kernels; and the plain float32 and int8 files opened through a
+session cache whose entry was written before the timed runs (``float32 session cache``,
+``int8 session cache``), what every load after the first costs.
 
 Usage: python benchmarks/bench_ctranslate2.py [--quick] [--out benchmarks/out/ctranslate2.json]
     [--repeats 5] [--rounds 2] [--threads 2]
@@ -45,6 +48,16 @@ SOURCE_TOKENS = 32
 NEW_TOKENS = 32
 BATCH_LENGTHS = (32, 9, 27, 14, 31, 5, 20, 24)  # batch 8, mixed lengths
 CASES = [("greedy", 1, 1), ("greedy", 8, 1), ("beam4", 1, 4), ("beam4", 8, 4)]
+# Ratios beside the cases' times; the import is each runtime's (onnxruntime and numpy on our side),
+# the same for every model a process loads.
+RATIO_MEASURES = (
+    "rss_after_load_mb",
+    "rss_added_by_load_mb",
+    "load_s",
+    "import_s",
+    "load_without_import_s",
+)
+SIDE_MEASURES = (*RATIO_MEASURES, "rss_before_load_mb", "rss_after_import_mb")
 TARGETS = {
     "float32": {"greedy_b1": 0.8, "beam4_b1": 0.6, "load_s": 1.0},
     "int8": {"greedy_b1": 0.6, "beam4_b1": 0.8, "rss_after_load_mb": 1.2, "load_s": 1.0},
@@ -194,6 +207,26 @@ def build_ours(
     return files, {v: made_by[v] for v in made_by}
 
 
+# Variants that open a file of another variant through a session cache, written before the timed
+# runs: what every load after the first costs.
+SESSION_CACHED = {"float32 session cache": "float32", "int8 session cache": "int8"}
+
+
+def warm_session_caches(ours: dict, made_by: dict, folder: Path) -> dict[str, Path]:
+    """Add the session-cache variants to ``ours`` and write their cache entries; their folders."""
+    import onnxmerge
+
+    caches = {}
+    for variant, base in SESSION_CACHED.items():
+        if base not in ours:
+            continue
+        ours[variant] = ours[base]
+        caches[variant] = folder / variant.replace(" ", "-")
+        onnxmerge.Seq2SeqModel(ours[base][1], session_cache=caches[variant])
+        made_by[variant] = f"the {base} file, loaded with session_cache= (entry written beforehand)"
+    return caches
+
+
 # -- the child processes ---------------------------------------------------------------------------
 
 
@@ -209,27 +242,35 @@ def _padded(rows: list[list[int]], pad: int):
     return ids, mask
 
 
-def _side(load_s: float, import_s: float, rss_before: int, rss: int, cases: dict) -> dict:
+def _side(
+    load_s: float, import_s: float, rss_before: int, rss_imported: int, rss: int, cases: dict
+) -> dict:
     """One side's measurements, as both workers report them."""
     return {
         "load_s": load_s,
         "import_s": import_s,
         "rss_before_load_mb": rss_before / 1e6,
+        "rss_after_import_mb": rss_imported / 1e6,
         "rss_after_load_mb": rss / 1e6,
         "cases": cases,
     }
 
 
-def worker_ours(path: str, config: dict, repeats: int, threads: int) -> dict:
+def worker_ours(
+    path: str, config: dict, repeats: int, threads: int, session_cache: str | None = None
+) -> dict:
     rss_before = _common.self_rss_bytes()["rss_bytes"]
     start = time.perf_counter()
+    import onnxruntime  # noqa: F401 - imported by the first load otherwise; part of the import here
+
     import onnxmerge
     from onnxmerge.runtime.session import default_session_options
 
     imported = time.perf_counter()
+    rss_imported = _common.self_rss_bytes()["rss_bytes"]
     options = default_session_options()
     options.intra_op_num_threads = threads
-    model = onnxmerge.Seq2SeqModel(path, session_options=options)
+    model = onnxmerge.Seq2SeqModel(path, session_options=options, session_cache=session_cache)
     load_s = time.perf_counter() - start
     import_s = imported - start
     rss = _common.self_rss_bytes()["rss_bytes"]
@@ -246,7 +287,7 @@ def worker_ours(path: str, config: dict, repeats: int, threads: int) -> dict:
             "times": times,
             "tokens": [r[1:].tolist() for r in out],
         }
-    return _side(load_s, import_s, rss_before, rss, cases)
+    return _side(load_s, import_s, rss_before, rss_imported, rss, cases)
 
 
 def worker_ctranslate2(path: str, config: dict, repeats: int, threads: int) -> dict:
@@ -255,6 +296,7 @@ def worker_ctranslate2(path: str, config: dict, repeats: int, threads: int) -> d
     import ctranslate2
 
     imported = time.perf_counter()
+    rss_imported = _common.self_rss_bytes()["rss_bytes"]
     translator = ctranslate2.Translator(path, device="cpu", inter_threads=1, intra_threads=threads)
     load_s = time.perf_counter() - start
     import_s = imported - start
@@ -280,11 +322,14 @@ def worker_ctranslate2(path: str, config: dict, repeats: int, threads: int) -> d
             "times": times,
             "tokens": [[index[t] for t in r.hypotheses[0]] for r in out],
         }
-    return _side(load_s, import_s, rss_before, rss, cases)
+    return _side(load_s, import_s, rss_before, rss_imported, rss, cases)
 
 
-def _child(side: str, path: Path, config: dict, repeats: int, threads: int) -> dict:
+def _child(
+    side: str, path: Path, config: dict, repeats: int, threads: int, session_cache: Path | None
+) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    cache = ["--session-cache", str(session_cache)] if session_cache else []
     result = subprocess.run(
         [
             sys.executable,
@@ -299,6 +344,7 @@ def _child(side: str, path: Path, config: dict, repeats: int, threads: int) -> d
             str(repeats),
             "--threads",
             str(threads),
+            *cache,
         ],
         check=True,
         capture_output=True,
@@ -325,11 +371,18 @@ def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return sum(x == y for x, y in pairs) / len(pairs) if pairs else 1.0
 
 
-def _medians(runs: list[dict]) -> dict:
-    out = {
-        k: statistics.median(r[k] for r in runs)
-        for k in ("load_s", "import_s", "rss_after_load_mb", "rss_before_load_mb")
+def _derived(run: dict) -> dict:
+    """A run's measures: its own, and what loading the model adds to the import."""
+    return {
+        **run,
+        "load_without_import_s": run["load_s"] - run["import_s"],
+        "rss_added_by_load_mb": run["rss_after_load_mb"] - run["rss_after_import_mb"],
     }
+
+
+def _medians(runs: list[dict]) -> dict:
+    runs = [_derived(r) for r in runs]
+    out = {k: statistics.median(r[k] for r in runs) for k in SIDE_MEASURES}
     out["cases"] = {
         case: {
             "s": statistics.median(r["cases"][case]["s"] for r in runs),
@@ -340,11 +393,22 @@ def _medians(runs: list[dict]) -> dict:
     return out
 
 
-def compare(ours: dict, theirs: dict) -> dict:
+def _ratios(ours: dict, theirs: dict) -> dict:
     ratios = {case: ours["cases"][case]["s"] / theirs["cases"][case]["s"] for case in ours["cases"]}
-    ratios["rss_after_load_mb"] = ours["rss_after_load_mb"] / theirs["rss_after_load_mb"]
-    ratios["load_s"] = ours["load_s"] / theirs["load_s"]
-    ratios["import_s"] = ours["import_s"] / theirs["import_s"]
+    ratios.update({k: ours[k] / theirs[k] for k in RATIO_MEASURES})
+    return ratios
+
+
+def ratio_ranges(ours_runs: list[dict], theirs_runs: list[dict]) -> dict:
+    """The lowest and highest ratio over the rounds, each round's processes taken together."""
+    per_round = [
+        _ratios(_derived(a), _derived(b)) for a, b in zip(ours_runs, theirs_runs, strict=True)
+    ]
+    return {k: [min(r[k] for r in per_round), max(r[k] for r in per_round)] for k in per_round[0]}
+
+
+def compare(ours: dict, theirs: dict) -> dict:
+    ratios = _ratios(ours, theirs)
     agreement = {
         case: _agreement(ours["cases"][case]["tokens"], theirs["cases"][case]["tokens"])
         for case in ours["cases"]
@@ -355,16 +419,20 @@ def compare(ours: dict, theirs: dict) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = _common.arguments(__doc__, "ctranslate2", "tiny Marian model, one round")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per case and process")
-    parser.add_argument("--rounds", type=int, default=2, help="fresh processes per side")
+    parser.add_argument("--rounds", type=int, default=3, help="fresh processes per side")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--cache-dir", type=Path, default=_common.DEFAULT_CACHE_DIR)
     parser.add_argument("--worker", choices=("ours", "ctranslate2"), help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
+    parser.add_argument("--session-cache", help=argparse.SUPPRESS)
     parser.add_argument("--config", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        work = worker_ours if args.worker == "ours" else worker_ctranslate2
-        print(json.dumps(work(args.path, json.loads(args.config), args.repeats, args.threads)))
+        work_args = (args.path, json.loads(args.config), args.repeats, args.threads)
+        if args.worker == "ours":
+            print(json.dumps(worker_ours(*work_args, session_cache=args.session_cache)))
+        else:
+            print(json.dumps(worker_ctranslate2(*work_args)))
         return 0
     if args.quick:
         args.repeats, args.rounds = min(args.repeats, 1), 1
@@ -379,17 +447,25 @@ def main(argv: list[str] | None = None) -> int:
         # The int8 references only matter at full size; the quick run checks the pipeline.
         ours, made_by = build_ours(export.onnx_dir, scratch, references=not args.quick)
         ct2 = convert_ctranslate2(export.pytorch_dir, scratch, config)
+        caches = warm_session_caches(ours, made_by, scratch / "session-cache")
         runs = {v: [] for v in ours}
         ct2_runs = {p: [] for p in ct2}
         for _ in range(args.rounds):  # alternate, so load on the machine hits all sides alike
             for precision, path in ct2.items():
                 ct2_runs[precision].append(
-                    _child("ctranslate2", path, config, args.repeats, args.threads)
+                    _child("ctranslate2", path, config, args.repeats, args.threads, None)
                 )
                 for variant, (variant_precision, ours_path) in ours.items():
                     if variant_precision == precision:
                         runs[variant].append(
-                            _child("ours", ours_path, config, args.repeats, args.threads)
+                            _child(
+                                "ours",
+                                ours_path,
+                                config,
+                                args.repeats,
+                                args.threads,
+                                caches.get(variant),
+                            )
                         )
         # Apart: a variant and a precision can share a name ("float32").
         ours_mb = {
@@ -410,6 +486,7 @@ def main(argv: list[str] | None = None) -> int:
             "ours": mine,
             "ctranslate2": theirs[precision],
             **result,
+            "ratio_ranges": ratio_ranges(runs[variant], ct2_runs[precision]),
             "files_mb": {"ours": ours_mb[variant], "ctranslate2": ct2_mb[precision]},
             "targets": targets,
             "targets_met": {k: result["ratios"][k] <= v for k, v in targets.items()},
@@ -431,13 +508,17 @@ def main(argv: list[str] | None = None) -> int:
             "statistic": "median of the per-process medians",
             "load_s": "import + load, in a fresh process",
             "import_s": "the import alone (onnxmerge with onnxruntime and numpy; ctranslate2)",
+            "load_without_import_s": "load_s - import_s: opening the model",
             "rss": "VmRSS after load, whole process",
+            "rss_added_by_load_mb": "VmRSS after load - VmRSS after the import",
+            "ratio_ranges": "lowest and highest ratio over the rounds",
         },
         "int8_ours": "; ".join(f"{v}: {p['made_by']}" for v, p in precisions.items()),
         "precisions": precisions,
         "environment": {
             "python": platform.python_version(),
             "cpu_count": os.cpu_count(),
+            "cpu": _common.cpu_description(),
             # CTranslate2's float32 path slows down far more than onnxruntime when the machine
             # is oversubscribed: read the ratios together with the load.
             "load_average_at_start": load_at_start,

@@ -127,6 +127,13 @@ def _load_averages(environment: dict) -> str:
     return " at the start, ".join(one_minute) + " at the end (1-minute)"
 
 
+def _processor(environment: dict) -> str:
+    cpu = environment.get("cpu")
+    if not cpu:
+        return "not recorded"
+    return f"{cpu['model']} ({', '.join(cpu['flags']) or 'no AVX2'})"
+
+
 def _ctranslate2_section(data: dict) -> list[str]:
     s = data["setting"]
     lines = ["## Generation against CTranslate2", "",
@@ -140,10 +147,15 @@ def _ctranslate2_section(data: dict) -> list[str]:
              "in the same run, but CTranslate2's float32 path slows down far more than "
              "onnxruntime on an oversubscribed machine: from a loaded machine, the float32 "
              "ratios are lower than on a quiet one and are not a result. Load average of this "
-             f"run: {_load_averages(data['environment'])}. `load_s` is import and load together, "
-             "`import_s` the import alone.", "",
-             "| precision | measure | CTranslate2 | onnxmerge | ratio | target | token agreement |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+             f"run: {_load_averages(data['environment'])}; processor: "
+             f"{_processor(data['environment'])}. `load_s` is import and load together, "
+             "`import_s` the import alone (onnxruntime and numpy on our side), "
+             "`load_without_import_s` the rest; `rss_after_load_mb` is the whole process, "
+             "`rss_added_by_load_mb` what opening the model adds to the import. The range is the "
+             f"lowest and highest ratio of the {s['rounds']} rounds.", "",
+             "| precision | measure | CTranslate2 | onnxmerge | ratio | range | target "
+             "| token agreement |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
     for precision, p in data["precisions"].items():
         for case, ratio in p["ratios"].items():
             if case in p["ours"]["cases"]:
@@ -152,8 +164,10 @@ def _ctranslate2_section(data: dict) -> list[str]:
             else:
                 ours, theirs, agree = p["ours"][case], p["ctranslate2"][case], ""
             target = p["targets"].get(case)
+            low, high = p["ratio_ranges"][case]
             lines.append(f"| {precision} | {case} | {theirs:.3f} | {ours:.3f} | **{ratio:.2f}x** "
-                         f"| {'' if target is None else f'<= {target}x'} | {agree} |")
+                         f"| {low:.2f}–{high:.2f} | {'' if target is None else f'<= {target}x'} "
+                         f"| {agree} |")
     return [*lines, ""]
 
 

@@ -49,9 +49,13 @@ def test_run_all_quick_writes_results_and_docs(tmp_path):
     variants = ctranslate2["precisions"]
     for case in ("greedy_b1", "beam4_b1"):
         for plain, other in (("float32", "float32 optimized"), ("float32", "float32 external data"),
-                             ("int8", "int8 external data")):
+                             ("int8", "int8 external data"), ("float32", "float32 session cache"),
+                             ("int8", "int8 session cache")):
             tokens = variants[plain]["ours"]["cases"][case]["tokens"]
             assert variants[other]["ours"]["cases"][case]["tokens"] == tokens
+    for variant in variants.values():  # one round in the quick run: each range is its ratio
+        for measure, (low, high) in variant["ratio_ranges"].items():
+            assert low == pytest.approx(variant["ratios"][measure]) == high
     threads = json.loads((tmp_path / "out" / "threads.json").read_text())
     assert all(row["same_tokens_as_serial"] for row in threads["throughput"])
     assert "## Generation against CTranslate2" in page

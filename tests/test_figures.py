@@ -113,11 +113,19 @@ def test_architecture_session_memory_is_the_generate_benchmark() -> None:
     _assert_quoted(text, f"holds {ours:.0f} MB against {theirs:.0f} MB", "architecture.md")
 
 
-CTRANSLATE2_COLUMNS = ("float32", "float32 external data", "int8", "int8 external data")
+CTRANSLATE2_COLUMNS = (
+    "float32",
+    "float32 external data",
+    "float32 session cache",
+    "int8",
+    "int8 external data",
+    "int8 session cache",
+)
 CTRANSLATE2_ROWS = (
     ("greedy time", "greedy_b1"),
     ("beam-4 time", "beam4_b1"),
     ("memory after load", "rss_after_load_mb"),
+    ("memory the model adds", "rss_added_by_load_mb"),
     ("load time", "load_s"),
 )
 

@@ -147,18 +147,19 @@ _CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8")
 def cpu_description() -> dict[str, Any]:
     """The processor's model name and the kernel-relevant instruction sets (Linux), so that runs
     on different machines are told apart."""
-    model, flags = platform.processor() or platform.machine(), set()
+    model, flags = platform.processor() or platform.machine(), None
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = line.partition(":")
             if key.strip() == "model name":
                 model = value.strip()
-            elif key.strip() == "flags":
+            elif key.strip() in ("flags", "Features"):
                 flags = set(value.split())
                 break
     except OSError:
         pass
-    return {"model": model, "flags": [f for f in _CPU_FLAGS if f in flags]}
+    listed = None if flags is None else [f for f in _CPU_FLAGS if f in flags]
+    return {"model": model, "flags": listed}
 
 
 def generate_exactly(model: Any, ids: Any, mask: Any, beams: int, new_tokens: int) -> Any:

@@ -287,7 +287,9 @@ def worker_ours(
             "times": times,
             "tokens": [r[1:].tolist() for r in out],
         }
-    return _side(load_s, import_s, rss_before, rss_imported, rss, cases)
+    # The file onnxruntime read: the session-cache variants must have read their entry.
+    side = _side(load_s, import_s, rss_before, rss_imported, rss, cases)
+    return {**side, "opened": str(model._session.opened)}
 
 
 def worker_ctranslate2(path: str, config: dict, repeats: int, threads: int) -> dict:
@@ -467,6 +469,10 @@ def main(argv: list[str] | None = None) -> int:
                                 caches.get(variant),
                             )
                         )
+        for variant in caches:
+            missed = [r["opened"] for r in runs[variant] if r["opened"] == str(ours[variant][1])]
+            if missed:
+                raise RuntimeError(f"{variant}: a timed load did not read the cache entry")
         # Apart: a variant and a precision can share a name ("float32").
         ours_mb = {
             v: _common.files_bytes(path.parent, [path.name]) / 1e6 for v, (_, path) in ours.items()

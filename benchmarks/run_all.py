@@ -131,6 +131,8 @@ def _processor(environment: dict) -> str:
     cpu = environment.get("cpu")
     if not cpu:
         return "not recorded"
+    if cpu["flags"] is None:
+        return f"{cpu['model']} (instruction sets not read)"
     return f"{cpu['model']} ({', '.join(cpu['flags']) or 'no AVX2'})"
 
 
@@ -164,10 +166,10 @@ def _ctranslate2_section(data: dict) -> list[str]:
             else:
                 ours, theirs, agree = p["ours"][case], p["ctranslate2"][case], ""
             target = p["targets"].get(case)
-            low, high = p["ratio_ranges"][case]
+            spread = p.get("ratio_ranges", {}).get(case)  # results written before ranges: none
+            spread = f"{spread[0]:.2f}–{spread[1]:.2f}" if spread else ""
             lines.append(f"| {precision} | {case} | {theirs:.3f} | {ours:.3f} | **{ratio:.2f}x** "
-                         f"| {low:.2f}–{high:.2f} | {'' if target is None else f'<= {target}x'} "
-                         f"| {agree} |")
+                         f"| {spread} | {'' if target is None else f'<= {target}x'} | {agree} |")
     return [*lines, ""]
 
 

@@ -37,3 +37,24 @@ def test_ratio_ranges_pair_the_rounds():
     assert (low, high) == (pytest.approx(0.75), pytest.approx(1.2))
     with pytest.raises(ValueError):  # a round without its counterpart is a bug, not a range
         bench.ratio_ranges(ours, theirs[:1])
+
+
+def test_results_from_before_the_ranges_and_the_processor_still_render():
+    from benchmarks import run_all
+
+    ours = bench._medians([_run(1.2, 0.2, 60.0, 150.0, 0.3)])
+    theirs = bench._medians([_run(0.3, 0.1, 30.0, 120.0, 0.4)])
+    variant = {"ours": ours, "ctranslate2": theirs, **bench.compare(ours, theirs), "targets": {}}
+    data = {
+        "model": "tiny",
+        "int8_ours": "int8: quantize",
+        "setting": {
+            "threads": 2, "new_tokens": 2, "batch1_source_tokens": 2,
+            "batch8_source_lengths": [2], "statistic": "median", "rounds": 1,
+        },
+        "environment": {"load_average_at_end": [1.0, 1.0, 1.0]},
+        "precisions": {"int8": variant},
+    }
+    page = "\n".join(run_all._ctranslate2_section(data))
+    assert "processor: not recorded" in page
+    assert "| int8 | greedy_b1 | 0.400 | 0.300 | **0.75x** |  |" in page

@@ -361,11 +361,13 @@ def test_generate_with_a_session_cache_gives_the_same_tokens(merged_model, tmp_p
     args = ("generate", merged_model, "--ids", *SOURCE_IDS, "--max-new-tokens", "6")
     plain = run(*args)
     cache = tmp_path / "cache"
+    entries = []
     for _ in range(2):  # writes the entry, then reads it
         cached = run(*args, "--session-cache", cache)
         assert cached.returncode == EXIT_OK, cached.stderr
         assert cached.stdout == plain.stdout
-    assert [p.name.startswith("model-") for p in cache.iterdir()] == [True]
+        entries += [(p.name, p.stat().st_ino) for p in cache.iterdir()]
+    assert len(entries) == 2 and entries[0] == entries[1]  # read, not written again
 
 
 def test_generate_refuses_ids_outside_the_vocabulary(merged_model) -> None:

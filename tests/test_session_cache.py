@@ -71,20 +71,61 @@ def test_a_changed_model_gets_a_new_entry_in_place_of_the_old(merged, tmp_path):
     assert new != old and new.name.rsplit("-", 1)[0] == old.name.rsplit("-", 1)[0]
 
 
-def test_other_session_settings_get_their_own_entry(merged, tmp_path):
+def test_a_changed_file_beside_the_model_is_not_read_from_an_old_entry(merged, tmp_path):
     cache = tmp_path / "cache"
     Seq2SeqModel(merged, session_cache=cache)
-    options = default_session_options()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
-    model = Seq2SeqModel(merged, session_options=options, session_cache=cache)
+    # external data may have any name: any file beside the model counts
+    (merged.parent / "weights.bin").write_bytes(b"new weights")
+    assert Seq2SeqModel(merged, session_cache=cache)._session.opened == merged
+    assert Seq2SeqModel(merged, session_cache=cache)._session.opened != merged
+
+
+def test_other_session_settings_get_their_own_entry(merged, tmp_path):
+    cache = tmp_path / "cache"
+    basic = default_session_options()
+    basic.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    Seq2SeqModel(merged, session_cache=cache)
+    model = Seq2SeqModel(merged, session_options=basic, session_cache=cache)
     assert model._session.opened == merged  # a graph optimized otherwise is not reused
+    assert len(_entries(cache)) == 2  # and both stay: neither replaces the other
+    for options in (None, basic):
+        model = Seq2SeqModel(merged, session_options=options, session_cache=cache)
+        assert model._session.opened != merged
 
 
-def test_a_broken_entry_is_written_again(merged, tmp_path):
+def test_a_saved_graph_is_opened_without_optimizing_it_again(merged, tmp_path):
+    Seq2SeqModel(merged, session_cache=tmp_path / "cache")
+    model = Seq2SeqModel(merged, session_cache=tmp_path / "cache")
+    used = model.session.get_session_options().graph_optimization_level
+    assert used == ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+
+
+def test_data_beside_a_linked_model_is_in_the_key(merged, tmp_path):
+    if not (merged.parent / "model.onnx_data").exists():
+        pytest.skip("the one-file model has no data file")
+    deployed = tmp_path / "deploy"
+    deployed.mkdir()
+    (deployed / "model.onnx").symlink_to(merged)
+    data = deployed / "model.onnx_data"  # onnxruntime reads the data beside the link
+    data.write_bytes((merged.parent / "model.onnx_data").read_bytes())
+    cache = tmp_path / "cache"
+    Seq2SeqModel(deployed / "model.onnx", session_cache=cache)
+    later = data.stat().st_mtime_ns + 10**9
+    os.utime(data, ns=(later, later))
+    assert Seq2SeqModel(deployed / "model.onnx", session_cache=cache)._session.opened != (
+        next(iter(_entries(cache))) / ENTRY_MODEL
+    )
+
+
+@pytest.mark.parametrize("damage", ["unreadable model", "model deleted"])
+def test_a_broken_entry_is_written_again(merged, tmp_path, damage):
     cache = tmp_path / "cache"
     Seq2SeqModel(merged, session_cache=cache)
     (entry,) = _entries(cache)
-    (entry / ENTRY_MODEL).write_bytes(b"not a model")
+    if damage == "model deleted":  # e.g. a delete that stopped halfway
+        (entry / ENTRY_MODEL).unlink()
+    else:
+        (entry / ENTRY_MODEL).write_bytes(b"not a model")
     model = Seq2SeqModel(merged, session_cache=cache)
     assert model._session.opened == merged
     assert Seq2SeqModel(merged, session_cache=cache)._session.opened == entry / ENTRY_MODEL
@@ -100,8 +141,11 @@ def test_a_cache_that_cannot_be_written_leaves_the_load_as_without_it(merged, tm
 
 def test_the_callers_session_options_are_left_as_given(merged, tmp_path):
     options = default_session_options()
+    own = "session.optimized_model_external_initializers_min_size_in_bytes"
+    options.add_session_config_entry(own, "4096")
     level = options.graph_optimization_level
     for _ in range(2):  # the writing load, then the reading one
         Seq2SeqModel(merged, session_options=options, session_cache=tmp_path / "cache")
         assert options.optimized_model_filepath == ""
         assert options.graph_optimization_level == level
+        assert options.get_session_config_entry(own) == "4096"

@@ -6,9 +6,10 @@ open saves onnxruntime's optimized graph there (with its weights in a data file 
 opens read that graph with the optimizations off. The merged file itself is never touched.
 
 What is saved holds onnxruntime's own operators and suits one onnxruntime version, one processor
-and one set of session settings, so all of these are in the entry's key, with the model's files
-(path, size and modification time). An entry that does not load is rebuilt; a folder that
-cannot be written leaves the model opening as without a cache. One entry is kept per model path.
+and one set of session settings: these name the entry's folder. The model's files (the model and
+every file beside it, as the path was given: its external data may have any name) make the rest of
+the name, so a changed file gets a new entry, which replaces the old one. An entry that does not
+load is rebuilt; a cache that cannot be used leaves the model opening as without one.
 """
 
 from __future__ import annotations
@@ -20,11 +21,11 @@ import os
 import platform
 import shutil
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from onnxmerge.runtime.memory import is_data_file_of
 from onnxmerge.sessions import open_session
 
 logger = logging.getLogger(__name__)
@@ -34,6 +35,13 @@ ENTRY_DATA = "model.onnx_data"
 # The session settings that decide the graph onnxruntime optimizes to. Config entries cannot be
 # listed back from SessionOptions, so they are not in the key (docs/runtime.md says so).
 _GRAPH_SETTINGS = ("graph_optimization_level", "execution_mode")
+# Where onnxruntime writes the optimized graph's weights: set only where the caller has not.
+_SAVE_SETTINGS = {
+    "session.optimized_model_external_initializers_file_name": ENTRY_DATA,
+    "session.optimized_model_external_initializers_min_size_in_bytes": "1024",
+}
+# A folder still being written after this long belongs to a load that was killed.
+_ABANDONED_S = 3600
 
 
 def open_with_cache(
@@ -41,51 +49,64 @@ def open_with_cache(
 ) -> tuple[Any, Path]:
     """An ``InferenceSession`` on ``model`` through the cache, and the file it was opened from.
 
-    ``options`` is left as it was given.
+    ``options`` comes back as it was given, except that the two settings saying where an
+    optimized graph's weights go are added where they were not set.
     """
-    entry = entry_path(model, Path(cache_dir), options, providers)
-    if (entry / ENTRY_MODEL).is_file():
+    try:
+        entry = entry_path(model, Path(cache_dir), options, providers)
+        saved = (entry / ENTRY_MODEL).is_file()
+    except OSError as error:
+        return _without_cache(model, options, providers, error)
+    if saved:  # read before anything is written: a read-only cache serves too
         try:
             return _open_saved(entry / ENTRY_MODEL, options, providers), entry / ENTRY_MODEL
         except Exception as error:  # a partial or foreign entry: rebuild it
             logger.debug("cache entry %s does not load (%s); writing it again", entry, error)
-            shutil.rmtree(entry, ignore_errors=True)
     try:
+        if saved or (entry.exists() and not (entry / ENTRY_MODEL).is_file()):
+            shutil.rmtree(entry)  # broken, or left half-deleted: it would block the new entry
         building = Path(tempfile.mkdtemp(prefix=".building-", dir=_made(entry.parent)))
     except OSError as error:
-        logger.debug("cannot write the session cache %s (%s); opening without it", cache_dir, error)
-        return open_session(model, options, providers), model
+        return _without_cache(model, options, providers, error)
     try:
         session = _open_saving(model, building / ENTRY_MODEL, options, providers)
         _publish(building, entry)
     except Exception as error:  # e.g. a provider whose graph onnxruntime cannot save
-        logger.debug("cannot save the optimized graph of %s (%s); not cached", model, error)
-        return open_session(model, options, providers), model
+        return _without_cache(model, options, providers, error)
     finally:
         shutil.rmtree(building, ignore_errors=True)
     return session, model
 
 
-def entry_path(
-    model: Path, cache_dir: Path, options: Any, providers: Sequence[Any] | None
-) -> Path:
-    """The entry folder: named after the model's path, keyed by everything the saved graph
-    depends on."""
-    model = model.resolve()
-    key = {
-        "files": [
-            [p.name, p.stat().st_size, p.stat().st_mtime_ns]
-            for p in sorted(model.parent.iterdir())
-            if p == model or is_data_file_of(model)(p)
-        ],
+def _without_cache(
+    model: Path, options: Any, providers: Sequence[Any] | None, why: Exception
+) -> tuple[Any, Path]:
+    logger.debug("session cache not used for %s: %s", model, why)
+    return open_session(model, options, providers), model
+
+
+def entry_path(model: Path, cache_dir: Path, options: Any, providers: Sequence[Any] | None) -> Path:
+    """The entry folder: named by the model's path and what the saved graph depends on, then by
+    the state of the model's files."""
+    # As given, not resolved: onnxruntime reads external data beside the path it is given.
+    model = Path(os.path.abspath(model))
+    depends_on = {
+        "model": str(model),
         "onnxruntime": _onnxruntime_version(),
         "processor": _processor(),
         "providers": [str(p) for p in providers or ["CPUExecutionProvider"]],
         "settings": {name: str(getattr(options, name)) for name in _GRAPH_SETTINGS},
     }
-    place = hashlib.sha256(str(model).encode()).hexdigest()[:12]
-    state = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return cache_dir / f"{model.stem}-{place}-{state}"
+    files = [
+        [p.name, s.st_size, s.st_mtime_ns, s.st_ctime_ns, s.st_ino]
+        for p in sorted(model.parent.iterdir())
+        if p.is_file() and (s := p.stat())
+    ]
+    return cache_dir / f"{model.stem}-{_digest(depends_on, 12)}-{_digest(files, 16)}"
+
+
+def _digest(value: Any, length: int) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:length]
 
 
 def _open_saved(path: Path, options: Any, providers: Sequence[Any] | None) -> Any:
@@ -102,32 +123,33 @@ def _open_saved(path: Path, options: Any, providers: Sequence[Any] | None) -> An
 def _open_saving(model: Path, target: Path, options: Any, providers: Sequence[Any] | None) -> Any:
     saved_to = options.optimized_model_filepath
     options.optimized_model_filepath = str(target)
-    # Only read while a path is set above, so these stay harmless in the caller's options.
-    _set_entry(options, "session.optimized_model_external_initializers_file_name", ENTRY_DATA)
-    _set_entry(options, "session.optimized_model_external_initializers_min_size_in_bytes", "1024")
+    for key, value in _SAVE_SETTINGS.items():
+        try:
+            options.get_session_config_entry(key)  # the caller's own choice stays
+        except RuntimeError:  # not set
+            options.add_session_config_entry(key, value)
     try:
         return open_session(model, options, providers)
     finally:
         options.optimized_model_filepath = saved_to
 
 
-def _set_entry(options: Any, key: str, value: str) -> None:
-    try:
-        if options.get_session_config_entry(key) == value:
-            return  # set by an earlier open: setting it again makes onnxruntime print a warning
-    except RuntimeError:  # not set yet
-        pass
-    options.add_session_config_entry(key, value)
-
-
 def _publish(building: Path, entry: Path) -> None:
-    """Move a complete entry into place, and drop the entries of the same model it replaces."""
+    """Move a complete entry into place; drop the entries it replaces (same model and settings,
+    older files) and folders that killed loads left."""
     if not (building / ENTRY_MODEL).is_file():
         logger.debug("onnxruntime saved no optimized graph; nothing cached")
         return
-    place = entry.name.rsplit("-", 1)[0] + "-"
-    for old in entry.parent.glob(f"{place}*"):
+    replaced = entry.name.rsplit("-", 1)[0] + "-"
+    for old in entry.parent.glob(f"{replaced}*"):
         if old != entry:
+            shutil.rmtree(old, ignore_errors=True)
+    for old in entry.parent.glob(".building-*"):
+        try:
+            abandoned = time.time() - old.stat().st_mtime > _ABANDONED_S
+        except OSError:
+            continue
+        if abandoned:
             shutil.rmtree(old, ignore_errors=True)
     try:
         building.rename(entry)
@@ -147,10 +169,11 @@ def _onnxruntime_version() -> str:
 
 
 def _processor() -> str:
-    """The processor's model and instruction sets, which onnxruntime's kernels depend on."""
+    """The processor's instruction sets, which onnxruntime's kernels are chosen by: Linux lists
+    them (``flags`` on x86, ``Features`` on ARM); elsewhere only the architecture is known."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
+            if line.startswith(("flags", "Features")):
                 return f"{platform.machine()} {hashlib.sha256(line.encode()).hexdigest()[:16]}"
     except OSError:
         pass

@@ -21,7 +21,7 @@ session cache whose entry was written before the timed runs (``float32 session c
 ``int8 session cache``), what every load after the first costs.
 
 Usage: python benchmarks/bench_ctranslate2.py [--quick] [--out benchmarks/out/ctranslate2.json]
-    [--repeats 5] [--rounds 2] [--threads 2]
+    [--repeats 5] [--rounds 3] [--threads 2]
 """
 
 from __future__ import annotations
@@ -470,8 +470,7 @@ def main(argv: list[str] | None = None) -> int:
                             )
                         )
         for variant in caches:
-            missed = [r["opened"] for r in runs[variant] if r["opened"] == str(ours[variant][1])]
-            if missed:
+            if any(r["opened"] == str(ours[variant][1]) for r in runs[variant]):
                 raise RuntimeError(f"{variant}: a timed load did not read the cache entry")
         # Apart: a variant and a precision can share a name ("float32").
         ours_mb = {

@@ -12,6 +12,7 @@ import numpy as np
 
 from onnxmerge import contract as c
 from onnxmerge.errors import GenerationError
+from onnxmerge.runtime.greedy_head import GreedyHead, LogitBounds
 from onnxmerge.runtime.processors import build_processors
 from onnxmerge.runtime.search import beam_search, greedy_or_sample
 from onnxmerge.runtime.session import Cache, MergedSession, StepOutput
@@ -23,10 +24,17 @@ logger = logging.getLogger(__name__)
 class _Runner:
     """Adapts a session and its cache to the search loops' runner interface."""
 
-    def __init__(self, session: MergedSession, encoder_inputs: dict, prompt: np.ndarray):
+    def __init__(
+        self,
+        session: MergedSession,
+        encoder_inputs: dict,
+        prompt: np.ndarray,
+        greedy_head: GreedyHead | None = None,
+    ):
         self.session = session
         self.encoder_inputs = encoder_inputs
         self.prompt = prompt
+        self.greedy_head = greedy_head
         self.cache: Cache | None = None
 
     def start(self) -> np.ndarray:
@@ -34,10 +42,12 @@ class _Runner:
         self.cache = out.cache
         return out.logits[:, -1, :]
 
-    def advance(self, tokens: np.ndarray) -> np.ndarray:
+    def advance(self, tokens: np.ndarray) -> np.ndarray | LogitBounds:
         ids = np.ascontiguousarray(tokens, dtype=np.int64).reshape(-1, 1)
-        out = self.session.next_step(ids, self.cache)
+        out = self.session.next_step(ids, self.cache, greedy=self.greedy_head is not None)
         self.cache = out.cache
+        if out.hidden is not None:
+            return self.greedy_head.bounds(out.logits[:, -1, :], out.hidden)
         return out.logits[:, -1, :]
 
     def expand(self, n: int) -> None:
@@ -289,7 +299,14 @@ class Seq2SeqModel:
                 repeat = settings.num_return_sequences
                 inputs = {k: np.repeat(v, repeat, axis=0) for k, v in inputs.items()}
                 prompt = np.repeat(prompt, repeat, axis=0)
-            runner = _Runner(self._session, inputs, prompt)
+            # Greedy search needs only each row's largest score: the session's int8 head
+            # bounds the rest, where the processors keep bounds bounds.
+            greedy_head = (
+                self._session.greedy_head
+                if not settings.do_sample and processors.keeps_bounds
+                else None
+            )
+            runner = _Runner(self._session, inputs, prompt, greedy_head)
             return greedy_or_sample(runner, prompt, settings, processors, rng)
         runner = _Runner(self._session, inputs, prompt)
         return beam_search(runner, prompt, settings, processors, rng)

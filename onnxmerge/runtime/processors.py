@@ -23,6 +23,9 @@ NEG_INF = np.float32(-np.inf)
 
 
 class LogitsProcessor(Protocol):
+    """``keeps_bounds = True`` on a processor says it maps each score through a non-decreasing
+    function of that score alone (given the tokens so far): bounds on scores stay bounds."""
+
     def __call__(self, input_ids: np.ndarray, scores: np.ndarray) -> np.ndarray: ...
 
 
@@ -54,6 +57,8 @@ def _penalize(scores: np.ndarray, ids: np.ndarray, penalty: float) -> np.ndarray
 class RepetitionPenalty:
     """Divide positive (multiply negative) scores of tokens already in the row by ``penalty``."""
 
+    keeps_bounds = True
+
     def __init__(self, penalty: float):
         self.penalty = float(_positive("repetition_penalty", penalty))
 
@@ -63,6 +68,8 @@ class RepetitionPenalty:
 
 class NoRepeatNGram:
     """Ban every token that would repeat an n-gram already present in the row."""
+
+    keeps_bounds = True
 
     def __init__(self, ngram_size: int):
         self.ngram_size = int(_positive("no_repeat_ngram_size", ngram_size))
@@ -90,6 +97,8 @@ class EncoderRepetitionPenalty:
     As in transformers, the encoder rows pair with the first score rows only.
     """
 
+    keeps_bounds = True
+
     def __init__(self, penalty: float, encoder_input_ids: np.ndarray):
         self.penalty = 1 / float(_positive("encoder_repetition_penalty", penalty))
         self.encoder_input_ids = np.asarray(encoder_input_ids, dtype=np.int64)
@@ -100,6 +109,8 @@ class EncoderRepetitionPenalty:
 
 class EncoderNoRepeatNGram:
     """Ban tokens that would repeat an n-gram of the row's encoder ``input_ids``."""
+
+    keeps_bounds = True
 
     def __init__(self, ngram_size: int, encoder_input_ids: np.ndarray):
         self.ngram_size = int(_positive("encoder_no_repeat_ngram_size", ngram_size))
@@ -130,6 +141,8 @@ class NoBadWords:
     A bad word equal to a single eos token is dropped, as transformers does.
     """
 
+    keeps_bounds = True
+
     def __init__(self, bad_words_ids: Sequence[Sequence[int]], eos_token_ids: Sequence[int] = ()):
         eos = [[int(t)] for t in eos_token_ids]
         words = [list(map(int, w)) for w in bad_words_ids]
@@ -152,6 +165,8 @@ class NoBadWords:
 class MinLength:
     """Forbid eos while the sequence (decoder start included) is shorter than ``min_length``."""
 
+    keeps_bounds = True
+
     def __init__(self, min_length: int, eos_token_ids: Sequence[int]):
         self.min_length = int(min_length)
         self.eos = _token_array(eos_token_ids)
@@ -164,6 +179,8 @@ class MinLength:
 
 class MinNewTokens:
     """Forbid eos until ``min_new_tokens`` tokens follow the prompt of ``prompt_length`` tokens."""
+
+    keeps_bounds = True
 
     def __init__(self, prompt_length: int, min_new_tokens: int, eos_token_ids: Sequence[int]):
         self.prompt_length = int(prompt_length)
@@ -179,6 +196,8 @@ class MinNewTokens:
 class ForcedBOS:
     """Force ``token_id`` as the first generated token (when the sequence holds one token)."""
 
+    keeps_bounds = True
+
     def __init__(self, token_id: int):
         self.token_id = int(token_id)
 
@@ -191,6 +210,8 @@ class ForcedBOS:
 
 class ForcedEOS:
     """Force eos as the last token when the sequence reaches ``max_length - 1``."""
+
+    keeps_bounds = True
 
     def __init__(self, max_length: int, eos_token_ids: Sequence[int]):
         self.max_length = int(max_length)
@@ -210,6 +231,8 @@ class ForcedEOS:
 class SuppressTokens:
     """Set the scores of ``tokens`` to -inf at every step."""
 
+    keeps_bounds = True
+
     def __init__(self, tokens: Iterable[int]):
         self.tokens = _token_array(tokens)
 
@@ -220,6 +243,8 @@ class SuppressTokens:
 
 class SuppressTokensAtBegin:
     """Set the scores of ``tokens`` to -inf when the sequence is ``begin_index`` long."""
+
+    keeps_bounds = True
 
     def __init__(self, tokens: Iterable[int], begin_index: int):
         self.tokens = _token_array(tokens)
@@ -296,6 +321,10 @@ def log_softmax(scores: np.ndarray) -> np.ndarray:
 
 class ProcessorList(list):
     """Apply processors in order."""
+
+    @property
+    def keeps_bounds(self) -> bool:
+        return all(getattr(processor, "keeps_bounds", False) for processor in self)
 
     def __call__(self, input_ids: np.ndarray, scores: np.ndarray) -> np.ndarray:
         for processor in self:

@@ -1,8 +1,10 @@
 """Greedy search, sampling and beam search over a step runner, matching transformers' loops.
 
 A runner hides the model: ``start()`` runs the prompt and returns the next-token logits of each
-row, ``advance(tokens)`` appends one token per row and returns the next logits, ``expand(n)``
-repeats every row ``n`` times and ``reorder(rows)`` picks rows (beams) for the next step.
+row, ``advance(tokens)`` appends one token per row and returns the next logits (in greedy search
+it may return bounds on them, whose ``argmax(processors, input_ids)`` gives the tokens),
+``expand(n)`` repeats every row ``n`` times and ``reorder(rows)`` picks rows (beams) for the next
+step.
 """
 
 from __future__ import annotations
@@ -59,11 +61,14 @@ def greedy_or_sample(
     unfinished = np.ones(rows, dtype=bool)
     logits = runner.start()
     while True:
-        scores = processors(sequences[:, :cur_len], np.array(logits, dtype=np.float32))
-        if settings.do_sample:
-            tokens = sample_tokens(softmax(scores), rng)
+        if not isinstance(logits, np.ndarray):  # bounds from a greedy head: greedy search only
+            tokens = logits.argmax(processors, sequences[:, :cur_len])
         else:
-            tokens = np.argmax(scores, axis=1)
+            scores = processors(sequences[:, :cur_len], np.array(logits, dtype=np.float32))
+            if settings.do_sample:
+                tokens = sample_tokens(softmax(scores), rng)
+            else:
+                tokens = np.argmax(scores, axis=1)
         if eos is not None:
             tokens = np.where(unfinished, tokens, pad)
         sequences[:, cur_len] = tokens

@@ -19,6 +19,7 @@ import numpy as np
 
 from onnxmerge import contract as c
 from onnxmerge.errors import GenerationError, InvalidMergedModelError
+from onnxmerge.runtime.greedy_head import FLAG, HIDDEN, GreedyHead
 from onnxmerge.runtime.memory import release_free_heap, release_mapped_weights
 from onnxmerge.runtime.session_cache import open_with_cache
 from onnxmerge.sessions import ORT_TO_NUMPY, open_session
@@ -101,10 +102,12 @@ class Cache:
 
 @dataclass(frozen=True)
 class StepOutput:
-    """``logits``: ``[rows, new_tokens, vocab]`` for the tokens fed; ``cache`` for the next step."""
+    """``logits``: ``[rows, new_tokens, vocab]`` for the tokens fed; ``cache`` for the next step;
+    ``hidden``: the head's input, for a greedy step only."""
 
     logits: np.ndarray
     cache: Cache
+    hidden: np.ndarray | None = None
 
 
 def default_session_options() -> Any:
@@ -123,7 +126,8 @@ def default_session_options() -> Any:
 class MergedSession:
     """An onnxruntime session over a merged model, with the step API.
 
-    ``opened`` is the file onnxruntime read: the model, or its entry in ``session_cache``.
+    ``opened`` is the file onnxruntime read: the model, or its entry in ``session_cache``;
+    ``wrote_cache_entry`` says whether this load wrote that entry.
     """
 
     def __init__(
@@ -147,8 +151,9 @@ class MergedSession:
         try:
             if session_cache is None:
                 self.session, self.opened = open_session(self.path, options, providers), self.path
+                self.wrote_cache_entry = False
             else:
-                self.session, self.opened = open_with_cache(
+                self.session, self.opened, self.wrote_cache_entry = open_with_cache(
                     self.path, session_cache, options, providers
                 )
         except Exception as error:
@@ -209,6 +214,9 @@ class MergedSession:
             }
         self._true = np.ones(1, dtype=np.bool_)
         self._false = np.zeros(1, dtype=np.bool_)
+        # A session-cache entry may hold an int8 head for greedy search under FLAG.
+        self._has_flag = self.has_past and FLAG in self.inputs and HIDDEN in self.output_names
+        self.greedy_head = GreedyHead.load(self.opened.parent) if self._has_flag else None
 
     # -- shapes ---------------------------------------------------------------------------------
 
@@ -271,6 +279,8 @@ class MergedSession:
             )
         rows = decoder_input_ids.shape[0]
         feeds[c.USE_CACHE_BRANCH] = self._false
+        if self._has_flag:
+            feeds[FLAG] = self._false
         feeds.update(self._empty_past(rows))
         results = self._run(self._first_outputs, feeds)
         n = len(self.present_decoder_names)
@@ -286,8 +296,14 @@ class MergedSession:
         decoder_input_ids: np.ndarray,
         cache: Cache,
         attention_mask: np.ndarray | None = None,
+        *,
+        greedy: bool = False,
     ) -> StepOutput:
-        """Feed new tokens ``[rows, n]`` after the cached prefix."""
+        """Feed new tokens ``[rows, n]`` after the cached prefix.
+
+        ``greedy=True`` (only where ``greedy_head`` is not None) returns the int8 head's logits
+        and the head's input as ``hidden``, for :class:`GreedyHead`.
+        """
         mask = attention_mask if attention_mask is not None else cache.attention_mask
         if not self.has_past:
             tokens = np.concatenate([cache.tokens, decoder_input_ids], axis=1)
@@ -308,6 +324,12 @@ class MergedSession:
         feeds[c.USE_CACHE_BRANCH] = self._true
         feeds.update(zip(self.past_decoder_names, cache.decoder, strict=True))
         feeds.update(zip(self.past_encoder_names, cache.encoder, strict=True))
-        results = self._run(self._next_outputs, feeds)
-        new_cache = Cache(attention_mask=mask, decoder=tuple(results[1:]), encoder=cache.encoder)
-        return StepOutput(results[0], new_cache)
+        if self._has_flag:
+            feeds[FLAG] = self._true if greedy else self._false
+        outputs = self._next_outputs + [HIDDEN] if greedy else self._next_outputs
+        results = self._run(outputs, feeds)
+        layers = len(self.present_decoder_names)
+        new_cache = Cache(
+            attention_mask=mask, decoder=tuple(results[1 : 1 + layers]), encoder=cache.encoder
+        )
+        return StepOutput(results[0], new_cache, results[-1] if greedy else None)

@@ -32,6 +32,10 @@ logger = logging.getLogger(__name__)
 
 ENTRY_MODEL = "model.onnx"
 ENTRY_DATA = "model.onnx_data"
+# What an entry holds; a new layout gets new entries.
+ENTRY_LAYOUT = 2
+# Where the model with a greedy head is written for onnxruntime to optimize, inside the entry.
+_SOURCE = "source"
 # The session settings that decide the graph onnxruntime optimizes to. Config entries cannot be
 # listed back from SessionOptions, so they are not in the key (docs/runtime.md says so).
 _GRAPH_SETTINGS = ("graph_optimization_level", "execution_mode")
@@ -46,8 +50,9 @@ _ABANDONED_S = 3600
 
 def open_with_cache(
     model: Path, cache_dir: str | os.PathLike, options: Any, providers: Sequence[Any] | None
-) -> tuple[Any, Path]:
-    """An ``InferenceSession`` on ``model`` through the cache, and the file it was opened from.
+) -> tuple[Any, Path, bool]:
+    """An ``InferenceSession`` on ``model`` through the cache, the file it was opened from and
+    whether this load wrote that file's entry.
 
     ``options`` comes back as it was given, except that the two settings saying where an
     optimized graph's weights go are added where they were not set.
@@ -59,7 +64,7 @@ def open_with_cache(
         return _without_cache(model, options, providers, error)
     if saved:  # read before anything is written: a read-only cache serves too
         try:
-            return _open_saved(entry / ENTRY_MODEL, options, providers), entry / ENTRY_MODEL
+            return _open_saved(entry / ENTRY_MODEL, options, providers), entry / ENTRY_MODEL, False
         except Exception as error:  # a partial or foreign entry: rebuild it
             logger.debug("cache entry %s does not load (%s); writing it again", entry, error)
     try:
@@ -69,20 +74,44 @@ def open_with_cache(
     except OSError as error:
         return _without_cache(model, options, providers, error)
     try:
-        session = _open_saving(model, building / ENTRY_MODEL, options, providers)
+        _build(model, building, options, providers)
         _publish(building, entry)
     except Exception as error:  # e.g. a provider whose graph onnxruntime cannot save
         return _without_cache(model, options, providers, error)
     finally:
         shutil.rmtree(building, ignore_errors=True)
-    return session, model
+    try:  # read as every later load reads it: a fault shows now, not on the next load
+        return _open_saved(entry / ENTRY_MODEL, options, providers), entry / ENTRY_MODEL, True
+    except Exception as error:
+        return _without_cache(model, options, providers, error)
+
+
+def _build(model: Path, building: Path, options: Any, providers: Sequence[Any] | None) -> None:
+    """Save onnxruntime's optimized graph of ``model`` in ``building``; where the model's head
+    allows, the graph gets a greedy head first (``onnxmerge/greedy_head.py``)."""
+    source = None
+    try:
+        from onnxmerge.greedy_head import write_greedy_source  # onnx-ir: only when writing
+
+        source = write_greedy_source(model, building / _SOURCE)
+    except Exception as error:  # the entry is still worth having without it
+        logger.debug("no greedy head for %s: %s", model, error)
+    opened = source.path if source else model
+    session = _open_saving(opened, building / ENTRY_MODEL, options, providers)
+    del session  # it maps the source's data, which goes next
+    if source is not None:
+        try:
+            source.write_tables(building / ENTRY_MODEL)
+        except Exception as error:  # greedy steps then run the float head
+            logger.debug("greedy head tables not written for %s: %s", model, error)
+        shutil.rmtree(building / _SOURCE)
 
 
 def _without_cache(
     model: Path, options: Any, providers: Sequence[Any] | None, why: Exception
-) -> tuple[Any, Path]:
+) -> tuple[Any, Path, bool]:
     logger.debug("session cache not used for %s: %s", model, why)
-    return open_session(model, options, providers), model
+    return open_session(model, options, providers), model, False
 
 
 def entry_path(model: Path, cache_dir: Path, options: Any, providers: Sequence[Any] | None) -> Path:
@@ -91,6 +120,7 @@ def entry_path(model: Path, cache_dir: Path, options: Any, providers: Sequence[A
     # As given, not resolved: onnxruntime reads external data beside the path it is given.
     model = Path(os.path.abspath(model))
     depends_on = {
+        "layout": ENTRY_LAYOUT,
         "model": str(model),
         "onnxruntime": _onnxruntime_version(),
         "processor": _processor(),

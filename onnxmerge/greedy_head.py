@@ -1,0 +1,274 @@
+"""A second LM head for greedy search, stored as int8 rows, for onnxruntime's session cache.
+
+Greedy search needs the largest logit of each row, not every logit. At batch 1 the cached step's
+tied head reads the whole float32 embedding each token (122 MB on the opus-mt-fr-en shape), about
+a third of the step. :func:`add_greedy_head` gives the cached branch a second head, chosen by the
+boolean input ``FLAG``: the embedding's rows quantized to int8 (a quarter of the bytes) through
+the integer matrix product, with the head's input as the extra output ``HIDDEN``. The tables
+:func:`row_tables` returns bound how far each int8 logit can be from the float one, so the
+runtime computes float logits only for the tokens that can still be the largest
+(``onnxmerge/runtime/greedy_head.py``).
+
+The graph this makes is for onnxruntime on one machine: session-cache entries hold it, merged
+files never do.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+
+from onnxmerge import contract as c
+from onnxmerge.model_io import load_model
+from onnxmerge.passes import is_op
+from onnxmerge.runtime.greedy_head import FLAG, HIDDEN, write_tables
+
+logger = logging.getLogger(__name__)
+
+CODES = "onnxmerge.greedy_head.codes"
+SCALES = "onnxmerge.greedy_head.scales"
+# DynamicQuantizeLinear arrived in opset 11.
+_MIN_OPSET = 11
+_CHUNK_ROWS = 4096
+
+
+@dataclass(frozen=True)
+class Head:
+    """The float head both branches end with: ``Gemm(rows, weight, transB=1)`` reshaped into
+    the logits, plus ``bias`` (or nothing)."""
+
+    weight: ir.Value
+    bias: ir.Value | None
+    gemms: tuple[ir.Node, ir.Node]  # the cached branch's, the uncached branch's
+    branches: ir.Node  # the If on use_cache_branch
+    index: int  # the logits' place among the If's outputs
+
+
+@dataclass(frozen=True)
+class RowTables:
+    """Per-row int8 codes of a ``[vocab, hidden]`` weight and what bounds their error."""
+
+    codes: np.ndarray  # int8 [vocab, hidden]
+    scales: np.ndarray  # float32 [vocab]: row ~= codes * scale
+    error: np.ndarray  # float64 [vocab]: max |row - codes * scale|
+    l1: np.ndarray  # float64 [vocab]: sum |codes * scale|
+    amax: np.ndarray  # float64 [vocab]: max |row|
+
+
+def row_tables(weight: np.ndarray) -> RowTables:
+    """Symmetric int8 codes with one scale per row, and their error tables (read in chunks)."""
+    vocab, hidden = weight.shape
+    codes = np.empty((vocab, hidden), np.int8)
+    scales = np.empty(vocab, np.float32)
+    error, l1, amax = (np.empty(vocab) for _ in range(3))
+    for start in range(0, vocab, _CHUNK_ROWS):
+        part = slice(start, start + _CHUNK_ROWS)
+        rows = np.asarray(weight[part], dtype=np.float64)
+        amax[part] = np.abs(rows).max(axis=1)
+        scale = (amax[part] / 127).astype(np.float32)
+        scale[scale == 0] = 1
+        scales[part] = scale
+        codes[part] = np.clip(np.rint(rows / scale[:, None]), -127, 127)
+        dequantized = codes[part] * scale[:, None].astype(np.float64)
+        error[part] = np.abs(rows - dequantized).max(axis=1)
+        l1[part] = np.abs(dequantized).sum(axis=1)
+    return RowTables(codes, scales, error, l1, amax)
+
+
+def find_head(model: ir.Model) -> Head | str:
+    """The tied float head of both branches, or why there is none to add a greedy head to."""
+    main = model.graph
+    if model.opset_imports.get("", model.opset_imports.get("ai.onnx", 0)) < _MIN_OPSET:
+        return f"opset below {_MIN_OPSET}"
+    if any(v.name in (FLAG, HIDDEN) for v in (*main.inputs, *main.outputs)):
+        return "it already has a greedy head"
+    flag = next((v for v in main.inputs if v.name == c.USE_CACHE_BRANCH), None)
+    ids = next((v for v in main.inputs if v.name == c.DECODER_INPUT_IDS), None)
+    branches = [n for n in main if is_op(n, "If") and n.inputs[0] is flag] if flag else []
+    if len(branches) != 1 or ids is None:
+        return f"no single If on {c.USE_CACHE_BRANCH} with {c.DECODER_INPUT_IDS}"
+    node = branches[0]
+    logits = next((v for v in main.outputs if v.name == c.LOGITS), None)
+    if logits is None or logits.producer() is not node:
+        return "the logits do not come from the If"
+    index = list(node.outputs).index(logits)
+    found = []
+    for branch in ("then_branch", "else_branch"):
+        head = _branch_head(node.attributes[branch].as_graph().outputs[index], main)
+        if isinstance(head, str):
+            return f"{branch}: {head}"
+        found.append(head)
+    (gemm, weight, bias), (first_gemm, first_weight, first_bias) = found
+    if first_weight is not weight or first_bias is not bias:
+        return "the branches' heads read different weights"
+    return Head(weight, bias, (gemm, first_gemm), node, index)
+
+
+def _branch_head(
+    logits: ir.Value, main: ir.Graph
+) -> tuple[ir.Node, ir.Value, ir.Value | None] | str:
+    node, bias = logits.producer(), None
+    if is_op(node, "Add"):
+        bias = next((v for v in node.inputs if v is not None and v.graph is main), None)
+        other = next((v for v in node.inputs if v is not bias), None)
+        if bias is None or bias.const_value is None or other is None:
+            return "the logits add something other than a stored bias"
+        node = other.producer()
+    if not is_op(node, "Reshape"):
+        return "the head's product is not reshaped into the logits"
+    gemm = node.inputs[0].producer()
+    if not is_op(gemm, "Gemm") or len([v for v in gemm.inputs if v is not None]) != 2:
+        return "the head is not a Gemm without bias"
+    attrs = {name: attr.value for name, attr in gemm.attributes.items()}
+    if attrs.get("transB") != 1 or attrs.get("transA", 0) != 0 or attrs.get("alpha", 1.0) != 1.0:
+        return "the head's Gemm does not read the weight's rows as stored (transB=1)"
+    weight = gemm.inputs[1]
+    if weight.graph is not main or weight.const_value is None or weight.dtype != ir.DataType.FLOAT:
+        return "the head's weight is not a stored float32 tensor of the main graph"
+    if weight.shape is None or len(weight.shape) != 2:
+        return "the head's weight is not a matrix"
+    if bias is not None and bias.const_value.size != weight.shape[0]:
+        return "the bias does not match the vocabulary"
+    return gemm, weight, bias
+
+
+def add_greedy_head(model: ir.Model, head: Head) -> RowTables:
+    """Move the head out of both branches, under ``FLAG``: int8 rows where it is true, the
+    float head where it is false; the branches' output in place of the logits is ``HIDDEN``.
+
+    Nested one level deeper, inside the cached branch, onnxruntime does not pre-pack the
+    head's weights, and both heads ran at the float head's speed.
+    """
+    main = model.graph
+    vocab, hidden_size = head.weight.shape
+    tables = row_tables(head.weight.const_value.numpy())
+    codes = _initializer(main, CODES, np.ascontiguousarray(tables.codes.T))
+    scales = _initializer(main, SCALES, tables.scales)
+    columns = _initializer(main, "onnxmerge.greedy_head.vocab", np.array([vocab], np.int64))
+    flag = ir.Value(name=FLAG, type=ir.TensorType(ir.DataType.BOOL), shape=ir.Shape([1]))
+    main.inputs.append(flag)
+
+    # Each branch now ends with the head's input, [rows, hidden].
+    for branch, gemm in zip(("then_branch", "else_branch"), head.gemms, strict=True):
+        graph = head.branches.attributes[branch].as_graph()
+        graph.outputs[head.index] = gemm.inputs[0]
+        _remove_unused(graph)
+    hidden = head.branches.outputs[head.index]
+    logits_at = main.outputs.index(hidden)
+    hidden.name = HIDDEN
+    hidden.shape = ir.Shape([None, hidden_size])
+
+    p = "onnxmerge.greedy_head/"
+    quantize = ir.Node("", "DynamicQuantizeLinear", [hidden], num_outputs=3, name=p + "quantize")
+    for value, suffix in zip(quantize.outputs, ("rows_q", "rows_scale", "rows_zero"), strict=True):
+        value.name = p + suffix
+    q_rows, q_scale, q_zero = quantize.outputs
+    product = ir.node("MatMulInteger", [q_rows, codes, q_zero], name=p + "int8/product")
+    as_float = ir.node("Cast", [product.outputs[0]], {"to": ir.DataType.FLOAT}, name=p + "cast")
+    column_scales = ir.node("Mul", [q_scale, scales], name=p + "column_scales")
+    approximate = ir.node("Mul", [as_float.outputs[0], column_scales.outputs[0]], name=p + "int8")
+    int8_nodes = [quantize, product, as_float, column_scales, approximate]
+    exact = ir.node("Gemm", [hidden, head.weight], {"transB": 1}, name=p + "float")
+    for node in [*int8_nodes[1:], exact]:
+        node.outputs[0].name = node.name
+    choose = ir.node(
+        "If",
+        [flag],
+        {
+            "then_branch": ir.Graph([], approximate.outputs, nodes=int8_nodes, name="int8_head"),
+            "else_branch": ir.Graph([], exact.outputs, nodes=[exact], name="float_head"),
+        },
+        name=p + "choose",
+    )
+    choose.outputs[0].name = p + "product"
+    # [batch, new tokens, vocab]: the decoder's ids give the first two.
+    ids = next(v for v in main.inputs if v.name == c.DECODER_INPUT_IDS)
+    ids_shape = ir.node("Shape", [ids], name=p + "ids_shape")
+    shape = ir.node("Concat", [ids_shape.outputs[0], columns], {"axis": 0}, name=p + "shape")
+    logits = ir.node("Reshape", [choose.outputs[0], shape.outputs[0]], name=p + "logits")
+    tail = [choose, ids_shape, shape, logits]
+    if head.bias is not None:
+        tail.append(ir.node("Add", [logits.outputs[0], head.bias], name=p + "bias"))
+    for node in tail[1:]:
+        node.outputs[0].name = node.name
+    main.insert_after(head.branches, tail)
+    result = tail[-1].outputs[0]
+    result.name = c.LOGITS
+    result.type = ir.TensorType(ir.DataType.FLOAT)
+    result.shape = ir.Shape([None, None, vocab])
+    main.outputs[logits_at] = result
+    main.outputs.append(hidden)
+    return tables
+
+
+def _remove_unused(graph: ir.Graph) -> None:
+    """Drop the nodes whose outputs nothing reads, until none is left."""
+    outputs = set(graph.outputs)
+    for node in reversed(list(graph)):
+        if all(not v.uses() and v not in outputs for v in node.outputs):
+            graph.remove(node, safe=True)
+
+
+def _initializer(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
+    value = ir.Value(
+        name=name,
+        type=ir.TensorType(ir.DataType.from_numpy(array.dtype)),
+        shape=ir.Shape(array.shape),
+        const_value=ir.tensor(array, name=name),
+    )
+    graph.register_initializer(value)
+    return value
+
+
+@dataclass(frozen=True)
+class GreedySource:
+    """A merged model with a greedy head, written for onnxruntime to optimize and save."""
+
+    path: Path
+    weight_name: str
+    bias: np.ndarray | None
+    tables: RowTables
+
+    def write_tables(self, saved: Path) -> bool:
+        """Write the runtime's tables beside ``saved``, onnxruntime's optimized graph of
+        ``path``, which must keep the weight, unchanged, in a data file; whether it did."""
+        import onnx
+
+        proto = onnx.load(saved, load_external_data=False)
+        tensor = next((t for t in proto.graph.initializer if t.name == self.weight_name), None)
+        if tensor is None or tensor.data_location != onnx.TensorProto.EXTERNAL:
+            logger.debug("the optimized graph does not keep %s in a data file", self.weight_name)
+            return False
+        where = {entry.key: entry.value for entry in tensor.external_data}
+        write_tables(
+            saved.parent,
+            weight_file=where["location"],
+            weight_offset=int(where.get("offset", 0)),
+            weight_shape=tuple(tensor.dims),
+            bias=self.bias,
+            error=self.tables.error,
+            l1=self.tables.l1,
+            amax=self.tables.amax,
+        )
+        return True
+
+
+def write_greedy_source(model_path: Path, folder: Path) -> GreedySource | None:
+    """``model_path`` with a greedy head, saved in ``folder`` with its weights in a data file;
+    None (and why, in the log) where its head is not one this applies to."""
+    model, _ = load_model(model_path)
+    head = find_head(model)
+    if isinstance(head, str):
+        logger.debug("no greedy head for %s: %s", model_path, head)
+        return None
+    weight_name = head.weight.name
+    tables = add_greedy_head(model, head)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "model.onnx"
+    ir.save(model, path, external_data="model.onnx_data", size_threshold_bytes=1024)
+    bias = None if head.bias is None else head.bias.const_value.numpy().reshape(-1)
+    return GreedySource(path, weight_name, bias, tables)

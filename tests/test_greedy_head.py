@@ -1,0 +1,230 @@
+"""The greedy head of session-cache entries: its bounds hold for onnxruntime's int8 kernels, and
+greedy search through it picks the tokens the float head picks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from tests import textmodels as tm
+
+ort = pytest.importorskip("onnxruntime")
+
+from onnxmerge import Seq2SeqModel, merge_seq2seq, quantize  # noqa: E402
+from onnxmerge.greedy_head import find_head, row_tables  # noqa: E402
+from onnxmerge.model_io import load_model  # noqa: E402
+from onnxmerge.runtime.greedy_head import TABLES, GreedyHead  # noqa: E402
+from onnxmerge.runtime.processors import (  # noqa: E402
+    ForcedBOS,
+    MinLength,
+    NoBadWords,
+    ProcessorList,
+    RepetitionPenalty,
+)
+
+# The int8 head as the rewrite adds it, alone: what onnxruntime computes for the bounds to hold.
+INT8_HEAD = """
+<ir_version: 8, opset_import: ["" : 17]>
+int8_head (float[R, D] hidden, int8[D, V] codes, float[V] scales) => (float[R, V] logits) {
+  q, step, zero = DynamicQuantizeLinear(hidden)
+  product = MatMulInteger(q, codes, zero)
+  as_float = Cast<to = 1>(product)
+  column_scales = Mul(step, scales)
+  logits = Mul(as_float, column_scales)
+}
+"""
+
+
+def _int8_session(optimize: bool):
+    options = ort.SessionOptions()
+    if not optimize:  # with optimizations on, onnxruntime fuses the head into one kernel
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    model = onnx.parser.parse_model(INT8_HEAD).SerializeToString()
+    return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+
+
+def _head(weight: np.ndarray, bias: np.ndarray | None = None) -> GreedyHead:
+    tables = row_tables(weight)
+    return GreedyHead(weight, bias, tables.error, tables.l1, tables.amax)
+
+
+def _hidden_cases(rng: np.random.Generator, size: int) -> list[np.ndarray]:
+    normal = rng.standard_normal((3, size)).astype(np.float32)
+    outlier = normal.copy()
+    outlier[0, 5] = 40.0  # one large value: a coarse quantization step for every row
+    return [
+        normal,
+        np.abs(normal) + 0.3,  # all positive: the zero point sits at the end of the range
+        -np.abs(normal[:1]),
+        outlier,
+        (normal * 1e-3).astype(np.float32),
+        np.zeros((2, size), np.float32),
+    ]
+
+
+@pytest.mark.parametrize("optimize", [True, False], ids=["fused", "as-written"])
+def test_each_float_logit_lies_within_its_bounds_of_the_int8_logit(optimize):
+    rng = np.random.default_rng(0)
+    session = _int8_session(optimize)
+    weights = {
+        "normal": rng.standard_normal((300, 64)).astype(np.float32) * 0.05,
+        "heavy tails": (rng.standard_t(2, (300, 64)) * 0.05).astype(np.float32),
+    }
+    weights["normal"][7] = 0  # a row of zeros: scale 1, no error
+    for name, weight in weights.items():
+        head = _head(weight)
+        tables = row_tables(weight)
+        for hidden in _hidden_cases(rng, weight.shape[1]):
+            feeds = {"hidden": hidden, "codes": np.ascontiguousarray(tables.codes.T)}
+            (approximate,) = session.run(None, {**feeds, "scales": tables.scales})
+            bounds = head.bounds(approximate, hidden)
+            exact = hidden.astype(np.float64) @ weight.T.astype(np.float64)
+            distance = np.abs(exact - approximate)
+            assert (distance <= bounds.slack()).all(), name
+            # The bounds are not vacuous: most tokens are ruled out for normal inputs.
+            assert bounds.slack().mean() < np.abs(exact).max() + 1e-6
+
+
+def _greedy_case(rng, weight, bias, hidden, processors, ids):
+    session = _int8_session(True)
+    tables = row_tables(weight)
+    codes = np.ascontiguousarray(tables.codes.T)
+    (approximate,) = session.run(None, {"hidden": hidden, "codes": codes, "scales": tables.scales})
+    approximate = approximate + bias
+    picked = _head(weight, bias).bounds(approximate, hidden).argmax(processors, ids)
+    full = processors(ids, (hidden @ weight.T + bias).astype(np.float32))
+    return picked, np.argmax(full, axis=1)
+
+
+def test_the_tokens_are_the_float_heads_under_every_processor():
+    rng = np.random.default_rng(1)
+    vocab, size = 500, 32
+    weight = (rng.standard_normal((vocab, size)) * 0.1).astype(np.float32)
+    bias = (rng.standard_normal(vocab) * 0.01).astype(np.float32)
+    hidden = rng.standard_normal((4, size)).astype(np.float32)
+    ids = rng.integers(0, vocab, (4, 3))
+    full = hidden @ weight.T + bias
+    best = np.argmax(full, axis=1)
+    lists = {
+        "none": ProcessorList(),
+        "the best tokens banned": ProcessorList([NoBadWords([[int(t)] for t in best], ())]),
+        "eos too early, where eos is the best": ProcessorList([MinLength(10, [int(best[0])])]),
+        "repetition penalty": ProcessorList([RepetitionPenalty(3.0)]),
+        "forced first token": ProcessorList([ForcedBOS(11)]),
+    }
+    ids_by_case = {"repetition penalty": np.stack([best, best, best], axis=1)}
+    for name, processors in lists.items():
+        case_ids = ids_by_case.get(name, ids)
+        picked, expected = _greedy_case(rng, weight, bias, hidden, processors, case_ids)
+        np.testing.assert_array_equal(picked, expected, err_msg=name)
+
+
+def test_a_tie_goes_to_the_lower_token_as_argmax_gives_it():
+    rng = np.random.default_rng(2)
+    weight = (rng.standard_normal((200, 16)) * 0.1).astype(np.float32)
+    hidden = rng.standard_normal((2, 16)).astype(np.float32)
+    best = np.argmax(hidden @ weight.T, axis=1)
+    for row, token in enumerate(best):
+        weight[3 + row] = weight[token]  # the same logit at a lower token
+    bias = np.zeros(200, np.float32)
+    picked, expected = _greedy_case(rng, weight, bias, hidden, ProcessorList(), np.zeros((2, 1)))
+    np.testing.assert_array_equal(picked, expected)
+    np.testing.assert_array_equal(picked, [3, 4])
+
+
+# -- the rewrite ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tied(tmp_path_factory) -> Path:
+    folder = tm.write_export(tmp_path_factory.mktemp("greedy") / "export", head="tied")
+    config = json.loads((folder / "config.json").read_text())
+    ids = {"eos_token_id": 0, "pad_token_id": 1, "decoder_start_token_id": 2}
+    config.update(ids, is_encoder_decoder=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    (folder / "generation_config.json").write_text(json.dumps(ids))
+    return merge_seq2seq(folder, tmp_path_factory.mktemp("tied") / "model.onnx")
+
+
+@pytest.fixture(scope="module")
+def int8(tied, tmp_path_factory) -> Path:
+    return quantize(tied, tmp_path_factory.mktemp("int8") / "model.onnx", weights="int8")
+
+
+def test_the_head_is_found_where_it_reads_the_embeddings_rows(tied, int8):
+    head = find_head(load_model(tied)[0])
+    assert not isinstance(head, str), head
+    assert head.weight.shape == (tm.VOCAB, tm.D_MODEL) and head.bias is not None
+    # An int8 file's head is already int8: nothing to add, and the reason says why.
+    assert find_head(load_model(int8)[0]) == "then_branch: the head is not a Gemm without bias"
+
+
+def _generate(model: Seq2SeqModel, **settings) -> np.ndarray:
+    inputs = tm.sample_inputs(seed=5, batch=3)
+    return model.generate(
+        input_ids=inputs["input_ids"],
+        attention_mask=inputs["attention_mask"],
+        max_new_tokens=8,
+        **settings,
+    )
+
+
+SETTINGS = [
+    {},
+    {"repetition_penalty": 1.5},
+    {"no_repeat_ngram_size": 2, "min_length": 6},
+    {"forced_bos_token_id": 7, "bad_words_ids": [[5], [9]]},
+    {"num_beams": 3},
+]
+
+
+def test_greedy_search_through_the_cache_entry_gives_the_float_heads_tokens(
+    tied, tmp_path, monkeypatch
+):
+    plain = Seq2SeqModel(tied)
+    cached = Seq2SeqModel(tied, session_cache=tmp_path / "cache")
+    assert cached._session.greedy_head is not None
+    (entry,) = (tmp_path / "cache").iterdir()
+    assert (entry / TABLES).is_file() and not (entry / "source").exists()
+    steps = []
+    bounds = GreedyHead.bounds
+    monkeypatch.setattr(GreedyHead, "bounds", lambda self, *a: steps.append(1) or bounds(self, *a))
+    for settings in SETTINGS:
+        np.testing.assert_array_equal(_generate(cached, **settings), _generate(plain, **settings))
+    assert len(steps) >= 4 * 7  # greedy steps after the first went through the int8 head
+    steps.clear()
+    _generate(cached, do_sample=True, seed=3)
+    assert not steps  # sampling needs every probability
+
+
+def test_an_entry_whose_tables_do_not_read_runs_the_float_head(tied, tmp_path):
+    cache = tmp_path / "cache"
+    expected = _generate(Seq2SeqModel(tied))
+    Seq2SeqModel(tied, session_cache=cache)
+    (entry,) = cache.iterdir()
+    (entry / TABLES).write_bytes(b"not an archive")
+    model = Seq2SeqModel(tied, session_cache=cache)
+    assert model._session.greedy_head is None
+    assert model._session.opened == entry / "model.onnx"
+    np.testing.assert_array_equal(_generate(model), expected)
+
+
+def test_models_without_a_tied_float_head_get_a_plain_entry(int8, tmp_path):
+    model = Seq2SeqModel(int8, session_cache=tmp_path / "cache")
+    (entry,) = (tmp_path / "cache").iterdir()
+    assert not (entry / TABLES).exists()
+    assert model._session.greedy_head is None
+    np.testing.assert_array_equal(_generate(model), _generate(Seq2SeqModel(int8)))
+
+
+def test_row_tables_bound_the_rows_error():
+    rng = np.random.default_rng(4)
+    weight = (rng.standard_normal((50, 8)) * 3).astype(np.float32)
+    tables = row_tables(weight)
+    dequantized = tables.codes * tables.scales[:, None].astype(np.float64)
+    np.testing.assert_allclose(tables.error, np.abs(weight - dequantized).max(axis=1))
+    assert (tables.error <= tables.scales / 2 + 1e-12).all()

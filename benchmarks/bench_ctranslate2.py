@@ -222,8 +222,11 @@ def warm_session_caches(ours: dict, made_by: dict, folder: Path) -> dict[str, Pa
             continue
         ours[variant] = ours[base]
         caches[variant] = folder / variant.replace(" ", "-")
-        onnxmerge.Seq2SeqModel(ours[base][1], session_cache=caches[variant])
-        made_by[variant] = f"the {base} file, loaded with session_cache= (entry written beforehand)"
+        model = onnxmerge.Seq2SeqModel(ours[base][1], session_cache=caches[variant])
+        greedy = "; greedy steps through its int8 head" if model._session.greedy_head else ""
+        made_by[variant] = (
+            f"the {base} file, loaded with session_cache= (entry written beforehand{greedy})"
+        )
     return caches
 
 

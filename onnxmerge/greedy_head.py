@@ -15,6 +15,7 @@ files never do.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,9 +32,11 @@ logger = logging.getLogger(__name__)
 
 CODES = "onnxmerge.greedy_head.codes"
 SCALES = "onnxmerge.greedy_head.scales"
+_VOCAB = "onnxmerge.greedy_head.vocab"
 # DynamicQuantizeLinear arrived in opset 11.
 _MIN_OPSET = 11
 _CHUNK_ROWS = 4096
+_CODE_MAX = 63
 
 
 @dataclass(frozen=True)
@@ -60,7 +63,10 @@ class RowTables:
 
 
 def row_tables(weight: np.ndarray) -> RowTables:
-    """Symmetric int8 codes with one scale per row, and their error tables (read in chunks)."""
+    """Symmetric codes in [-63, 63] with one scale per row, and their error tables (read in
+    chunks). Seven bits, not eight: without VNNI, onnxruntime's x86 kernels add pairs of
+    uint8 x int8 products in int16, which saturates past 32767; 255 * 63 * 2 stays below it, so
+    the integer product is exact on every processor and the bounds hold."""
     vocab, hidden = weight.shape
     codes = np.empty((vocab, hidden), np.int8)
     scales = np.empty(vocab, np.float32)
@@ -69,10 +75,10 @@ def row_tables(weight: np.ndarray) -> RowTables:
         part = slice(start, start + _CHUNK_ROWS)
         rows = np.asarray(weight[part], dtype=np.float64)
         amax[part] = np.abs(rows).max(axis=1)
-        scale = (amax[part] / 127).astype(np.float32)
+        scale = (amax[part] / _CODE_MAX).astype(np.float32)
         scale[scale == 0] = 1
         scales[part] = scale
-        codes[part] = np.clip(np.rint(rows / scale[:, None]), -127, 127)
+        codes[part] = np.clip(np.rint(rows / scale[:, None]), -_CODE_MAX, _CODE_MAX)
         dequantized = codes[part] * scale[:, None].astype(np.float64)
         error[part] = np.abs(rows - dequantized).max(axis=1)
         l1[part] = np.abs(dequantized).sum(axis=1)
@@ -82,9 +88,10 @@ def row_tables(weight: np.ndarray) -> RowTables:
 def find_head(model: ir.Model) -> Head | str:
     """The tied float head of both branches, or why there is none to add a greedy head to."""
     main = model.graph
-    if model.opset_imports.get("", model.opset_imports.get("ai.onnx", 0)) < _MIN_OPSET:
-        return f"opset below {_MIN_OPSET}"
-    if any(v.name in (FLAG, HIDDEN) for v in (*main.inputs, *main.outputs)):
+    if model.opset_imports.get("", 0) < _MIN_OPSET:  # the nodes added are in domain ""
+        return f"default-domain opset below {_MIN_OPSET}"
+    taken = {FLAG, HIDDEN, CODES, SCALES, _VOCAB}
+    if any(v.name in taken for v in (*main.inputs, *main.outputs, *main.initializers.values())):
         return "it already has a greedy head"
     flag = next((v for v in main.inputs if v.name == c.USE_CACHE_BRANCH), None)
     ids = next((v for v in main.inputs if v.name == c.DECODER_INPUT_IDS), None)
@@ -93,8 +100,8 @@ def find_head(model: ir.Model) -> Head | str:
         return f"no single If on {c.USE_CACHE_BRANCH} with {c.DECODER_INPUT_IDS}"
     node = branches[0]
     logits = next((v for v in main.outputs if v.name == c.LOGITS), None)
-    if logits is None or logits.producer() is not node:
-        return "the logits do not come from the If"
+    if logits is None or logits.producer() is not node or logits.uses():
+        return "the logits do not come from the If, or are read inside the graph"
     index = list(node.outputs).index(logits)
     found = []
     for branch in ("then_branch", "else_branch"):
@@ -148,7 +155,7 @@ def add_greedy_head(model: ir.Model, head: Head) -> RowTables:
     tables = row_tables(head.weight.const_value.numpy())
     codes = _initializer(main, CODES, np.ascontiguousarray(tables.codes.T))
     scales = _initializer(main, SCALES, tables.scales)
-    columns = _initializer(main, "onnxmerge.greedy_head.vocab", np.array([vocab], np.int64))
+    columns = _initializer(main, _VOCAB, np.array([vocab], np.int64))
     flag = ir.Value(name=FLAG, type=ir.TensorType(ir.DataType.BOOL), shape=ir.Shape([1]))
     main.inputs.append(flag)
 
@@ -230,31 +237,40 @@ class GreedySource:
 
     path: Path
     weight_name: str
+    weight: np.ndarray  # the float rows, as the merged model stores them
     bias: np.ndarray | None
     tables: RowTables
 
-    def write_tables(self, saved: Path) -> bool:
+    def write_tables(self, saved: Path) -> None:
         """Write the runtime's tables beside ``saved``, onnxruntime's optimized graph of
-        ``path``, which must keep the weight, unchanged, in a data file; whether it did."""
+        ``path``; raises ValueError where that graph does not keep the float rows unchanged in
+        a data file, which the runtime reads them from."""
         import onnx
 
         proto = onnx.load(saved, load_external_data=False)
         tensor = next((t for t in proto.graph.initializer if t.name == self.weight_name), None)
-        if tensor is None or tensor.data_location != onnx.TensorProto.EXTERNAL:
-            logger.debug("the optimized graph does not keep %s in a data file", self.weight_name)
-            return False
+        if (
+            tensor is None
+            or tensor.data_location != onnx.TensorProto.EXTERNAL
+            or tensor.data_type != onnx.TensorProto.FLOAT
+            or tuple(tensor.dims) != self.weight.shape
+        ):
+            raise ValueError(f"the optimized graph does not keep {self.weight_name} as stored")
         where = {entry.key: entry.value for entry in tensor.external_data}
+        name, offset = where["location"], int(where.get("offset", 0))
+        stored = np.memmap(saved.parent / name, np.float32, "r", offset, self.weight.shape)
+        if not np.array_equal(stored, self.weight):
+            raise ValueError(f"the optimized graph changed {self.weight_name}")
         write_tables(
             saved.parent,
-            weight_file=where["location"],
-            weight_offset=int(where.get("offset", 0)),
-            weight_shape=tuple(tensor.dims),
+            weight_file=name,
+            weight_offset=offset,
+            weight_shape=self.weight.shape,
             bias=self.bias,
             error=self.tables.error,
             l1=self.tables.l1,
             amax=self.tables.amax,
         )
-        return True
 
 
 def write_greedy_source(model_path: Path, folder: Path) -> GreedySource | None:
@@ -265,10 +281,12 @@ def write_greedy_source(model_path: Path, folder: Path) -> GreedySource | None:
     if isinstance(head, str):
         logger.debug("no greedy head for %s: %s", model_path, head)
         return None
-    weight_name = head.weight.name
+    weight = head.weight.const_value.numpy()
+    bias = None if head.bias is None else head.bias.const_value.numpy().reshape(-1)
     tables = add_greedy_head(model, head)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "model.onnx"
     ir.save(model, path, external_data="model.onnx_data", size_threshold_bytes=1024)
-    bias = None if head.bias is None else head.bias.const_value.numpy().reshape(-1)
-    return GreedySource(path, weight_name, bias, tables)
+    # The codes are in the saved model now; only the tables that bound them stay.
+    tables = dataclasses.replace(tables, codes=np.empty((0, 0), np.int8))
+    return GreedySource(path, head.weight.name, weight, bias, tables)

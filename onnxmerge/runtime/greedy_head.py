@@ -3,8 +3,8 @@
 A cached step run with ``FLAG`` set returns int8 logits (the embedding's rows quantized to int8,
 see ``onnxmerge/greedy_head.py``) and the head's input ``HIDDEN``. For each token the tables
 bound how far its int8 logit can be from the float one: the rows' quantization error, the
-input's (quantized per tensor to uint8, off by at most two steps of its scale) and the rounding
-of both products. After the logits processors, which map each score through a non-decreasing
+input's (quantized per tensor to uint8, off by at most half a step) and the rounding of both
+products. After the logits processors, which map each score through a non-decreasing
 function of that score alone, a token whose upper bound is below the best lower bound cannot be
 the largest; only the others get float logits, from the embedding's own rows, and the largest
 of those is the token a full float head would pick (up to the rounding of the two float products,
@@ -87,8 +87,13 @@ class GreedyHead:
                     shape=(vocab, hidden),
                 )
                 bias = tables["bias"] if tables["bias"].size else None
+                per_token = [tables["error"], tables["l1"], tables["amax"]] + [bias] * (
+                    bias is not None
+                )
+                if any(t.shape != (vocab,) for t in per_token):
+                    raise ValueError("the tables do not match the vocabulary")
                 return cls(weight, bias, tables["error"], tables["l1"], tables["amax"])
-        except (OSError, ValueError, KeyError) as error:
+        except Exception as error:  # any damage: greedy steps run the float head instead
             logger.debug("greedy head tables in %s not read: %s", folder, error)
             return None
 

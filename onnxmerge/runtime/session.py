@@ -176,7 +176,8 @@ class MergedSession:
         self.encoder_input_names = self.info.encoder_inputs or tuple(
             name
             for name in self.inputs
-            if name not in (c.DECODER_INPUT_IDS, c.USE_CACHE_BRANCH) and not c.is_past_name(name)
+            if name not in (c.DECODER_INPUT_IDS, c.USE_CACHE_BRANCH, FLAG)
+            and not c.is_past_name(name)
         )
         missing = [n for n in self.encoder_input_names if n not in self.inputs]
         if missing:
@@ -304,6 +305,8 @@ class MergedSession:
         ``greedy=True`` (only where ``greedy_head`` is not None) returns the int8 head's logits
         and the head's input as ``hidden``, for :class:`GreedyHead`.
         """
+        if greedy and self.greedy_head is None:
+            raise GenerationError(f"{self.path}: this session has no greedy head")
         mask = attention_mask if attention_mask is not None else cache.attention_mask
         if not self.has_past:
             tokens = np.concatenate([cache.tokens, decoder_input_ids], axis=1)

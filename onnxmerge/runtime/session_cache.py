@@ -70,41 +70,61 @@ def open_with_cache(
     try:
         if saved or (entry.exists() and not (entry / ENTRY_MODEL).is_file()):
             shutil.rmtree(entry)  # broken, or left half-deleted: it would block the new entry
-        building = Path(tempfile.mkdtemp(prefix=".building-", dir=_made(entry.parent)))
     except OSError as error:
         return _without_cache(model, options, providers, error)
-    try:
-        _build(model, building, options, providers)
-        _publish(building, entry)
-    except Exception as error:  # e.g. a provider whose graph onnxruntime cannot save
-        return _without_cache(model, options, providers, error)
-    finally:
-        shutil.rmtree(building, ignore_errors=True)
-    try:  # read as every later load reads it: a fault shows now, not on the next load
-        return _open_saved(entry / ENTRY_MODEL, options, providers), entry / ENTRY_MODEL, True
-    except Exception as error:
-        return _without_cache(model, options, providers, error)
+    why: Exception | None = None
+    for greedy in (True, False):  # a graph with a greedy head that fails: once more without
+        try:
+            building = Path(tempfile.mkdtemp(prefix=".building-", dir=_made(entry.parent)))
+        except OSError as error:
+            return _without_cache(model, options, providers, error)
+        source = _greedy_source(model, building) if greedy else None
+        try:
+            _build(model, source, building, options, providers)
+            _publish(building, entry)
+        except Exception as error:  # e.g. a provider whose graph onnxruntime cannot save
+            why = error
+        else:
+            try:  # read as every later load reads it: a fault shows now, not on the next load
+                session = _open_saved(entry / ENTRY_MODEL, options, providers)
+                return session, entry / ENTRY_MODEL, True
+            except Exception as error:
+                why = error
+                shutil.rmtree(entry, ignore_errors=True)
+        finally:
+            shutil.rmtree(building, ignore_errors=True)
+        logger.debug("cache entry for %s not written: %s", model, why)
+        if source is None:
+            break
+    return _without_cache(model, options, providers, why)
 
 
-def _build(model: Path, building: Path, options: Any, providers: Sequence[Any] | None) -> None:
-    """Save onnxruntime's optimized graph of ``model`` in ``building``; where the model's head
-    allows, the graph gets a greedy head first (``onnxmerge/greedy_head.py``)."""
-    source = None
+def _greedy_source(model: Path, building: Path) -> Any:
+    """The model with a greedy head (``onnxmerge/greedy_head.py``), written in ``building``;
+    None where its head does not allow one or it cannot be written."""
     try:
         from onnxmerge.greedy_head import write_greedy_source  # onnx-ir: only when writing
 
-        source = write_greedy_source(model, building / _SOURCE)
+        return write_greedy_source(model, building / _SOURCE)
     except Exception as error:  # the entry is still worth having without it
         logger.debug("no greedy head for %s: %s", model, error)
-    opened = source.path if source else model
-    session = _open_saving(opened, building / ENTRY_MODEL, options, providers)
-    del session  # it maps the source's data, which goes next
-    if source is not None:
-        try:
+        shutil.rmtree(building / _SOURCE, ignore_errors=True)
+        return None
+
+
+def _build(
+    model: Path, source: Any, building: Path, options: Any, providers: Sequence[Any] | None
+) -> None:
+    """Save onnxruntime's optimized graph of ``model``, or of its greedy ``source``, in
+    ``building``, with the greedy head's tables."""
+    try:
+        opened = source.path if source is not None else model
+        session = _open_saving(opened, building / ENTRY_MODEL, options, providers)
+        del session  # it maps the source's data, which goes next
+        if source is not None:
             source.write_tables(building / ENTRY_MODEL)
-        except Exception as error:  # greedy steps then run the float head
-            logger.debug("greedy head tables not written for %s: %s", model, error)
-        shutil.rmtree(building / _SOURCE)
+    finally:
+        shutil.rmtree(building / _SOURCE, ignore_errors=True)
 
 
 def _without_cache(

@@ -10,6 +10,9 @@ and one set of session settings: these name the entry's folder. The model's file
 every file beside it, as the path was given: its external data may have any name) make the rest of
 the name, so a changed file gets a new entry, which replaces the old one. An entry that does not
 load is rebuilt; a cache that cannot be used leaves the model opening as without one.
+
+Where a float32 model's head is tied, the graph saved is that of the model with a greedy head
+(``onnxmerge/greedy_head.py``), and the entry holds the tables that go with it.
 """
 
 from __future__ import annotations

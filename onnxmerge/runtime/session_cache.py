@@ -84,16 +84,17 @@ def open_with_cache(
         source = _greedy_source(model, building) if greedy else None
         try:
             _build(model, source, building, options, providers)
-            _publish(building, entry)
+            published = _publish(building, entry)
         except Exception as error:  # e.g. a provider whose graph onnxruntime cannot save
             why = error
         else:
             try:  # read as every later load reads it: a fault shows now, not on the next load
                 session = _open_saved(entry / ENTRY_MODEL, options, providers)
-                return session, entry / ENTRY_MODEL, True
+                return session, entry / ENTRY_MODEL, published
             except Exception as error:
                 why = error
-                shutil.rmtree(entry, ignore_errors=True)
+                if published:  # another process's entry is theirs to replace
+                    shutil.rmtree(entry, ignore_errors=True)
         finally:
             shutil.rmtree(building, ignore_errors=True)
         logger.debug("cache entry for %s not written: %s", model, why)
@@ -187,12 +188,12 @@ def _open_saving(model: Path, target: Path, options: Any, providers: Sequence[An
         options.optimized_model_filepath = saved_to
 
 
-def _publish(building: Path, entry: Path) -> None:
+def _publish(building: Path, entry: Path) -> bool:
     """Move a complete entry into place; drop the entries it replaces (same model and settings,
-    older files) and folders that killed loads left."""
+    older files) and folders that killed loads left. Whether this entry is the one in place."""
     if not (building / ENTRY_MODEL).is_file():
         logger.debug("onnxruntime saved no optimized graph; nothing cached")
-        return
+        return False
     replaced = entry.name.rsplit("-", 1)[0] + "-"
     for old in entry.parent.glob(f"{replaced}*"):
         if old != entry:
@@ -208,6 +209,8 @@ def _publish(building: Path, entry: Path) -> None:
         building.rename(entry)
     except OSError:  # another process published the same entry first
         logger.debug("cache entry %s was written meanwhile", entry)
+        return False
+    return True
 
 
 def _made(folder: Path) -> Path:

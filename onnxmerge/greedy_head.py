@@ -22,10 +22,11 @@ from pathlib import Path
 
 import numpy as np
 import onnx_ir as ir
+import onnx_ir.passes.common
 
 from onnxmerge import contract as c
 from onnxmerge.model_io import load_model
-from onnxmerge.passes import is_op
+from onnxmerge.passes import initializer, is_op
 from onnxmerge.runtime.greedy_head import FLAG, HIDDEN, write_tables
 
 logger = logging.getLogger(__name__)
@@ -152,18 +153,17 @@ def add_greedy_head(model: ir.Model, head: Head) -> RowTables:
     """
     main = model.graph
     vocab, hidden_size = head.weight.shape
-    tables = row_tables(head.weight.const_value.numpy())
-    codes = _initializer(main, CODES, np.ascontiguousarray(tables.codes.T))
-    scales = _initializer(main, SCALES, tables.scales)
-    columns = _initializer(main, _VOCAB, np.array([vocab], np.int64))
-    flag = ir.Value(name=FLAG, type=ir.TensorType(ir.DataType.BOOL), shape=ir.Shape([1]))
-    main.inputs.append(flag)
-
     # Each branch now ends with the head's input, [rows, hidden].
     for branch, gemm in zip(("then_branch", "else_branch"), head.gemms, strict=True):
         graph = head.branches.attributes[branch].as_graph()
         graph.outputs[head.index] = gemm.inputs[0]
-        _remove_unused(graph)
+
+    tables = row_tables(head.weight.const_value.numpy())
+    codes = initializer(main, CODES, np.ascontiguousarray(tables.codes.T))
+    scales = initializer(main, SCALES, tables.scales)
+    columns = initializer(main, _VOCAB, np.array([vocab], np.int64))
+    flag = ir.Value(name=FLAG, type=ir.TensorType(ir.DataType.BOOL), shape=ir.Shape([1]))
+    main.inputs.append(flag)
     hidden = head.branches.outputs[head.index]
     logits_at = main.outputs.index(hidden)
     hidden.name = HIDDEN
@@ -209,26 +209,8 @@ def add_greedy_head(model: ir.Model, head: Head) -> RowTables:
     result.shape = ir.Shape([None, None, vocab])
     main.outputs[logits_at] = result
     main.outputs.append(hidden)
+    ir.passes.common.RemoveUnusedNodesPass()(model)  # the heads' nodes left in the branches
     return tables
-
-
-def _remove_unused(graph: ir.Graph) -> None:
-    """Drop the nodes whose outputs nothing reads, until none is left."""
-    outputs = set(graph.outputs)
-    for node in reversed(list(graph)):
-        if all(not v.uses() and v not in outputs for v in node.outputs):
-            graph.remove(node, safe=True)
-
-
-def _initializer(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
-    value = ir.Value(
-        name=name,
-        type=ir.TensorType(ir.DataType.from_numpy(array.dtype)),
-        shape=ir.Shape(array.shape),
-        const_value=ir.tensor(array, name=name),
-    )
-    graph.register_initializer(value)
-    return value
 
 
 @dataclass(frozen=True)

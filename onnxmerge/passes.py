@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import numpy as np
 import onnx_ir as ir
 
 
@@ -61,6 +62,20 @@ def replace_result(old: ir.Node, new_nodes: list[ir.Node], result: ir.Value) -> 
     if is_output:
         name, output.name = output.name, None
         result.name = name
+
+
+def initializer(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
+    """The initializer ``name`` of ``graph``, registered with ``array``'s value if absent."""
+    if name not in graph.initializers:
+        graph.register_initializer(
+            ir.Value(
+                name=name,
+                type=ir.TensorType(ir.DataType.from_numpy(array.dtype)),
+                shape=ir.Shape(array.shape),
+                const_value=ir.tensor(array, name=name),
+            )
+        )
+    return graph.initializers[name]
 
 
 def is_op(node: ir.Node | None, op_type: str) -> bool:

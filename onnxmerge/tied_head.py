@@ -15,7 +15,7 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
-from onnxmerge.passes import StepResult, free_name, is_op, replace_result
+from onnxmerge.passes import StepResult, free_name, initializer, is_op, replace_result
 
 logger = logging.getLogger(__name__)
 
@@ -36,18 +36,6 @@ def _transposed_initializer(value: ir.Value | None, main: ir.Graph) -> ir.Value 
     if perm is not None and list(perm.value) != [1, 0]:
         return None
     return source
-
-
-def _const(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
-    value = ir.Value(
-        name=name,
-        type=ir.TensorType(ir.DataType.INT64),
-        shape=ir.Shape(array.shape),
-        const_value=ir.tensor(array, name=name),
-    )
-    if name not in graph.initializers:
-        graph.register_initializer(value)
-    return graph.initializers[name]
 
 
 def _node(op: str, inputs: list, name: str, output: str | ir.Value, **ints: int) -> ir.Node:
@@ -87,7 +75,7 @@ def gemm_for_transposed_weights(model: ir.Model) -> int:
         # Node names need not be unique; the names of the values made here must be.
         prefix = free_name(f"{node.name or node.outputs[0].name}/gemm", prefixes)
         prefixes.add(prefix)
-        flat_shape = _const(
+        flat_shape = initializer(
             main, f"onnxmerge.flatten_to_2d_{in_features}", np.array([-1, in_features], np.int64)
         )
         reshape_in = _node(
@@ -102,13 +90,13 @@ def gemm_for_transposed_weights(model: ir.Model) -> int:
             "Slice",
             [
                 shape.outputs[0],
-                _const(main, "onnxmerge.zero", np.array([0], np.int64)),
-                _const(main, "onnxmerge.minus_one", np.array([-1], np.int64)),
+                initializer(main, "onnxmerge.zero", np.array([0], np.int64)),
+                initializer(main, "onnxmerge.minus_one", np.array([-1], np.int64)),
             ],
             f"{prefix}/leading_dims",
             f"{prefix}/hidden_shape",
         )
-        columns = _const(
+        columns = initializer(
             main, f"onnxmerge.columns_{out_features}", np.array([out_features], np.int64)
         )
         concat = _node(

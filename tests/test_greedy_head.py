@@ -4,6 +4,8 @@ greedy search through it picks the tokens the float head picks."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -262,3 +264,21 @@ def test_the_codes_keep_onnxruntimes_int16_sums_exact():
     tables = row_tables(weight)
     assert np.abs(tables.codes).max() == 63  # 255 * 63 * 2 fits in int16; 255 * 127 * 2 does not
     assert (tables.error <= tables.scales / 2 * (1 + 1e-6)).all()
+
+
+def test_the_rewrite_runs_in_a_process_that_imported_nothing_else(tied, tmp_path):
+    # The cache imports the rewrite on its own: every module it needs must be imported by it.
+    code = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from onnxmerge.greedy_head import write_greedy_source\n"
+        "print(write_greedy_source(Path(sys.argv[1]), Path(sys.argv[2])) is not None)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(tied), str(tmp_path / "source")],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "True"

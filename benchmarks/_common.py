@@ -25,7 +25,6 @@ import argparse
 import hashlib
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -37,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from onnxmerge.sessions import processor
 from onnxmerge.testing import exports
 from onnxmerge.testing.exports import export_onnx, staging
 
@@ -147,17 +147,7 @@ _CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8")
 def cpu_description() -> dict[str, Any]:
     """The processor's model name and the kernel-relevant instruction sets (Linux), so that runs
     on different machines are told apart."""
-    model, flags = platform.processor() or platform.machine(), None
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                model = value.strip()
-            elif key.strip() in ("flags", "Features"):
-                flags = set(value.split())
-                break
-    except OSError:
-        pass
+    model, flags = processor()
     listed = None if flags is None else [f for f in _CPU_FLAGS if f in flags]
     return {"model": model, "flags": listed}
 

@@ -1,9 +1,13 @@
-"""The one way onnxmerge opens an onnxruntime session, and onnxruntime's type names as numpy's."""
+"""The one way onnxmerge opens an onnxruntime session, onnxruntime's type names as numpy's, and
+the processor facts that decide onnxruntime's kernels."""
 
 from __future__ import annotations
 
+import functools
 import os
+import platform
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -58,3 +62,21 @@ def open_session(
         sess_options=options if options is not None else session_options(),
         providers=list(providers) if providers else ["CPUExecutionProvider"],
     )
+
+
+@functools.cache
+def processor() -> tuple[str, frozenset[str] | None]:
+    """The processor's model name and instruction sets, which onnxruntime's kernels are chosen
+    by. Linux lists the sets (``flags`` on x86, ``Features`` on ARM); elsewhere they are None."""
+    model, flags = platform.processor() or platform.machine(), None
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() in ("flags", "Features"):
+                flags = frozenset(value.split())
+                break
+    except OSError:
+        pass
+    return model, flags

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from onnxmerge.sessions import open_session
+from onnxmerge.sessions import open_session, processor
 
 logger = logging.getLogger(__name__)
 
@@ -225,12 +225,8 @@ def _onnxruntime_version() -> str:
 
 
 def _processor() -> str:
-    """The processor's instruction sets, which onnxruntime's kernels are chosen by: Linux lists
-    them (``flags`` on x86, ``Features`` on ARM); elsewhere only the architecture is known."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return f"{platform.machine()} {hashlib.sha256(line.encode()).hexdigest()[:16]}"
-    except OSError:
-        pass
-    return f"{platform.machine()} {platform.processor()}"
+    """The processor's instruction sets where they can be read; elsewhere only its names."""
+    _, flags = processor()
+    if flags is None:
+        return f"{platform.machine()} {platform.processor()}"
+    return f"{platform.machine()} {_digest(sorted(flags), 16)}"

@@ -218,6 +218,8 @@ class MergedSession:
         # A session-cache entry may hold an int8 head for greedy search under FLAG.
         self._has_flag = self.has_past and FLAG in self.inputs and HIDDEN in self.output_names
         self.greedy_head = GreedyHead.load(self.opened.parent) if self._has_flag else None
+        if self.greedy_head is not None:
+            self._greedy_outputs = self._next_outputs + [HIDDEN]
 
     # -- shapes ---------------------------------------------------------------------------------
 
@@ -329,8 +331,7 @@ class MergedSession:
         feeds.update(zip(self.past_encoder_names, cache.encoder, strict=True))
         if self._has_flag:
             feeds[FLAG] = self._true if greedy else self._false
-        outputs = self._next_outputs + [HIDDEN] if greedy else self._next_outputs
-        results = self._run(outputs, feeds)
+        results = self._run(self._greedy_outputs if greedy else self._next_outputs, feeds)
         layers = len(self.present_decoder_names)
         new_cache = Cache(
             attention_mask=mask, decoder=tuple(results[1 : 1 + layers]), encoder=cache.encoder

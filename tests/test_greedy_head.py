@@ -27,6 +27,7 @@ from onnxmerge.runtime.processors import (  # noqa: E402
     NoBadWords,
     ProcessorList,
     RepetitionPenalty,
+    SuppressTokens,
 )
 
 # The int8 head as the rewrite adds it, alone: what onnxruntime computes for the bounds to hold.
@@ -123,6 +124,8 @@ def test_the_tokens_are_the_float_heads_under_every_processor():
         "eos too early, where eos is the best": ProcessorList([MinLength(10, [int(best[0])])]),
         "repetition penalty": ProcessorList([RepetitionPenalty(3.0)]),
         "forced first token": ProcessorList([ForcedBOS(11)]),
+        # no finite bound: every token's float logit, as argmax over -inf gives token 0
+        "every token suppressed": ProcessorList([SuppressTokens(range(vocab))]),
     }
     ids_by_case = {
         "repetition penalty": np.stack([best, best, best], axis=1),

@@ -155,6 +155,18 @@ def test_greedy_matches_the_reference_loop(export, model, seed):
     np.testing.assert_array_equal(got, expected)
 
 
+def test_the_ids_alone_are_the_main_input_as_transformers_takes_them(model):
+    from onnxmerge.errors import GenerationError
+
+    ids = tm.sample_inputs(seed=6, batch=2)["input_ids"][:2]
+    expected = model.generate(input_ids=ids, max_new_tokens=MAX_NEW)
+    np.testing.assert_array_equal(model.generate(ids, max_new_tokens=MAX_NEW), expected)
+    with pytest.raises(GenerationError, match="passed twice"):
+        model.generate(ids, input_ids=ids)
+    with pytest.raises(GenerationError, match="numpy array"):
+        model.generate(ids.tolist())
+
+
 def test_greedy_stops_rows_at_eos_and_pads_them(export, model):
     folder, eos = export
     got = model.generate(_inputs(3), max_new_tokens=MAX_NEW)

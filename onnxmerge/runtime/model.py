@@ -127,6 +127,10 @@ class Seq2SeqModel:
 
     # -- inputs ---------------------------------------------------------------------------------
 
+    def _main_input(self) -> str:
+        """The encoder input a bare array is: the first that is not the attention mask."""
+        return next(n for n in self.encoder_input_names if n != c.ATTENTION_MASK)
+
     def _check_encoder_inputs(self, given: Mapping[str, Any]) -> dict[str, np.ndarray]:
         names = self.encoder_input_names
         unknown = sorted(set(given) - set(names))
@@ -251,7 +255,7 @@ class Seq2SeqModel:
 
     def generate(
         self,
-        encoder_inputs: Mapping[str, np.ndarray] | None = None,
+        encoder_inputs: Mapping[str, np.ndarray] | np.ndarray | None = None,
         /,
         *,
         decoder_input_ids: np.ndarray | None = None,
@@ -261,10 +265,11 @@ class Seq2SeqModel:
         """Generate token ids, as transformers' ``generate()`` does for encoder-decoder models.
 
         Encoder inputs are numpy arrays passed by name (``input_ids=..., attention_mask=...``,
-        or ``input_features=...`` for Whisper), or as one mapping. Other keywords are the
-        settings of ``onnxmerge.settings.GENERATE_KEYWORDS`` (``max_new_tokens``, ``num_beams``,
-        ``do_sample``, ...); those left at None take the model's generation config, then
-        transformers' defaults. Returns an int64 array
+        or ``input_features=...`` for Whisper), or as one mapping; the main one (``input_ids``,
+        ``input_features``) may also come alone as the first argument, as transformers takes it.
+        Other keywords are the settings of ``onnxmerge.settings.GENERATE_KEYWORDS``
+        (``max_new_tokens``, ``num_beams``, ``do_sample``, ...); those left at None take the
+        model's generation config, then transformers' defaults. Returns an int64 array
         ``[batch * num_return_sequences, length]`` starting with the decoder start token; rows
         that finished early are padded like transformers pads them.
 
@@ -273,7 +278,10 @@ class Seq2SeqModel:
         """
         overrides = {k: v for k, v in keywords.items() if k in GENERATE_KEYWORDS}
         named_inputs = {k: v for k, v in keywords.items() if k not in GENERATE_KEYWORDS}
-        given = dict(encoder_inputs or {})
+        if isinstance(encoder_inputs, Mapping) or encoder_inputs is None:
+            given = dict(encoder_inputs or {})
+        else:
+            given = {self._main_input(): encoder_inputs}
         overlap = set(given) & set(named_inputs)
         if overlap:
             raise GenerationError(f"inputs {sorted(overlap)} passed twice")

@@ -153,15 +153,19 @@ def test_a_tie_goes_to_the_lower_token_as_argmax_gives_it():
 # -- the rewrite ---------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tied(tmp_path_factory) -> Path:
-    folder = tm.write_export(tmp_path_factory.mktemp("greedy") / "export", head="tied")
+def _merged(tmp_path_factory, head: str) -> Path:
+    folder = tm.write_export(tmp_path_factory.mktemp("greedy") / "export", head=head)
     config = json.loads((folder / "config.json").read_text())
     ids = {"eos_token_id": 0, "pad_token_id": 1, "decoder_start_token_id": 2}
     config.update(ids, is_encoder_decoder=True)
     (folder / "config.json").write_text(json.dumps(config))
     (folder / "generation_config.json").write_text(json.dumps(ids))
-    return merge_seq2seq(folder, tmp_path_factory.mktemp("tied") / "model.onnx")
+    return merge_seq2seq(folder, tmp_path_factory.mktemp(head) / "model.onnx")
+
+
+@pytest.fixture(scope="module")
+def tied(tmp_path_factory) -> Path:
+    return _merged(tmp_path_factory, "tied")
 
 
 @pytest.fixture(scope="module")
@@ -213,6 +217,18 @@ def test_greedy_search_through_the_cache_entry_gives_the_float_heads_tokens(
     steps.clear()
     _generate(cached, do_sample=True, seed=3)
     assert not steps  # sampling needs every probability
+
+
+def test_a_head_without_a_bias_gives_the_float_heads_tokens(tmp_path_factory, tmp_path):
+    unbiased = _merged(tmp_path_factory, "tied-no-bias")
+    head = find_head(load_model(unbiased)[0])
+    assert not isinstance(head, str), head
+    assert head.bias is None
+    cached = Seq2SeqModel(unbiased, session_cache=tmp_path / "cache")
+    assert cached._session.greedy_head is not None and cached._session.greedy_head.bias is None
+    plain = Seq2SeqModel(unbiased)
+    for settings in SETTINGS[:3]:
+        np.testing.assert_array_equal(_generate(cached, **settings), _generate(plain, **settings))
 
 
 @pytest.mark.parametrize("damage", ["not an archive", "cut short", "another vocabulary"])

@@ -183,13 +183,15 @@ def _decoder_body(*, past: bool, presents: bool, head: str, p: str) -> str:
   {q(p + "h3")} = MatMul({q(p + "h2")}, {q(OUT_PROJ)})""")
     if head == "copy":
         lines.append(f"\n  {q(p + 'lm')} = MatMul({q(p + 'h3')}, {q(LM_HEAD)})")
-    elif head == "tied":
+    elif head in ("tied", "tied-no-bias"):
+        product = p + ("logits" if head == "tied-no-bias" else "lm")
         lines.append(f"""
   {q(p + "head")} = Transpose<perm = [1, 0]>({q(EMBEDDING)})
-  {q(p + "lm")} = MatMul({q(p + "h3")}, {q(p + "head")})""")
+  {q(product)} = MatMul({q(p + "h3")}, {q(p + "head")})""")
     else:
-        raise ValueError(f"head must be 'copy' or 'tied', not {head!r}")
-    lines.append(f"\n  {q(p + 'logits')} = Add({q(p + 'lm')}, {q(FINAL_BIAS)})")
+        raise ValueError(f"head must be 'copy', 'tied' or 'tied-no-bias', not {head!r}")
+    if head != "tied-no-bias":
+        lines.append(f"\n  {q(p + 'logits')} = Add({q(p + 'lm')}, {q(FINAL_BIAS)})")
     return "".join(lines)
 
 

@@ -25,7 +25,7 @@ import onnx_ir as ir
 
 from onnxmerge import quant_math
 from onnxmerge.errors import QuantizationError
-from onnxmerge.passes import StepResult, is_op, replace_result
+from onnxmerge.passes import StepResult, initializer, is_op, replace_result
 
 logger = logging.getLogger(__name__)
 
@@ -134,17 +134,8 @@ class _Rewriter:
 
     def constant(self, name: str, array: np.ndarray) -> ir.Value:
         """A small shared main-graph constant (axes, shapes), created once."""
-        if name not in self.main.initializers:
-            self.names.add(name)
-            self.main.register_initializer(
-                ir.Value(
-                    name=name,
-                    type=ir.TensorType(ir.DataType.INT64),
-                    shape=ir.Shape(array.shape),
-                    const_value=ir.tensor(array, name=name),
-                )
-            )
-        return self.main.initializers[name]
+        self.names.add(name)
+        return initializer(self.main, name, array)
 
     def node(self, op: str, inputs: list, outputs: int | list[str] = 1, **attrs) -> ir.Node:
         attributes = [

@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 FORMAT_VERSION = "1"
 # Version 2 is version 1 plus weights stored below float32 and META_PRECISION saying which.
 QUANTIZED_FORMAT_VERSION = "2"
-READABLE_FORMAT_VERSIONS = (FORMAT_VERSION, QUANTIZED_FORMAT_VERSION)
+# Version 3: one decoder for every step; the If only chooses the cross-attention keys/values.
+ONE_DECODER_FORMAT_VERSION = "3"
+READABLE_FORMAT_VERSIONS = (FORMAT_VERSION, QUANTIZED_FORMAT_VERSION, ONE_DECODER_FORMAT_VERSION)
 
 # metadata_props keys
 META_FORMAT_VERSION = "onnxmerge.format_version"
@@ -22,7 +24,10 @@ META_CONFIG = "onnxmerge.config"
 META_GENERATION_CONFIG = "onnxmerge.generation_config"
 META_ENCODER_INPUTS = "onnxmerge.encoder_inputs"
 META_GENERATOR = "onnxmerge.generator"  # a generator model (docs/generator.md), not a merged one
-META_PRECISION = "onnxmerge.precision"  # version 2: precision per part (docs/format.md)
+META_PRECISION = "onnxmerge.precision"  # versions 2, 3: precision per part (docs/format.md)
+# Version 3, only where a first step of several tokens differs from the decoder without past:
+# "1", the prompt is fed one token per step.
+META_PROMPT_TOKENS_PER_STEP = "onnxmerge.prompt_tokens_per_step"
 # The values META_PRECISION may hold, and those a whole file's weights can be quantized to.
 PRECISIONS = ("fp32", "fp16", "int8", "uint8", "int4")
 WEIGHT_PRECISIONS = ("int8", "uint8", "fp16", "int4")
@@ -105,10 +110,17 @@ class ContractInfo:
     config: dict = field(default_factory=dict)
     generation_config: dict = field(default_factory=dict)
     precision: dict = field(default_factory=dict)
+    # Tokens of a prompt that one step may take (None: any number).
+    prompt_tokens_per_step: int | None = None
 
     @property
     def has_past(self) -> bool:
         return self.layout == LAYOUT_WITH_PAST
+
+    @property
+    def one_decoder(self) -> bool:
+        """Version 3: the decoder with past runs every step, the first one included."""
+        return self.format_version == ONE_DECODER_FORMAT_VERSION
 
 
 def read_contract(
@@ -152,6 +164,8 @@ def read_contract(
         config = json.loads(metadata.get(META_CONFIG, "{}"))
         generation_config = json.loads(metadata.get(META_GENERATION_CONFIG, "{}"))
         precision = json.loads(metadata.get(META_PRECISION, "{}"))
+        per_step = metadata.get(META_PROMPT_TOKENS_PER_STEP)
+        prompt_tokens_per_step = int(per_step) if per_step is not None else None
     except ValueError as e:
         raise InvalidMergedModelError(
             f"the model's onnxmerge metadata is not valid JSON: {e}"
@@ -164,6 +178,7 @@ def read_contract(
         config=config,
         generation_config=generation_config,
         precision=precision,
+        prompt_tokens_per_step=prompt_tokens_per_step,
     )
 
 

@@ -9,6 +9,7 @@ import json
 import logging
 import os
 from collections.abc import Callable
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from onnxmerge import (
     contract,
     dedup,
     dims,
+    first_step,
     model_io,
     passes,
     reshape_targets,
@@ -27,6 +29,7 @@ from onnxmerge import (
     splice,
     tied_head,
 )
+from onnxmerge.cross_attention import CrossAttention, NoMatch, find_cross_attention
 from onnxmerge.errors import (
     ExportFolderError,
     IncompatibleModelsError,
@@ -38,6 +41,17 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_OUTPUT_NAME = "model.onnx"
 CHECKPOINT_NAMES = ("model.safetensors", "pytorch_model.bin")
+# ``format``: 3 is the one-decoder form; 1 and 2 name the two-decoder form (version 1, and 2 once
+# quantized).
+FORMATS = (1, 2, 3)
+
+
+class _FirstStepDiffers(Exception):
+    """Raised by the output check when version 3's first step is not the sources' (internal)."""
+
+    def __init__(self, verdict: first_step.Verdict):
+        super().__init__(verdict.reason)
+        self.verdict = verdict
 
 
 @dataclass(frozen=True)
@@ -62,6 +76,12 @@ class MergeResult:
     checkpoint_bytes: int | None
     # What every rewrite pass did, by its result name (see :mod:`onnxmerge.passes`).
     rewrites: dict[str, int] = field(default_factory=dict)
+    # The format version written (docs/format.md), and why that one.
+    format_version: str = contract.FORMAT_VERSION
+    format_reason: str = ""
+
+    def _replace_reason(self, reason: str) -> MergeResult:
+        return dataclasses.replace(self, format_reason=reason)
 
     @property
     def input_bytes(self) -> int:
@@ -87,13 +107,19 @@ def merge_seq2seq(
     overwrite: bool = False,
     external_data: bool | None = None,
     force: bool = False,
+    format: int | None = None,
 ) -> Path:
     """Merge an optimum seq2seq export folder into one ONNX model; return its path.
 
     See :func:`merge_seq2seq_with_report` for the arguments.
     """
     return merge_seq2seq_with_report(
-        export_dir, output, overwrite=overwrite, external_data=external_data, force=force
+        export_dir,
+        output,
+        overwrite=overwrite,
+        external_data=external_data,
+        force=force,
+        format=format,
     ).path
 
 
@@ -105,6 +131,7 @@ def merge_seq2seq_with_report(
     external_data: bool | None = None,
     force: bool = False,
     progress: Callable[[str], None] | None = None,
+    format: int | None = None,
 ) -> MergeResult:
     """Merge an optimum seq2seq export folder into one ONNX model and report the numbers.
 
@@ -116,11 +143,19 @@ def merge_seq2seq_with_report(
             ``False`` never (a model past 2 GB is then refused).
         force: merge even when the compatibility checks find the files do not belong together.
         progress: called with the name of each step as it starts (for progress displays).
+        format: ``3``, one decoder for every step; ``2`` (or ``1``), the two decoders under an
+            ``If`` of versions 1 and 2. ``None`` writes 3 where it holds for these files (the
+            merge proves it on sample inputs) and 2 otherwise; ``MergeResult.format_reason``
+            says why.
 
     Raises:
         OnnxMergeError: or one of its subclasses, with what is wrong and what to do. Nothing is
             written and the inputs are never modified.
     """
+    if format is not None and format not in FORMATS:
+        raise ExportFolderError(
+            f"format must be one of {', '.join(map(str, FORMATS))} (or None), got {format!r}"
+        )
     export_dir = Path(export_dir)
     if not export_dir.is_dir():
         raise ExportFolderError(
@@ -139,6 +174,7 @@ def merge_seq2seq_with_report(
         if role in chosen
         for part in splice.parts_of_file(models[chosen[role]], role, chosen[role])
     ]
+    cross, format_reason = _one_decoder_part(parts, format)
     origins = compat.origins(parts)
     tensors_in = len(origins)
     # Operators the checker does not know, which the merged model may hold too.
@@ -146,9 +182,9 @@ def merge_seq2seq_with_report(
     step("splicing")
     # Made before the splice, which moves the parts' nodes into one graph.
     separate_dims = dims.SeparateSymbolicDims(parts)
-    model = splice.splice(parts, models)
+    model = splice.splice(parts, models, cross)
     step("deduplicating")
-    rewrites = passes.run(model, (separate_dims, *rewrite_steps()))
+    rewrites = passes.run(model, (separate_dims, *rewrite_steps(cross is not None)))
     shared = passes.records(rewrites)
     configs = {
         contract.META_CONFIG: _read_json(export_dir / "config.json"),
@@ -167,13 +203,44 @@ def merge_seq2seq_with_report(
         logger.warning("merging anyway: %s", problem)
     model.metadata_props.update({key: text for key, text in configs.items() if text is not None})
     step("saving and checking")
-    model_io.save_model_atomically(
+
+    def validate(path: Path) -> None:
+        check.check_merged_model(path, tolerated, list(chosen.values()))
+        if cross is not None and contract.META_PROMPT_TOKENS_PER_STEP not in model.metadata_props:
+            verdict = first_step.prove_first_step(path, chosen)
+            if verdict.tokens_per_step is not None:
+                raise _FirstStepDiffers(verdict)
+
+    save = lambda: model_io.save_model_atomically(  # noqa: E731
         model,
         output,
         external_data=external_data,
-        validate=lambda path: check.check_merged_model(path, tolerated, list(chosen.values())),
+        validate=validate,
         protected=frozenset(f.resolve() for f in files_read),
     )
+    try:
+        save()
+    except _FirstStepDiffers as differs:
+        verdict = differs.verdict
+        if not verdict.holds:
+            if format == 3:
+                raise IncompatibleModelsError(
+                    f"{export_dir} cannot be merged as format 3: {verdict.reason}; merge with "
+                    "format 2 (--format 2)"
+                ) from None
+            logger.info("writing format 2: %s", verdict.reason)
+            return merge_seq2seq_with_report(
+                export_dir,
+                output,
+                overwrite=overwrite,
+                external_data=external_data,
+                force=force,
+                progress=progress,
+                format=2,
+            )._replace_reason(f"the first step of version 3 is not proven: {verdict.reason}")
+        model.metadata_props[contract.META_PROMPT_TOKENS_PER_STEP] = str(verdict.tokens_per_step)
+        format_reason += f"; a prompt is fed one token per step ({verdict.reason})"
+        save()
     output_bytes = model_io.file_bytes(output, model_io.data_files_of(output))
     inputs = tuple(
         InputFile(path, role.value, model_io.file_bytes(path, data_files[path]))
@@ -191,6 +258,8 @@ def merge_seq2seq_with_report(
         constants_lifted=passes.counts(rewrites)["constants_lifted"],
         checkpoint_bytes=checkpoint.stat().st_size if checkpoint else None,
         rewrites=passes.counts(rewrites),
+        format_version=model.metadata_props[contract.META_FORMAT_VERSION],
+        format_reason=format_reason,
     )
     logger.info(
         "merged %d files (%d bytes) into %s (%d bytes); %d tensors shared, %d transposed",
@@ -204,13 +273,55 @@ def merge_seq2seq_with_report(
     return result
 
 
-def rewrite_steps() -> tuple[ir.passes.InPlacePass, ...]:
-    """The rewrite passes of a merge after the splice, in the order they run."""
-    return (
-        reshape_targets.FoldReshapeTargets(),
-        *dedup.store_once_steps(),
-        tied_head.GemmForTransposedWeights(),
+def _one_decoder_part(
+    parts: list[splice.Part], format: int | None
+) -> tuple[CrossAttention | None, str]:
+    """The decoder's cross-attention part where version 3 is to be written, and why (not)."""
+    by_role = {p.role: p for p in parts}
+    decoder, with_past = by_role.get(Role.DECODER), by_role.get(Role.DECODER_WITH_PAST)
+    if format in (1, 2):
+        return None, f"format {format} was asked for"
+    if with_past is None or decoder is None:
+        return None, "exported without past: one decoder is the whole model"
+    names = [n for n in decoder.outputs if contract.is_encoder_present(n)]
+    found = (
+        find_cross_attention(
+            decoder.graph,
+            [decoder.outputs[n] for n in names],
+            [
+                value
+                for name, value in decoder.inputs.items()
+                if name
+                not in (
+                    contract.OPTIMUM_ENCODER_HIDDEN_STATES,
+                    contract.OPTIMUM_ENCODER_ATTENTION_MASK,
+                )
+            ],
+        )
+        if names
+        else NoMatch(f"{decoder.source.name} returns no cross-attention keys and values")
     )
+    if isinstance(found, NoMatch):
+        if format == 3:
+            raise IncompatibleModelsError(
+                f"the export cannot be merged as format 3: {found.reason}; merge with format 2 "
+                "(--format 2)"
+            )
+        return None, f"format 2, since {found.reason}"
+    return found, "one decoder for every step"
+
+
+def rewrite_steps(one_decoder: bool = False) -> tuple[ir.passes.InPlacePass, ...]:
+    """The rewrite passes of a merge after the splice, in the order they run.
+
+    In version 3 the decoder without past keeps only its cross-attention part, so the weights it
+    no longer reads are unused; they are compared with the decoder with past's (the check that
+    both come from one checkpoint) before anything removes unused tensors.
+    """
+    store_once = dedup.store_once_steps()
+    fold = reshape_targets.FoldReshapeTargets()
+    ordered = (*store_once[:2], fold, *store_once[2:]) if one_decoder else (fold, *store_once)
+    return (*ordered, tied_head.GemmForTransposedWeights())
 
 
 def find_checkpoint(folder: Path) -> Path | None:

@@ -176,7 +176,8 @@ def _quantize_file(
     )
     done = quantized.records
     precision = {"encoder": encoder, "decoder": weights}
-    meta[contract.META_FORMAT_VERSION] = contract.QUANTIZED_FORMAT_VERSION
+    if meta[contract.META_FORMAT_VERSION] != contract.ONE_DECODER_FORMAT_VERSION:
+        meta[contract.META_FORMAT_VERSION] = contract.QUANTIZED_FORMAT_VERSION
     meta[contract.META_PRECISION] = json.dumps(precision, sort_keys=True)
     inputs_read = frozenset(f.resolve() for f in (source, *data_files))
     model_io.save_model_atomically(

@@ -16,6 +16,7 @@ import numpy as np
 import onnx_ir as ir
 
 from onnxmerge import __version__, contract
+from onnxmerge.cross_attention import CrossAttention
 from onnxmerge.errors import ExportFolderError, IncompatibleModelsError
 from onnxmerge.roles import Role
 
@@ -221,11 +222,16 @@ def _check_opsets(models: dict[Path, ir.Model]) -> tuple[dict[str, int], int]:
     return opsets, max(model.ir_version for model in models.values())
 
 
-def splice(parts: list[Part], models: dict[Path, ir.Model]) -> ir.Model:
+def splice(
+    parts: list[Part], models: dict[Path, ir.Model], cross: CrossAttention | None = None
+) -> ir.Model:
     """Join encoder and decoder parts into one model under the contract of ``docs/format.md``.
 
     A constructor, not a pass: it builds the model that the passes then rewrite, with the
-    contract's metadata (format version, layout, encoder inputs) already set.
+    contract's metadata (format version, layout, encoder inputs) already set. With ``cross``,
+    the decoder without past's cross-attention part (:mod:`onnxmerge.cross_attention`), it
+    writes format version 3: the decoder with past runs every step and the ``If`` only chooses
+    where the cross-attention keys and values come from.
     """
     by_role = {p.role: p for p in parts}
     encoder = by_role[Role.ENCODER]
@@ -258,9 +264,18 @@ def splice(parts: list[Part], models: dict[Path, ir.Model]) -> ir.Model:
     _move_initializers(parts, main)
     _wire(encoder, decoder_parts, main_inputs, renames, encoder_output)
 
-    first_step_nodes = _take_nodes(encoder) + _take_nodes(decoder)
+    version = contract.FORMAT_VERSION
+    if with_past is not None and cross is not None:
+        _one_decoder(main, main_inputs, encoder, decoder, with_past, cross, output_names)
+        version = contract.ONE_DECODER_FORMAT_VERSION
+        layout = contract.LAYOUT_WITH_PAST
+        first_step_nodes: list[ir.Node] = []
+    else:
+        first_step_nodes = _take_nodes(encoder) + _take_nodes(decoder)
     first_step_outputs = [decoder.outputs[n] for n in output_names]
-    if with_past is None:
+    if version == contract.ONE_DECODER_FORMAT_VERSION:
+        pass
+    elif with_past is None:
         _add_first_step(main, first_step_nodes, output_names, first_step_outputs)
         layout = contract.LAYOUT_WITHOUT_PAST
     else:
@@ -282,7 +297,7 @@ def splice(parts: list[Part], models: dict[Path, ir.Model]) -> ir.Model:
         producer_version=__version__,
         functions=_local_functions(models),
         metadata_props={
-            contract.META_FORMAT_VERSION: contract.FORMAT_VERSION,
+            contract.META_FORMAT_VERSION: version,
             contract.META_LAYOUT: layout,
             contract.META_ENCODER_INPUTS: json.dumps(encoder_inputs),
         },
@@ -405,6 +420,73 @@ def _add_first_step(
             value = identity.outputs[0]
         else:
             value.name = name
+        main.outputs.append(value)
+
+
+def _one_decoder(
+    main: ir.Graph,
+    main_inputs: dict[str, ir.Value],
+    encoder: Part,
+    decoder: Part,
+    with_past: Part,
+    cross: CrossAttention,
+    output_names: list[str],
+) -> None:
+    """Format version 3: the ``If`` yields the cross-attention keys and values (computed by the
+    encoder and the decoder's projections of its states on the first step, passed through on
+    the others), and the decoder with past, in the main graph, runs every step."""
+    cache_problems = _cache_mismatches(output_names, with_past)
+    if cache_problems:
+        raise IncompatibleModelsError("the decoders' caches do not match:", cache_problems)
+    hidden = encoder.outputs[contract.OPTIMUM_ENCODER_OUTPUT]
+    encoder_nodes = _take_nodes(encoder)
+    for node in cross.batch_reads:
+        node.replace_input_with(0, hidden)
+    kept = set(cross.nodes)
+    # The rest of the decoder without past is not needed: the decoder with past replaces it.
+    decoder.graph.outputs.clear()
+    decoder.graph.remove([n for n in decoder.graph if n not in kept], safe=True)
+    cross_nodes = list(decoder.graph)
+    decoder.graph.remove(cross_nodes)
+    cached_nodes = _take_nodes(with_past)
+
+    cross_names = [n for n in output_names if contract.is_encoder_present(n)]
+    computed = [decoder.outputs[n] for n in cross_names]
+    passed = [main_inputs[contract.past_name(*contract.parse_cache_name(n)[1:])] for n in cross_names]
+    if_node = ir.Node(
+        "",
+        "If",
+        [main_inputs[contract.USE_CACHE_BRANCH]],
+        attributes=[
+            ir.AttrGraph("then_branch", _branch("with_past", [], passed)),
+            ir.AttrGraph("else_branch", _branch("no_past", encoder_nodes + cross_nodes, computed)),
+        ],
+        outputs=[_input_like(n, v) for n, v in zip(cross_names, computed, strict=True)],
+        name="use_cache_branch",
+    )
+    cached_set = set(cached_nodes)
+    for past, value in zip(passed, if_node.outputs, strict=True):
+        for use in list(past.uses()):
+            if use.node in cached_set:
+                use.node.replace_input_with(use.idx, value)
+    main.append(if_node)
+    main.extend(cached_nodes)
+    by_name = dict(zip(cross_names, if_node.outputs, strict=True))
+    for name in output_names:
+        value = by_name.get(name)
+        if value is None:
+            value = with_past.outputs.get(name)
+            if value is None:
+                raise IncompatibleModelsError(
+                    f"{with_past.source.name} lacks the output {name!r} that "
+                    f"{decoder.source.name} has; the two decoders are not from one export"
+                )
+            if not _produced_in(value, cached_set) or value in main.outputs:
+                identity = ir.Node("", "Identity", [value], outputs=[_input_like(name, value)])
+                main.append(identity)
+                value = identity.outputs[0]
+            else:
+                value.name = name
         main.outputs.append(value)
 
 

@@ -1,0 +1,146 @@
+"""The proof behind format version 3: its first step gives what the decoder without past gives.
+
+Version 3 runs the decoder with past on the first step too, with a zero-length self-attention
+past. An exporter may have traced that decoder for one new token a step (transformers builds no
+causal mask when the query has length 1), so before such a file is published its first step runs
+on sample inputs beside the source files, for one decoder token and for several.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from onnxmerge import contract
+from onnxmerge.roles import Role
+from onnxmerge.samples import sample_encoder_inputs
+from onnxmerge.sessions import ORT_TO_NUMPY, open_session, session_options
+
+logger = logging.getLogger(__name__)
+
+_BATCH, _ENCODER_LENGTH = 2, 7
+# A first step of several tokens: a forced prefix, a user's decoder_input_ids, Whisper's prompt.
+SEVERAL = 3
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """``tokens_per_step``: the longest first step proven equal (0: not even one token), or
+    None when both lengths were; ``reason`` says what differed or why nothing was proven."""
+
+    tokens_per_step: int | None
+    reason: str = ""
+
+    @property
+    def holds(self) -> bool:
+        return self.tokens_per_step != 0
+
+
+def prove_first_step(path: Path, sources: Mapping[Role, Path]) -> Verdict:
+    """Run the merged file's first step and the source files on the same sample inputs."""
+    if importlib.util.find_spec("onnxruntime") is None:
+        return Verdict(0, "onnxruntime, which proves the first step, is not installed")
+    options = session_options(optimize=False)
+    options.log_severity_level = 4
+    options.add_session_config_entry("session.disable_prepacking", "1")
+    merged = open_session(path, options)
+    meta = merged.get_modelmeta().custom_metadata_map
+    config = json.loads(meta.get(contract.META_CONFIG, "{}"))
+    rng = np.random.default_rng(1)
+    feeds = sample_encoder_inputs(merged, config, batch=_BATCH, length=_ENCODER_LENGTH, rng=rng)
+    vocab = _vocab(merged, config)
+    trials = {n: rng.integers(0, vocab, (_BATCH, n)).astype(np.int64) for n in (1, SEVERAL)}
+    ours = {n: _merged_first_step(merged, feeds, ids) for n, ids in trials.items()}
+    del merged
+    theirs = _source_first_steps(sources, options, feeds, trials)
+    for n in (1, SEVERAL):
+        problem = _difference(ours[n], theirs[n])
+        if problem:
+            reason = f"with a first step of {n} token{'s' if n > 1 else ''}, {problem}"
+            logger.info("first step not proven: %s", reason)
+            return Verdict(0 if n == 1 else 1, reason)
+    return Verdict(None)
+
+
+def _vocab(session, config: dict) -> int:
+    for output in session.get_outputs():
+        if output.name == contract.LOGITS and isinstance(output.shape[-1], int):
+            return int(output.shape[-1])
+    return int(config.get("vocab_size") or 4)
+
+
+def _empty_pasts(session, rows: int) -> dict[str, np.ndarray]:
+    feeds = {}
+    for info in session.get_inputs():
+        if contract.is_past_name(info.name):
+            dims = [d if isinstance(d, int) else 1 for d in info.shape]
+            dims[0], dims[2] = rows, 0
+            feeds[info.name] = np.zeros(dims, ORT_TO_NUMPY.get(info.type, np.float32))
+    return feeds
+
+
+def _merged_first_step(session, feeds: dict, ids: np.ndarray) -> dict[str, np.ndarray]:
+    run = dict(feeds, **_empty_pasts(session, ids.shape[0]))
+    run[contract.DECODER_INPUT_IDS] = ids
+    run[contract.USE_CACHE_BRANCH] = np.array([False])
+    names = [o.name for o in session.get_outputs()]
+    return dict(zip(names, session.run(None, run), strict=True))
+
+
+def _source_first_steps(
+    sources: Mapping[Role, Path], options, feeds: dict, trials: dict[int, np.ndarray]
+) -> dict[int, dict[str, np.ndarray]]:
+    encoder = open_session(sources[Role.ENCODER], options)
+    names = {i.name for i in encoder.get_inputs()}
+    hidden = encoder.run(
+        [contract.OPTIMUM_ENCODER_OUTPUT], {k: v for k, v in feeds.items() if k in names}
+    )[0]
+    del encoder
+    merged_decoder = Role.DECODER not in sources
+    decoder = open_session(sources[Role.MERGED_DECODER if merged_decoder else Role.DECODER], options)
+    inputs = {i.name for i in decoder.get_inputs()}
+    outputs = [o.name for o in decoder.get_outputs()]
+    results = {}
+    for n, ids in trials.items():
+        run: dict[str, np.ndarray] = {
+            contract.OPTIMUM_DECODER_INPUT_IDS: ids,
+            contract.OPTIMUM_ENCODER_HIDDEN_STATES: hidden,
+        }
+        mask = feeds.get(contract.ATTENTION_MASK)
+        if mask is not None:
+            run[contract.OPTIMUM_ENCODER_ATTENTION_MASK] = mask
+        if merged_decoder:
+            run.update(_empty_pasts(decoder, ids.shape[0]))
+            run[contract.USE_CACHE_BRANCH] = np.array([False])
+        run = {k: v for k, v in run.items() if k in inputs}
+        results[n] = dict(zip(outputs, decoder.run(None, run), strict=True))
+    return results
+
+
+def _difference(ours: dict[str, np.ndarray], theirs: dict[str, np.ndarray]) -> str | None:
+    """What differs between the merged first step and the sources', beyond float rounding."""
+    for name, expected in theirs.items():
+        if name != contract.LOGITS and not (
+            contract.is_present_name(name) and not contract.is_encoder_present(name)
+        ):
+            continue
+        got = ours.get(name)
+        if got is None or got.shape != expected.shape:
+            shape = None if got is None else got.shape
+            return f"{name} has shape {shape}, the decoder without past's {expected.shape}"
+        expected64, got64 = expected.astype(np.float64), got.astype(np.float64)
+        scale = 1.0 + float(np.abs(expected64).max(initial=0.0))
+        tolerance = (1e-4 if expected.dtype == np.float32 else 1e-2) * scale
+        largest = float(np.abs(got64 - expected64).max(initial=0.0))
+        if not largest <= tolerance:
+            return f"{name} differs from the decoder without past's by {largest:.3g}"
+    return None
+
+
+__all__ = ["Verdict", "prove_first_step", "SEVERAL"]

@@ -125,7 +125,10 @@ def _build_from_merged(
     overrides.update(num_beams=beams, do_sample=False, num_return_sequences=1)
     settings = resolve_settings(info.config, info.generation_config, overrides, 1)
     processors.check_supported(settings, given)
-    _assemble(model, info, settings, beams)
+    if info.one_decoder:
+        _assemble_one_decoder(model, info, settings, beams)
+    else:
+        _assemble(model, info, settings, beams)
     # The cached steps' empty encoder presents are no longer returned: drop what made them.
     ir.passes.common.RemoveUnusedNodesPass()(model)
     model.metadata_props.pop(contract.META_FORMAT_VERSION, None)
@@ -244,8 +247,160 @@ def _assemble(
     graph.sort()
 
 
-def _take_branches(graph: ir.Graph) -> _Branches:
-    """Remove the ``If`` on ``use_cache_branch`` and empty its branches; return their parts."""
+def _assemble_one_decoder(
+    model: ir.Model, info: contract.ContractInfo, s: GenerationSettings, num_beams: int
+) -> None:
+    """Format version 3: the encoder and the cross-attention projections (the ``If``'s ``else``
+    branch) run once before the Loop; the decoder, every step's, is the Loop body, which starts
+    from a zero-length self-attention past. The decoder's weights are read in one graph only."""
+    graph = model.graph
+    if_node = _use_cache_if(graph)
+    first_graph = if_node.attributes["else_branch"].value
+    cached_graph = if_node.attributes["then_branch"].value
+    first_nodes = list(first_graph)
+    cross = dict(zip([v.name for v in if_node.outputs], first_graph.outputs, strict=True))
+    first_graph.remove(first_nodes)
+    first_graph.outputs.clear()
+    cached_graph.remove(list(cached_graph))
+    cached_graph.outputs.clear()
+    outputs = {v.name: v for v in graph.outputs}
+    graph.outputs.clear()
+    decoder_nodes = [n for n in graph if n is not if_node]
+    graph.remove([*decoder_nodes, if_node])
+    decoder_all = {m for n in decoder_nodes for m in (n, *_subgraph_nodes(n))}
+    inputs = {v.name: v for v in graph.inputs}
+    layers = info.num_layers
+    encoder_names = contract.present_names(layers, "encoder")
+
+    names = Names()
+    opset = model.opset_imports.get("", 18)
+    main, body = Ops(names, opset), Ops(names, opset)
+    max_new = ir.Value(
+        name=MAX_NEW_TOKENS, type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([])
+    )
+    encoder_inputs = [inputs[n] for n in info.encoder_inputs]
+    batch = main.dim(encoder_inputs[0], 0)
+    encoder_ids = inputs.get("input_ids") if "input_ids" in info.encoder_inputs else None
+    mask = inputs.get(contract.ATTENTION_MASK)
+    cached_mask = mask
+    encoder_presents = [cross[n] for n in encoder_names]
+    if num_beams > 1:
+        repeat = _beam_repeater(main, batch, num_beams)
+        encoder_presents = [repeat(v) for v in encoder_presents]
+        cached_mask = repeat(mask) if mask is not None else None
+        encoder_ids = repeat(encoder_ids) if encoder_ids is not None else None
+    for value in if_node.outputs:
+        _redirect(value, decoder_all, encoder_presents[encoder_names.index(value.name)])
+    # Each layer's self-attention past starts empty: its cross key/value's rows and heads.
+    empty_past = []
+    for present in encoder_presents:
+        empty = main.slice(present, 0, 0, axis=2)
+        empty.type = cross[encoder_names[0]].type
+        empty_past.append(empty)
+    first = _FirstStep(
+        batch=batch,
+        logits=None,  # type: ignore[arg-type]  # computed by the Loop's first iteration
+        max_length=main.op("Add", max_new, main.i64(s.prompt_length)),
+        trips=main.op("Max", max_new, main.i64(1)),
+        encoder_ids=encoder_ids,
+        decoder_presents=empty_past,
+        encoder_presents=encoder_presents,
+        mask=mask,
+        cached_mask=cached_mask,
+    )
+    branches = _Branches(
+        first_nodes=first_nodes,
+        cached_nodes=decoder_nodes,
+        first_all=set(),
+        cached_all=decoder_all,
+        first_out=cross,
+        cached_out=outputs,
+    )
+    cached = _wire_cached_decoder(body, info, branches, inputs, first, with_encoder=False)
+    vocab = _vocab_size(info, outputs[contract.LOGITS])
+    parts = _LoopParts(main, body, names, s, vocab, num_beams, first, cached)
+    loop = _first_in_loop(parts)
+    for node in decoder_nodes + body.nodes:
+        loop.body_graph.append(node)
+    loop.body_graph.sort()
+    for node in first_nodes + main.nodes:
+        graph.append(node)
+    for value in list(graph.inputs):
+        if value.name not in info.encoder_inputs:
+            graph.inputs.remove(value)
+    graph.inputs.append(max_new)
+    graph.outputs.extend(loop.graph_outputs)
+    graph.sort()
+
+
+def _first_in_loop(p: _LoopParts) -> _Loop:
+    """The search's Loop where the first step is the Loop's first iteration."""
+    main, first, s = p.main, p.first, p.settings
+    rows = main.dim(first.encoder_presents[0], 0)
+    start = main.op(
+        "ConstantOfShape",
+        main.vector(rows, main.i64(1)),
+        value=ir.tensor(_array([s.decoder_start_token_id])),
+    )
+    go = main.const(True, np.bool_)
+    if p.num_beams == 1:
+        sequences_in = typed_input(p.names, "sequences", ir.DataType.INT64, 2)
+        unfinished_in = typed_input(p.names, "unfinished", ir.DataType.BOOL, 1)
+        step = search.greedy_step(p.body, _search(p), p.cached.logits, sequences_in, unfinished_in)
+        all_rows = main.op(
+            "ConstantOfShape", main.vector(first.batch), value=ir.tensor(_bool_array([True]))
+        )
+        loop = _decode_loop(
+            p,
+            "decode_loop",
+            carried_in=[sequences_in, unfinished_in],
+            body_outputs=[step.keep_going, step.tokens, step.sequences, step.unfinished],
+            body_cache=p.cached.presents,
+            initial=[go, start, start, all_rows],
+            initial_cache=first.decoder_presents,
+        )
+        sequences = _name_output(
+            loop.graph_outputs[1], SEQUENCES, ir.DataType.INT64, SEQUENCES_DIMS
+        )
+        return _Loop(loop.body_graph, [sequences])
+    beams = _search(p)
+    state = search.initial_beams(main, s, first.batch, p.num_beams)
+    carried = [
+        typed_input(p.names, "beam_state", dtype, rank) for dtype, rank in search.CARRIED_BEAM_TYPES
+    ]
+    body = p.body
+    step = search.beam_step(body, beams, p.cached.logits, search.Beams(*carried))
+    cache = [body.op("Gather", v, step.rows, axis=0) for v in p.cached.presents]
+    loop = _decode_loop(
+        p,
+        "beam_loop",
+        carried_in=carried,
+        body_outputs=[step.keep_going, _last_column(body, step.running), *step.carried()],
+        body_cache=cache,
+        initial=[go, start, *state.carried()],
+        initial_cache=first.decoder_presents,
+    )
+    final = search.Beams(*loop.graph_outputs[1 : 1 + len(search.CARRIED_BEAM_TYPES)])
+    sequences, score = search.best_sequences(main, final, s.prompt_length)
+    sequences = main.op("Identity", sequences)
+    _name_output(sequences, SEQUENCES, ir.DataType.INT64, SEQUENCES_DIMS)
+    score = main.op("Identity", score)
+    _name_output(score, SEQUENCES_SCORES, ir.DataType.FLOAT, ["batch_size"])
+    return _Loop(loop.body_graph, [sequences, score])
+
+
+def _subgraph_nodes(node: ir.Node) -> list[ir.Node]:
+    found: list[ir.Node] = []
+    for attr in node.attributes.values():
+        if attr.type == ir.AttributeType.GRAPH:
+            found.extend(ir.traversal.RecursiveGraphIterator(attr.value))
+        elif attr.type == ir.AttributeType.GRAPHS:
+            for sub in attr.value:
+                found.extend(ir.traversal.RecursiveGraphIterator(sub))
+    return found
+
+
+def _use_cache_if(graph: ir.Graph) -> ir.Node:
     if_nodes = [
         n
         for n in graph
@@ -255,7 +410,12 @@ def _take_branches(graph: ir.Graph) -> _Branches:
     ]
     if len(if_nodes) != 1:
         raise InvalidMergedModelError("the merged model has no If node on use_cache_branch")
-    if_node = if_nodes[0]
+    return if_nodes[0]
+
+
+def _take_branches(graph: ir.Graph) -> _Branches:
+    """Remove the ``If`` on ``use_cache_branch`` and empty its branches; return their parts."""
+    if_node = _use_cache_if(graph)
     cached_graph = if_node.attributes["then_branch"].value
     first_graph = if_node.attributes["else_branch"].value
     out_names = [v.name for v in if_node.outputs]
@@ -350,8 +510,11 @@ def _wire_cached_decoder(
     branches: _Branches,
     inputs: dict[str, ir.Value],
     first: _FirstStep,
+    *,
+    with_encoder: bool = True,
 ) -> _CachedStep:
-    """The cached decoder reads the loop's state and the first step's encoder key/values."""
+    """The cached decoder reads the loop's state and the first step's encoder key/values
+    (already wired where ``with_encoder`` is false)."""
     names = body.names
     iteration = typed_input(names, "iteration", ir.DataType.INT64, 0)
     condition = typed_input(names, "condition", ir.DataType.BOOL, 0)
@@ -362,9 +525,10 @@ def _wire_cached_decoder(
     _redirect(inputs[contract.DECODER_INPUT_IDS], cached_all, tokens_in)
     for name, value in zip(contract.past_names(layers, "decoder"), past_in, strict=True):
         _redirect(inputs[name], cached_all, value)
-    encoder_pasts = contract.past_names(layers, "encoder")
-    for name, value in zip(encoder_pasts, first.encoder_presents, strict=True):
-        _redirect(inputs[name], cached_all, value)
+    if with_encoder:
+        encoder_pasts = contract.past_names(layers, "encoder")
+        for name, value in zip(encoder_pasts, first.encoder_presents, strict=True):
+            _redirect(inputs[name], cached_all, value)
     if first.mask is not None and first.cached_mask is not first.mask:
         _redirect(first.mask, cached_all, first.cached_mask)
     logits = body.op("Gather", branches.cached_out[contract.LOGITS], body.i64(-1), axis=1)

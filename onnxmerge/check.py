@@ -125,6 +125,8 @@ def run_both_branches(path: Path, sources: Sequence[Path] = ()) -> None:
         raise MergedModelRunError("load", _reason(e)) from e
     meta = session.get_modelmeta().custom_metadata_map
     config = json.loads(meta.get(contract.META_CONFIG, "{}"))
+    one_decoder = meta.get(contract.META_FORMAT_VERSION) == contract.ONE_DECODER_FORMAT_VERSION
+    suffix = "-one-decoder" if one_decoder else ""
     inputs = {i.name: i for i in session.get_inputs()}
     rng = np.random.default_rng(0)
     feeds = sample_encoder_inputs(session, config, batch=_BATCH, length=_ENCODER_LENGTH, rng=rng)
@@ -143,7 +145,7 @@ def run_both_branches(path: Path, sources: Sequence[Path] = ()) -> None:
     try:
         outputs = dict(zip(names, session.run(None, first), strict=True))
     except Exception as e:
-        raise MergedModelRunError("first", _reason(e)) from e
+        raise MergedModelRunError("first" + suffix, _reason(e)) from e
     if not has_past:
         return
     cached = {
@@ -158,7 +160,7 @@ def run_both_branches(path: Path, sources: Sequence[Path] = ()) -> None:
     try:
         session.run(None, cached)
     except Exception as e:
-        raise MergedModelRunError("cached", _reason(e)) from e
+        raise MergedModelRunError("cached" + suffix, _reason(e)) from e
 
 
 def _reason(error: Exception) -> str:

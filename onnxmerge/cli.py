@@ -158,6 +158,7 @@ def _merge_summary(result) -> str:
             f"merged model / PyTorch checkpoint: {result.checkpoint_ratio:.3f}x "
             f"({_human(result.checkpoint_bytes)} checkpoint)"
         )
+    lines.append(f"format version {result.format_version}: {result.format_reason}")
     lines.append(f"wrote {result.path}")
     return "\n".join(lines)
 
@@ -187,6 +188,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
             external_data=True if args.external_data else None,
             force=args.force,
             progress=steps,
+            format=args.format,
         )
     data = _result_json(result)
     summary = _merge_summary(result)
@@ -686,6 +688,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--force",
         action="store_true",
         help="merge even if the files look like they come from different checkpoints",
+    )
+    p.add_argument(
+        "--format",
+        type=int,
+        choices=(2, 3),
+        help="3: one decoder for every step; 2: the two decoders of versions 1 and 2 "
+        "(default: 3 where the merge proves it, else 2)",
     )
     p.add_argument(
         "--generation",

@@ -65,10 +65,14 @@ class MergedModelRunError(InvalidMergedModelError):
         "load": "loading it",
         "first": "the first step (use_cache_branch = false: encoder and decoder without past)",
         "cached": "a cached step (use_cache_branch = true: decoder with past)",
+        # Format version 3 runs the decoder with past on every step.
+        "first-one-decoder": "the first step (use_cache_branch = false: encoder, its "
+        "cross-attention keys and values, and the decoder with past)",
+        "cached-one-decoder": "a cached step (use_cache_branch = true: decoder with past)",
     }
 
     def __init__(self, step: str, reason: str):
-        self.step = step
+        self.step = step.removesuffix("-one-decoder")
         self.reason = reason
         super().__init__(
             f"onnxruntime failed on the merged model in {self.STEPS[step]}: {reason}. Nothing "

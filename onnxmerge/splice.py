@@ -488,6 +488,11 @@ def _one_decoder(
             else:
                 value.name = name
         main.outputs.append(value)
+    # What computed the empty encoder presents of an optimum merged decoder's cached branch.
+    outputs = set(main.outputs)
+    for node in reversed(cached_nodes):
+        if not any(v.uses() or v in outputs for v in node.outputs):
+            main.remove(node, safe=True)
 
 
 def _use_cache_if(

@@ -47,7 +47,16 @@ def _assert_parity(path: Path, reference: Path, inputs: dict[str, np.ndarray]) -
         assert tm.max_abs_diff(cached, got) <= PARITY
         encoder_presents = [n for n in got if n.startswith("present.") and ".encoder." in n]
         assert len(encoder_presents) == 2 * tm.LAYERS
-        assert all(got[n].size == 0 for n in encoder_presents)
+        version = contract.read_contract(
+            {p.key: p.value for p in onnx.load(os.fspath(path), load_external_data=False)
+             .metadata_props}, ["decoder_input_ids"], ["logits"]
+        ).format_version
+        for name in encoder_presents:
+            if version == contract.ONE_DECODER_FORMAT_VERSION:  # the past, passed through
+                past = contract.past_name(*contract.parse_cache_name(name)[1:])
+                np.testing.assert_array_equal(got[name], inputs[past])
+            else:  # empty: the caller keeps the first step's
+                assert got[name].size == 0
 
 
 def _all_value_names(proto: onnx.ModelProto) -> list[str]:
@@ -83,9 +92,10 @@ def _all_node_names(proto: onnx.ModelProto) -> list[str]:
 # ------------------------------------------------------------------ layouts
 
 
-def test_with_past_layout_follows_the_contract(tmp_path):
+@pytest.mark.parametrize(("format", "version"), [(None, "3"), (2, "1")])
+def test_with_past_layout_follows_the_contract(tmp_path, format, version):
     folder = tm.write_export(tmp_path / "export")
-    path = merge_seq2seq(folder)
+    path = merge_seq2seq(folder, format=format)
     onnx.checker.check_model(os.fspath(path), full_check=True)
     proto = onnx.load(os.fspath(path))
 
@@ -101,7 +111,7 @@ def test_with_past_layout_follows_the_contract(tmp_path):
     assert proto.graph.output[0].name == "logits"
     assert [n.op_type for n in proto.graph.node if n.op_type == "If"] == ["If"]
     meta = {p.key: p.value for p in proto.metadata_props}
-    assert meta[contract.META_FORMAT_VERSION] == "1"
+    assert meta[contract.META_FORMAT_VERSION] == version
     assert meta[contract.META_LAYOUT] == "with_past"
     assert json.loads(meta[contract.META_ENCODER_INPUTS]) == ["input_ids", "attention_mask"]
     assert json.loads(meta[contract.META_CONFIG])["vocab_size"] == tm.VOCAB
@@ -235,12 +245,33 @@ def test_every_value_and_node_name_is_unique(tmp_path, layout):
 
 
 def test_branches_read_the_shared_weights_from_the_main_graph(tmp_path):
-    proto = onnx.load(os.fspath(merge_seq2seq(tm.write_export(tmp_path / "export"))))
+    folder = tm.write_export(tmp_path / "export")
+    proto = onnx.load(os.fspath(merge_seq2seq(folder, format=2)))
     (if_node,) = [n for n in proto.graph.node if n.op_type == "If"]
     for attr in if_node.attribute:
         assert len(attr.g.initializer) == 0
         read = {i for n in attr.g.node for i in n.input}
         assert tm.EMBEDDING in read
+
+
+def test_one_decoder_form_reads_every_decoder_weight_in_the_main_graph(tmp_path):
+    proto = onnx.load(os.fspath(merge_seq2seq(tm.write_export(tmp_path / "export"))))
+    (if_node,) = [n for n in proto.graph.node if n.op_type == "If"]
+    branches = {a.name: a.g for a in if_node.attribute}
+    weights = {t.name for t in proto.graph.initializer}
+    main_reads = {i for n in proto.graph.node for i in n.input} & weights
+    else_reads = {i for n in branches["else_branch"].node for i in n.input} & weights
+    then_reads = {i for n in branches["then_branch"].node for i in n.input}
+    # The cached branch only passes the cross-attention keys and values through.
+    assert then_reads == {n for n in tm.past_names() if ".encoder." in n}
+    assert {n.op_type for n in branches["then_branch"].node} == {"Identity"}
+    # The encoder and the cross-attention projections read theirs in the else branch; the
+    # decoder, the head and the embedding are read in the main graph.
+    assert tm.EMBEDDING in main_reads and tm.EMBEDDING in else_reads
+    assert main_reads | else_reads == weights
+    assert all(len(g.initializer) == 0 for g in branches.values())
+    assert sorted(if_node.output) == sorted(n.replace("past_key_values", "present")
+                                     for n in tm.past_names() if ".encoder." in n)
 
 
 # ------------------------------------------------------------------ determinism

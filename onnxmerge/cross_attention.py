@@ -28,7 +28,7 @@ class CrossAttention:
     """The nodes (in graph order) that compute ``outputs`` from the encoder's hidden states.
 
     ``batch_reads`` are the ``Shape`` nodes that read the decoder's own values for their batch
-    size only; :func:`take_cross_attention` makes them read the hidden states instead.
+    size only; the splice makes them read the encoder's hidden states instead.
     """
 
     nodes: tuple[ir.Node, ...]
@@ -66,14 +66,18 @@ def find_cross_attention(
             continue
         if node not in order:
             return NoMatch(f"{node.name or node.op_type} is not a node of the decoder's graph")
-        if any(attr.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS)
-               for attr in node.attributes.values()):
+        if any(
+            attr.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS)
+            for attr in node.attributes.values()
+        ):
             return NoMatch(f"{node.name or node.op_type} holds a subgraph")
         if is_op(node, "Shape") and node.inputs[0] in tainted:
             batch_reads.add(node)
             continue
         tainted_inputs = [v for v in node.inputs if v is not None and v in tainted]
         if tainted_inputs and not is_op(node, "Shape"):
+            node = _where_tokens_enter(node, tainted, order)
+            tainted_inputs = [v for v in node.inputs if v is not None and v in tainted]
             return NoMatch(
                 f"{node.name or node.op_type} ({node.op_type}) computes the cross-attention "
                 f"keys or values from {tainted_inputs[0].name!r}, which depends on the decoder's "
@@ -92,12 +96,27 @@ def find_cross_attention(
     return CrossAttention(tuple(nodes), tuple(outputs), tuple(sorted(batch_reads, key=order.get)))
 
 
-def take_cross_attention(part: CrossAttention, graph: ir.Graph, hidden: ir.Value) -> list[ir.Node]:
-    """Detach the part's nodes from ``graph``; the batch reads now read ``hidden``."""
-    for node in part.batch_reads:
-        node.replace_input_with(0, hidden)
-    graph.remove(list(part.nodes))
-    return list(part.nodes)
+def _where_tokens_enter(node: ir.Node, tainted: set[ir.Value], order: dict) -> ir.Node:
+    """The first node, upstream of ``node``, that mixes the decoder's values with others."""
+    seen, stack, mixing = set(), [node], []
+    while stack:
+        current = stack.pop()
+        if current is None or current in seen or current not in order:
+            continue
+        seen.add(current)
+        inputs = [v for v in current.inputs if v is not None]
+        marked = [v in tainted for v in inputs]
+        if (
+            any(marked)
+            and not all(marked)
+            and any(
+                not m and v.const_value is None and not is_op(v.producer(), "Constant")
+                for v, m in zip(inputs, marked, strict=True)
+            )
+        ):
+            mixing.append(current)
+        stack.extend(v.producer() for v in inputs if v in tainted)
+    return min(mixing, key=order.__getitem__) if mixing else node
 
 
 def _depending_on(graph: ir.Graph, sources: set[ir.Value]) -> set[ir.Value]:
@@ -146,15 +165,21 @@ def _batch_only(shape: ir.Node, readers: set[ir.Node]) -> str | None:
         if is_op(reader, "Gather") and use.idx == 0:
             index = _constant(reader.inputs[1])
             axis = reader.attributes.get("axis")
-            if index is not None and index.size == 1 and int(index.reshape(-1)[0]) == 0 and (
-                axis is None or axis.value == 0
+            if (
+                index is not None
+                and index.size == 1
+                and int(index.reshape(-1)[0]) == 0
+                and (axis is None or axis.value == 0)
             ):
                 continue
             return "an element other than the first is gathered"
         if is_op(reader, "Slice") and use.idx == 0:
             starts, ends = _constant(reader.inputs[1]), _constant(reader.inputs[2])
-            if starts is not None and ends is not None and starts.tolist() == [0] and (
-                ends.tolist() == [1]
+            if (
+                starts is not None
+                and ends is not None
+                and starts.tolist() == [0]
+                and (ends.tolist() == [1])
             ):
                 continue
             return "it is sliced beyond the first element"
@@ -173,4 +198,4 @@ def _constant(value: ir.Value | None) -> np.ndarray | None:
     return None
 
 
-__all__ = ["CrossAttention", "NoMatch", "find_cross_attention", "take_cross_attention"]
+__all__ = ["CrossAttention", "NoMatch", "find_cross_attention"]

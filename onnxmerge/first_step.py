@@ -54,9 +54,7 @@ def prove_first_step(path: Path, sources: Mapping[Role, Path]) -> Verdict:
         meta = merged.get_modelmeta().custom_metadata_map
         config = json.loads(meta.get(contract.META_CONFIG, "{}"))
         rng = np.random.default_rng(1)
-        feeds = sample_encoder_inputs(
-            merged, config, batch=_BATCH, length=_ENCODER_LENGTH, rng=rng
-        )
+        feeds = sample_encoder_inputs(merged, config, batch=_BATCH, length=_ENCODER_LENGTH, rng=rng)
         vocab = _vocab(merged, config)
         trials = {n: rng.integers(0, vocab, (_BATCH, n)).astype(np.int64) for n in (1, SEVERAL)}
         ours = {n: _merged_first_step(merged, feeds, ids) for n, ids in trials.items()}
@@ -110,7 +108,9 @@ def _source_first_steps(
     )[0]
     del encoder
     merged_decoder = Role.DECODER not in sources
-    decoder = open_session(sources[Role.MERGED_DECODER if merged_decoder else Role.DECODER], options)
+    decoder = open_session(
+        sources[Role.MERGED_DECODER if merged_decoder else Role.DECODER], options
+    )
     inputs = {i.name for i in decoder.get_inputs()}
     outputs = [o.name for o in decoder.get_outputs()]
     results = {}

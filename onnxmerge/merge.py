@@ -5,11 +5,11 @@ Each step lives in its own module; this one only calls them in order and gathers
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 from collections.abc import Callable
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 

@@ -452,7 +452,7 @@ def _one_decoder(
 
     cross_names = [n for n in output_names if contract.is_encoder_present(n)]
     computed = [decoder.outputs[n] for n in cross_names]
-    passed = [main_inputs[contract.past_name(*contract.parse_cache_name(n)[1:])] for n in cross_names]
+    passed = [main_inputs[contract.past_name(*_layer_part_kind(n))] for n in cross_names]
     if_node = ir.Node(
         "",
         "If",
@@ -493,6 +493,12 @@ def _one_decoder(
     for node in reversed(cached_nodes):
         if not any(v.uses() or v in outputs for v in node.outputs):
             main.remove(node, safe=True)
+
+
+def _layer_part_kind(name: str) -> tuple[int, str, str]:
+    parsed = contract.parse_cache_name(name)
+    assert parsed is not None
+    return parsed[1], parsed[2], parsed[3]
 
 
 def _use_cache_if(

@@ -1,0 +1,190 @@
+"""Format version 3: one decoder for every step.
+
+The cross-attention part is found in graphs written as ONNX text (with the cases it refuses);
+the merge proves the first step against the decoder without past, and where a decoder with past
+was traced for one new token it feeds the prompt one token per step.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import onnx
+import onnx.helper
+import onnx.numpy_helper
+import pytest
+
+from onnxmerge import contract, merge_seq2seq, merge_seq2seq_with_report
+from onnxmerge.cross_attention import NoMatch, find_cross_attention
+from onnxmerge.errors import IncompatibleModelsError
+from tests import textmodels as tm
+
+_HEADER = '<ir_version: 8, opset_import: ["" : 17]>'
+
+
+def _graph(body: str, extra_inputs: str = ""):
+    text = f"""{_HEADER}
+decoder (int64[batch, 3] input_ids, float[batch, 5, 4] encoder_hidden_states{extra_inputs})
+    => (float[batch, 2, 5, 2] key) {{
+  x = Gather(embedding, input_ids)
+{body}
+}}"""
+    model = tm.ir_from_text(
+        text, {"embedding": np.ones((9, 4), np.float32), "w": np.ones((4, 4), np.float32)}
+    )
+    graph = model.graph
+    inputs = {v.name: v for v in graph.inputs}
+    return graph, [graph.outputs[0]], [inputs["input_ids"]]
+
+
+_PROJECT = """
+  proj = MatMul(encoder_hidden_states, w)
+  heads = Reshape(proj, target)
+  key = Transpose<perm = [0, 2, 1, 3]>(heads)"""
+
+# The batch size of the projections' Reshape read from the decoder's own states, as torch's
+# exporter writes it.
+_BATCH_FROM_DECODER = """
+  shape = Shape(x)
+  zero = Constant<value = int64[1] {0}>()
+  batch = Gather<axis = 0>(shape, zero)
+  rest = Constant<value = int64[3] {-1, 2, 2}>()
+  target = Concat<axis = 0>(batch, rest)"""
+
+
+def test_the_projections_are_found_and_the_batch_size_is_read_as_a_shape():
+    graph, outputs, decoder_inputs = _graph(_BATCH_FROM_DECODER + _PROJECT)
+    found = find_cross_attention(graph, outputs, decoder_inputs)
+    assert not isinstance(found, NoMatch), found
+    assert [n.op_type for n in found.nodes] == [
+        "Shape",
+        "Constant",
+        "Gather",
+        "Constant",
+        "Concat",
+        "MatMul",
+        "Reshape",
+        "Transpose",
+    ]
+    assert [n.op_type for n in found.batch_reads] == ["Shape"]
+    # The embedding of the decoder's tokens is not needed.
+    assert all(n.op_type != "Gather" or n.inputs[0].name == "shape" for n in found.nodes)
+
+
+def test_projections_of_the_decoder_tokens_are_refused_with_the_node():
+    body = """
+  e = ReduceMean<axes = [1], keepdims = 1>(x)
+  mixed = Add(encoder_hidden_states, e)
+  proj = MatMul(mixed, w)
+  target = Constant<value = int64[4] {0, -1, 2, 2}>()
+  heads = Reshape(proj, target)
+  key = Transpose<perm = [0, 2, 1, 3]>(heads)"""
+    graph, outputs, decoder_inputs = _graph(body)
+    found = find_cross_attention(graph, outputs, decoder_inputs)
+    assert isinstance(found, NoMatch)
+    assert "Add" in found.reason and "decoder's tokens" in found.reason
+
+
+def test_a_shape_read_beyond_the_batch_size_is_refused():
+    body = _BATCH_FROM_DECODER.replace("{0}>()\n  batch", "{1}>()\n  batch") + _PROJECT
+    graph, outputs, decoder_inputs = _graph(body)
+    found = find_cross_attention(graph, outputs, decoder_inputs)
+    assert isinstance(found, NoMatch)
+    assert "more than the batch size" in found.reason
+
+
+def _edit(path, edit) -> None:
+    model = onnx.load(os.fspath(path))
+    edit(model)
+    onnx.save(model, os.fspath(path))
+
+
+def _causal_self_context(model: onnx.ModelProto) -> None:
+    """The decoder without past lets each position see only the positions before it."""
+    node = next(n for n in model.graph.node if n.output[0] == "self_ctx")
+    node.op_type = "CumSum"
+    del node.attribute[:]
+    node.input[:] = [node.input[0], "cumsum_axis"]
+    model.graph.initializer.append(onnx.numpy_helper.from_array(np.array(1), "cumsum_axis"))
+
+
+def _doubled_self_context(model: onnx.ModelProto) -> None:
+    """The decoder with past computes something else even for one new token."""
+    node = next(n for n in model.graph.node if n.output[0] == "self_ctx")
+    node.output[0] = "self_ctx_once"
+    index = list(model.graph.node).index(node)
+    model.graph.node.insert(
+        index + 1, onnx.helper.make_node("Add", ["self_ctx_once"] * 2, ["self_ctx"])
+    )
+
+
+def test_one_decoder_form_is_the_default_and_matches_the_two_decoder_form(tmp_path):
+    folder = tm.write_export(tmp_path / "export")
+    result = merge_seq2seq_with_report(folder, tmp_path / "v3.onnx")
+    old = merge_seq2seq_with_report(folder, tmp_path / "v2.onnx", format=2)
+    assert (result.format_version, old.format_version) == ("3", "1")
+    assert result.format_reason == "one decoder for every step"
+    assert old.format_reason == "format 2 was asked for"
+    inputs = tm.sample_inputs()
+    for use_cache in (False, True):
+        got = tm.run_merged(result.path, inputs, use_cache=use_cache)
+        expected = tm.run_merged(old.path, inputs, use_cache=use_cache)
+        assert tm.max_abs_diff({k: v for k, v in expected.items() if v.size}, got) <= 1e-6
+
+
+def test_a_decoder_traced_for_one_token_takes_the_prompt_one_token_per_step(tmp_path):
+    pytest.importorskip("onnxruntime")
+    from onnxmerge.runtime.session import MergedSession
+
+    folder = tm.write_export(tmp_path / "export")
+    _edit(folder / tm.DECODER, _causal_self_context)
+    result = merge_seq2seq_with_report(folder, tmp_path / "v3.onnx")
+    old = merge_seq2seq(folder, tmp_path / "v2.onnx", format=2)
+    assert result.format_version == "3"
+    assert "one token per step" in result.format_reason
+    meta = {p.key: p.value for p in onnx.load(os.fspath(result.path)).metadata_props}
+    assert meta[contract.META_PROMPT_TOKENS_PER_STEP] == "1"
+
+    inputs = tm.sample_inputs()
+    encoder = {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"]}
+    prompt = np.array([[3, 7, 11], [3, 5, 2]], np.int64)
+    ours, theirs = MergedSession(result.path), MergedSession(old)
+    a, b = ours.first_step(encoder, prompt), theirs.first_step(encoder, prompt)
+    np.testing.assert_allclose(a.logits, b.logits, atol=1e-5)
+    assert a.cache.length == b.cache.length == 3
+    # Fed all at once, the decoder with past would have given other logits.
+    per_step = MergedSession(result.path)
+    object.__setattr__(per_step.info, "prompt_tokens_per_step", None)
+    assert np.abs(per_step.first_step(encoder, prompt).logits - b.logits).max() > 1e-3
+
+
+def test_a_decoder_with_past_that_differs_for_one_token_keeps_format_2(tmp_path):
+    pytest.importorskip("onnxruntime")
+    folder = tm.write_export(tmp_path / "export")
+    _edit(folder / tm.DECODER_WITH_PAST, _doubled_self_context)
+    result = merge_seq2seq_with_report(folder)
+    assert result.format_version == "1"
+    assert "first step of 1 token" in result.format_reason
+    assert "not proven" in result.format_reason
+    assert not [p.name for p in folder.iterdir() if p.name.startswith(".")]
+
+
+def test_cross_attention_from_the_decoder_tokens_keeps_format_2_or_is_refused(tmp_path):
+    folder = tm.write_export(tmp_path / "export")
+
+    def mix_tokens_into_the_keys(model: onnx.ModelProto) -> None:
+        node = next(n for n in model.graph.node if n.output[0] == "present.0.encoder.key/proj")
+        node.input[0] = "mixed"
+        mean = onnx.helper.make_node("ReduceMean", ["x"], ["x_mean"], axes=[1], keepdims=1)
+        mix = onnx.helper.make_node("Add", ["encoder_hidden_states", "x_mean"], ["mixed"])
+        model.graph.node.insert(1, mix)
+        model.graph.node.insert(1, mean)
+
+    _edit(folder / tm.DECODER, mix_tokens_into_the_keys)
+    result = merge_seq2seq_with_report(folder, tmp_path / "model.onnx")
+    assert result.format_version == "1"
+    assert "decoder's tokens" in result.format_reason
+    with pytest.raises(IncompatibleModelsError, match="cannot be merged as format 3"):
+        merge_seq2seq(folder, tmp_path / "v3.onnx", format=3)
+    assert not (tmp_path / "v3.onnx").exists()

@@ -47,9 +47,10 @@ class Head:
 
     weight: ir.Value
     bias: ir.Value | None
-    gemms: tuple[ir.Node, ir.Node]  # the cached branch's, the uncached branch's
-    branches: ir.Node  # the If on use_cache_branch
-    index: int  # the logits' place among the If's outputs
+    # The cached branch's and the uncached branch's; the main graph's one in format 3.
+    gemms: tuple[ir.Node, ...]
+    branches: ir.Node | None  # the If on use_cache_branch; None in format 3
+    index: int  # the logits' place among the If's outputs (the main graph's in format 3)
 
 
 @dataclass(frozen=True)
@@ -96,13 +97,22 @@ def find_head(model: ir.Model) -> Head | str:
         return "it already has a greedy head"
     flag = next((v for v in main.inputs if v.name == c.USE_CACHE_BRANCH), None)
     ids = next((v for v in main.inputs if v.name == c.DECODER_INPUT_IDS), None)
-    branches = [n for n in main if is_op(n, "If") and n.inputs[0] is flag] if flag else []
-    if len(branches) != 1 or ids is None:
-        return f"no single If on {c.USE_CACHE_BRANCH} with {c.DECODER_INPUT_IDS}"
-    node = branches[0]
     logits = next((v for v in main.outputs if v.name == c.LOGITS), None)
-    if logits is None or logits.producer() is not node or logits.uses():
-        return "the logits do not come from the If, or are read inside the graph"
+    if logits is None or ids is None or logits.uses():
+        return f"no {c.LOGITS} output read by nothing else, or no {c.DECODER_INPUT_IDS}"
+    if not is_op(logits.producer(), "If"):
+        # Format version 3: the head is in the main graph, read by every step.
+        head = _branch_head(logits, main)
+        if isinstance(head, str):
+            return head
+        gemm, weight, bias = head
+        return Head(weight, bias, (gemm,), None, main.outputs.index(logits))
+    branches = [n for n in main if is_op(n, "If") and n.inputs[0] is flag] if flag else []
+    if len(branches) != 1:
+        return f"no single If on {c.USE_CACHE_BRANCH}"
+    node = branches[0]
+    if logits.producer() is not node:
+        return "the logits do not come from the If"
     index = list(node.outputs).index(logits)
     found = []
     for branch in ("then_branch", "else_branch"):
@@ -121,7 +131,10 @@ def _branch_head(
 ) -> tuple[ir.Node, ir.Value, ir.Value | None] | str:
     node, bias = logits.producer(), None
     if is_op(node, "Add"):
-        bias = next((v for v in node.inputs if v is not None and v.graph is main), None)
+        bias = next(
+            (v for v in node.inputs if v is not None and v.graph is main and v.const_value is not None),
+            None,
+        )
         other = next((v for v in node.inputs if v is not bias), None)
         if bias is None or bias.const_value is None or other is None:
             return "the logits add something other than a stored bias"
@@ -153,10 +166,18 @@ def add_greedy_head(model: ir.Model, head: Head) -> RowTables:
     """
     main = model.graph
     vocab, hidden_size = head.weight.shape
-    # Each branch now ends with the head's input, [rows, hidden].
-    for branch, gemm in zip(("then_branch", "else_branch"), head.gemms, strict=True):
-        graph = head.branches.attributes[branch].as_graph()
-        graph.outputs[head.index] = gemm.inputs[0]
+    if head.branches is None:
+        hidden = head.gemms[0].inputs[0]
+        after: ir.Node = head.gemms[0]
+        logits_at = head.index
+    else:
+        # Each branch now ends with the head's input, [rows, hidden].
+        for branch, gemm in zip(("then_branch", "else_branch"), head.gemms, strict=True):
+            graph = head.branches.attributes[branch].as_graph()
+            graph.outputs[head.index] = gemm.inputs[0]
+        hidden = head.branches.outputs[head.index]
+        after = head.branches
+        logits_at = main.outputs.index(hidden)
 
     tables = row_tables(head.weight.const_value.numpy())
     codes = initializer(main, CODES, np.ascontiguousarray(tables.codes.T))
@@ -164,9 +185,8 @@ def add_greedy_head(model: ir.Model, head: Head) -> RowTables:
     columns = initializer(main, _VOCAB, np.array([vocab], np.int64))
     flag = ir.Value(name=FLAG, type=ir.TensorType(ir.DataType.BOOL), shape=ir.Shape([1]))
     main.inputs.append(flag)
-    hidden = head.branches.outputs[head.index]
-    logits_at = main.outputs.index(hidden)
     hidden.name = HIDDEN
+    hidden.type = hidden.type or ir.TensorType(ir.DataType.FLOAT)
     hidden.shape = ir.Shape([None, hidden_size])
 
     p = "onnxmerge.greedy_head/"
@@ -202,7 +222,7 @@ def add_greedy_head(model: ir.Model, head: Head) -> RowTables:
         tail.append(ir.node("Add", [logits.outputs[0], head.bias], name=p + "bias"))
     for node in tail[1:]:
         node.outputs[0].name = node.name
-    main.insert_after(head.branches, tail)
+    main.insert_after(after, tail)
     result = tail[-1].outputs[0]
     result.name = c.LOGITS
     result.type = ir.TensorType(ir.DataType.FLOAT)

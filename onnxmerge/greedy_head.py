@@ -132,7 +132,11 @@ def _branch_head(
     node, bias = logits.producer(), None
     if is_op(node, "Add"):
         bias = next(
-            (v for v in node.inputs if v is not None and v.graph is main and v.const_value is not None),
+            (
+                v
+                for v in node.inputs
+                if v is not None and v.graph is main and v.const_value is not None
+            ),
             None,
         )
         other = next((v for v in node.inputs if v is not bias), None)

@@ -88,14 +88,24 @@ def _channel_axis(weight: ir.Value) -> int | None:
 
 
 def _block_axis(weight: ir.Value) -> int:
-    """The axis int4 blocks run along: the last one of a matrix, input channels of a kernel.
+    """The axis int4 blocks run along: input features (the first axis) of a matrix that only
+    ``MatMul`` nodes of its own graph read, the last axis of other matrices, input channels of
+    a kernel.
 
-    Blocks along a MatMul weight's first axis would match onnxruntime's fusion into its 4-bit
-    MatMul, which (1.32) fails to load when the weight is an outer-scope initializer of an ``If``
-    branch, as every weight of a merged model is.
+    Blocks along a MatMul weight's first axis match onnxruntime's fusion into its 4-bit MatMul
+    (``MatMulNBits``), which (1.32) fails to load where the weight is an outer-scope initializer
+    of an ``If`` branch: every weight of a version 1 file, and the encoder's of version 3.
     """
     rank = len(weight.shape) if weight.shape is not None else 2
-    return 1 if rank != 2 else rank - 1
+    if rank != 2:
+        return 1
+    uses = list(weight.uses())
+    if uses and all(
+        use.node.op_type == "MatMul" and use.idx == 1 and use.node.graph is weight.graph
+        for use in uses
+    ):
+        return 0
+    return 1
 
 
 class _Rewriter:

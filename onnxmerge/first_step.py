@@ -8,17 +8,21 @@ on sample inputs beside the source files, for one decoder token and for several.
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import logging
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import onnx_ir as ir
 
-from onnxmerge import contract
+from onnxmerge import contract, model_io, tied_head
 from onnxmerge.roles import Role
+from onnxmerge.runtime.memory import release_free_heap
 from onnxmerge.samples import sample_encoder_inputs
 from onnxmerge.sessions import ORT_TO_NUMPY, open_session, session_options
 
@@ -59,6 +63,8 @@ def prove_first_step(path: Path, sources: Mapping[Role, Path]) -> Verdict:
         trials = {n: rng.integers(0, vocab, (_BATCH, n)).astype(np.int64) for n in (1, SEVERAL)}
         ours = {n: _merged_first_step(merged, feeds, ids) for n, ids in trials.items()}
         del merged
+        gc.collect()
+        release_free_heap()
         theirs = _source_first_steps(sources, options, feeds, trials)
     except Exception as e:  # onnxruntime raises its own types
         # Nothing is proven where the files do not run here (another provider's operators).
@@ -98,15 +104,41 @@ def _merged_first_step(session, feeds: dict, ids: np.ndarray) -> dict[str, np.nd
     return dict(zip(names, session.run(None, run), strict=True))
 
 
+def _source_session(path: Path, options):
+    """A session over a source file whose weights stay in the file, memory-mapped, and whose
+    tied head reads the embedding through ``Gemm`` rather than a transposed copy made per run."""
+    import onnxruntime
+
+    model, _ = model_io.load_model(path)
+    tied_head.gemm_for_transposed_weights(model)
+    proto = ir.serde.serialize_model(model)
+    folder = path.parent.resolve()
+    for tensor in model_io.tensor_protos(proto.graph):
+        for entry in tensor.external_data:
+            if entry.key == "location" and os.path.isabs(entry.value):
+                relative = os.path.relpath(entry.value, folder)
+                if relative.startswith(".."):  # data outside the folder: read as it is
+                    return open_session(path, options)
+                entry.value = relative
+    options.add_session_config_entry(
+        "session.model_external_initializers_file_folder_path", os.fspath(path.parent)
+    )
+    return onnxruntime.InferenceSession(
+        proto.SerializeToString(), options, providers=["CPUExecutionProvider"]
+    )
+
+
 def _source_first_steps(
     sources: Mapping[Role, Path], options, feeds: dict, trials: dict[int, np.ndarray]
 ) -> dict[int, dict[str, np.ndarray]]:
-    encoder = open_session(sources[Role.ENCODER], options)
+    encoder = _source_session(sources[Role.ENCODER], options)
     names = {i.name for i in encoder.get_inputs()}
     hidden = encoder.run(
         [contract.OPTIMUM_ENCODER_OUTPUT], {k: v for k, v in feeds.items() if k in names}
     )[0]
     del encoder
+    gc.collect()  # sessions hold reference cycles: free the encoder's before the decoder loads
+    release_free_heap()
     merged_decoder = Role.DECODER not in sources
     decoder = open_session(
         sources[Role.MERGED_DECODER if merged_decoder else Role.DECODER], options

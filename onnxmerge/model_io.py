@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 EXTERNAL_DATA_THRESHOLD = int(1.8 * 2**30)
 
 
-def _iter_tensor_protos(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
+def tensor_protos(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
     """Every TensorProto of a graph and its subgraphs, sparse initializers included."""
     yield from graph.initializer
     for sparse in graph.sparse_initializer:
@@ -54,9 +54,9 @@ def _iter_tensor_protos(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
                 yield sparse.values
                 yield sparse.indices
             if attr.HasField("g"):
-                yield from _iter_tensor_protos(attr.g)
+                yield from tensor_protos(attr.g)
             for sub in attr.graphs:
-                yield from _iter_tensor_protos(sub)
+                yield from tensor_protos(sub)
 
 
 def _expected_nbytes(tensor: onnx.TensorProto, where: str) -> int:
@@ -154,7 +154,7 @@ def check_external_data(model: onnx.ModelProto, model_path: Path) -> dict[str, P
     Returns each location the model names, resolved to the file it reads.
     """
     files: dict[str, Path] = {}
-    for tensor in _iter_tensor_protos(model.graph):
+    for tensor in tensor_protos(model.graph):
         if tensor.data_location != onnx.TensorProto.EXTERNAL:
             continue
         entries = {entry.key: entry.value for entry in tensor.external_data}

@@ -178,7 +178,7 @@ def test_the_head_is_found_where_it_reads_the_embeddings_rows(tied, int8):
     assert not isinstance(head, str), head
     assert head.weight.shape == (tm.VOCAB, tm.D_MODEL) and head.bias is not None
     # An int8 file's head is already int8: nothing to add, and the reason says why.
-    assert find_head(load_model(int8)[0]) == "then_branch: the head is not a Gemm without bias"
+    assert find_head(load_model(int8)[0]) == "the head is not a Gemm without bias"
 
 
 def _generate(model: Seq2SeqModel, **settings) -> np.ndarray:

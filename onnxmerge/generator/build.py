@@ -265,7 +265,11 @@ def _assemble_one_decoder(
     cached_graph.outputs.clear()
     outputs = {v.name: v for v in graph.outputs}
     graph.outputs.clear()
-    decoder_nodes = [n for n in graph if n is not if_node]
+    # What the first part reads from the main graph (a weight's Cast, say) stays before the Loop.
+    before = _producers_of(
+        [v for n in (if_node, *first_nodes) for v in _outer_reads(n)], graph
+    )
+    decoder_nodes = [n for n in graph if n is not if_node and n not in before]
     graph.remove([*decoder_nodes, if_node])
     decoder_all = {m for n in decoder_nodes for m in (n, *_subgraph_nodes(n))}
     inputs = {v.name: v for v in graph.inputs}
@@ -387,6 +391,24 @@ def _first_in_loop(p: _LoopParts) -> _Loop:
     score = main.op("Identity", score)
     _name_output(score, SEQUENCES_SCORES, ir.DataType.FLOAT, ["batch_size"])
     return _Loop(loop.body_graph, [sequences, score])
+
+
+def _outer_reads(node: ir.Node) -> list[ir.Value]:
+    """The values ``node`` and its subgraphs read."""
+    return [v for n in (node, *_subgraph_nodes(node)) for v in n.inputs if v is not None]
+
+
+def _producers_of(values: list[ir.Value], graph: ir.Graph) -> set[ir.Node]:
+    """The nodes of ``graph`` that compute ``values``, with everything they need."""
+    found: set[ir.Node] = set()
+    stack = [v.producer() for v in values]
+    while stack:
+        node = stack.pop()
+        if node is None or node in found or node.graph is not graph:
+            continue
+        found.add(node)
+        stack.extend(v.producer() for v in _outer_reads(node))
+    return found
 
 
 def _subgraph_nodes(node: ir.Node) -> list[ir.Node]:

@@ -188,3 +188,58 @@ def test_cross_attention_from_the_decoder_tokens_keeps_format_2_or_is_refused(tm
     with pytest.raises(IncompatibleModelsError, match="cannot be merged as format 3"):
         merge_seq2seq(folder, tmp_path / "v3.onnx", format=3)
     assert not (tmp_path / "v3.onnx").exists()
+
+
+def test_every_reader_takes_both_forms_alike(tmp_path):
+    pytest.importorskip("onnxruntime")
+    import onnxruntime as ort
+
+    from onnxmerge import build_generator, quantize
+    from onnxmerge.inspection import inspect_model
+    from onnxmerge.runtime import Seq2SeqModel
+    from onnxmerge.verify import verify
+
+    folder = tm.write_export(tmp_path / "export")
+    forms = {
+        "3": merge_seq2seq(folder, tmp_path / "v3" / "model.onnx"),
+        "1": merge_seq2seq(folder, tmp_path / "v1" / "model.onnx", format=2),
+    }
+    inputs = tm.sample_inputs()
+    ids, mask = inputs["input_ids"], inputs["attention_mask"]
+    tokens = {}
+    for version, path in forms.items():
+        assert inspect_model(path).metadata[contract.META_FORMAT_VERSION] == version
+        assert verify(path, folder).ok
+        model = Seq2SeqModel(path)
+        # The fake export's generation config names no start token.
+        found = [
+            model.generate(
+                ids, attention_mask=mask, max_new_tokens=5, num_beams=b, decoder_start_token_id=2
+            )
+            for b in (1, 2)
+        ]
+        int8 = quantize(path, path.with_name("model_int8.onnx"), weights="int8")
+        meta = inspect_model(int8).metadata
+        assert meta[contract.META_FORMAT_VERSION] == ("3" if version == "3" else "2")
+        found.append(
+            Seq2SeqModel(int8).generate(
+                ids, attention_mask=mask, max_new_tokens=5, decoder_start_token_id=2
+            )
+        )
+        for search in ("greedy", "beam"):
+            generator = build_generator(
+                path,
+                path.with_name(f"{search}.onnx"),
+                search=search,
+                num_beams=2,
+                generation_config={"decoder_start_token_id": 2},
+            )
+            session = ort.InferenceSession(str(generator), providers=["CPUExecutionProvider"])
+            found.append(
+                session.run(
+                    None, {"input_ids": ids, "attention_mask": mask, "max_new_tokens": np.array(5)}
+                )[0]
+            )
+        tokens[version] = found
+    for a, b in zip(tokens["3"], tokens["1"], strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

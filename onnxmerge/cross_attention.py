@@ -92,13 +92,20 @@ def find_cross_attention(
                 f"{node.name or 'a Shape node'} reads the decoder's own shape for more than "
                 f"the batch size ({problem})"
             )
-    nodes = sorted(needed | batch_reads, key=order.__getitem__)
-    return CrossAttention(tuple(nodes), tuple(outputs), tuple(sorted(batch_reads, key=order.get)))
+    def position(node: ir.Node) -> int:
+        return order[node]
+
+    nodes = sorted(needed | batch_reads, key=position)
+    return CrossAttention(tuple(nodes), tuple(outputs), tuple(sorted(batch_reads, key=position)))
 
 
-def _where_tokens_enter(node: ir.Node, tainted: set[ir.Value], order: dict) -> ir.Node:
+def _where_tokens_enter(
+    node: ir.Node, tainted: set[ir.Value], order: dict[ir.Node, int]
+) -> ir.Node:
     """The first node, upstream of ``node``, that mixes the decoder's values with others."""
-    seen, stack, mixing = set(), [node], []
+    seen: set[ir.Node] = set()
+    stack: list[ir.Node | None] = [node]
+    mixing: list[ir.Node] = []
     while stack:
         current = stack.pop()
         if current is None or current in seen or current not in order:
@@ -116,7 +123,7 @@ def _where_tokens_enter(node: ir.Node, tainted: set[ir.Value], order: dict) -> i
         ):
             mixing.append(current)
         stack.extend(v.producer() for v in inputs if v in tainted)
-    return min(mixing, key=order.__getitem__) if mixing else node
+    return min(mixing, key=lambda n: order[n]) if mixing else node
 
 
 def _depending_on(graph: ir.Graph, sources: set[ir.Value]) -> set[ir.Value]:
@@ -193,7 +200,7 @@ def _constant(value: ir.Value | None) -> np.ndarray | None:
     if value.const_value is not None:
         return value.const_value.numpy()
     producer = value.producer()
-    if is_op(producer, "Constant") and "value" in producer.attributes:
+    if producer is not None and is_op(producer, "Constant") and "value" in producer.attributes:
         return producer.attributes["value"].as_tensor().numpy()
     return None
 

@@ -87,7 +87,7 @@ def _vocab(session, config: dict) -> int:
 
 
 def _empty_pasts(session, rows: int) -> dict[str, np.ndarray]:
-    feeds = {}
+    feeds: dict[str, np.ndarray] = {}
     for info in session.get_inputs():
         if contract.is_past_name(info.name):
             dims = [d if isinstance(d, int) else 1 for d in info.shape]

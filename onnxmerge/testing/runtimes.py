@@ -98,6 +98,8 @@ class Runner:
     """One runtime's session over one file."""
 
     name = ""
+    # Whether the inputs a step does not read may be zero-length (docs/format.md allows it).
+    zero_length_stand_ins = True
 
     def __init__(self, path: Path):
         self.path = path
@@ -150,6 +152,10 @@ class OpenVinoRunner(Runner):
 
 class TractRunner(Runner):
     name = "tract"
+    # tract binds each symbolic dimension to one size per run: a zero-length input_ids beside an
+    # attention_mask of the same declared dims clashes ("L=0 != 5"), so stand-ins get the sizes
+    # of the inputs that are read.
+    zero_length_stand_ins = False
 
     def __init__(self, path: Path):
         super().__init__(path)
@@ -157,8 +163,9 @@ class TractRunner(Runner):
 
         model = tract.onnx().load(os.fspath(path))
         self.inputs = [model.input_name(i) for i in range(model.input_count())]
-        self.outputs = [model.output_name(i) for i in range(model.output_count())]
-        self.runnable = model.into_model().into_optimized().into_runnable()
+        # tract names an output after the node that makes it; the graph's names come in order.
+        self.outputs = _output_names(path)
+        self.runnable = model.into_model().into_runnable()  # into_model types and optimizes
 
     def run(self, feeds):
         results = self.runnable.run([np.ascontiguousarray(feeds[n]) for n in self.inputs])
@@ -221,7 +228,7 @@ class MergedFile:
 
     path: Path
     info: c.ContractInfo
-    inputs: dict[str, tuple[int, tuple]]  # name -> (numpy-convertible ONNX elem type, dims)
+    inputs: dict[str, tuple[int, tuple]]  # name -> (ONNX elem type, dims: int, name or None)
 
     @property
     def format_version(self) -> str:
@@ -235,7 +242,7 @@ def read_merged(path: str | os.PathLike) -> MergedFile:
         i.name: (
             i.type.tensor_type.elem_type,
             tuple(
-                d.dim_value if d.HasField("dim_value") else None
+                d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
                 for d in i.type.tensor_type.shape.dim
             ),
         )
@@ -249,14 +256,19 @@ def _numpy_type(elem_type: int) -> np.dtype:
     return onnx.helper.tensor_dtype_to_np_dtype(elem_type)
 
 
-def _zero_length_past(merged: MergedFile, rows: int) -> dict[str, np.ndarray]:
+def _first_step_pasts(
+    merged: MergedFile, rows: int, sizes: Mapping[str, int]
+) -> dict[str, np.ndarray]:
+    """The pasts of the first step: zero-length decoder pasts; encoder pasts, which it does not
+    read, zero-length too, or of the length ``sizes`` gives their declared dimension."""
     feeds = {}
     for name, (elem_type, dims) in merged.inputs.items():
         if c.is_past_name(name):
             heads, head_dim = dims[1], dims[3]
-            if heads is None or head_dim is None:
+            if not isinstance(heads, int) or not isinstance(head_dim, int):
                 raise ValueError(f"{merged.path}: {name} does not declare heads and head_dim")
-            feeds[name] = np.zeros((rows, heads, 0, head_dim), _numpy_type(elem_type))
+            length = sizes.get(dims[2], 0) if ".encoder." in name else 0
+            feeds[name] = np.zeros((rows, heads, length, head_dim), _numpy_type(elem_type))
     return feeds
 
 
@@ -267,9 +279,19 @@ def _placeholders(merged: MergedFile, rows: int) -> dict[str, np.ndarray]:
         if name == c.ATTENTION_MASK:
             continue
         elem_type, dims = merged.inputs[name]
-        middle = [d if d is not None else 1 for d in dims[1:-1]]
+        middle = [d if isinstance(d, int) else 1 for d in dims[1:-1]]
         feeds[name] = np.zeros((rows, *middle, 0), _numpy_type(elem_type))
     return feeds
+
+
+def _symbol_sizes(merged: MergedFile, feeds: Mapping[str, np.ndarray]) -> dict[str, int]:
+    """The size each symbolic dimension takes in ``feeds``."""
+    sizes = {}
+    for name, value in feeds.items():
+        for dim, size in zip(merged.inputs[name][1], value.shape, strict=False):
+            if isinstance(dim, str):
+                sizes[dim] = size
+    return sizes
 
 
 def decoder_start_token(merged: MergedFile) -> int:
@@ -293,15 +315,21 @@ def greedy_steps(
     runner: Runner, merged: MergedFile, encoder_inputs: Mapping[str, np.ndarray], steps: int
 ) -> Steps:
     """``steps`` greedy steps (argmax, no stopping at eos): the first with
-    ``use_cache_branch = false`` and zero-length pasts, the others with the cache fed back."""
+    ``use_cache_branch = false`` and zero-length pasts, the others with the cache fed back.
+
+    Inputs a step does not read get zero-length stand-ins, or for a runner that cannot take
+    them, stand-ins of the sizes of the inputs read (the encoder inputs themselves on cached
+    steps); the contract allows either."""
     rows = next(iter(encoder_inputs.values())).shape[0]
     layers = merged.info.num_layers
     tokens = np.full((rows, 1), decoder_start_token(merged), np.int64)
+    zero = runner.zero_length_stand_ins
+    sizes = {} if zero else _symbol_sizes(merged, encoder_inputs)
     feeds = {
         **encoder_inputs,
         c.DECODER_INPUT_IDS: tokens,
         c.USE_CACHE_BRANCH: np.zeros(1, np.bool_),
-        **_zero_length_past(merged, rows),
+        **_first_step_pasts(merged, rows, sizes),
     }
     mask = encoder_inputs.get(c.ATTENTION_MASK)
     encoder_past: dict[str, np.ndarray] = {}
@@ -319,7 +347,7 @@ def greedy_steps(
                 )
             }
         feeds = {
-            **_placeholders(merged, rows),
+            **(_placeholders(merged, rows) if zero else encoder_inputs),
             c.DECODER_INPUT_IDS: tokens[:, -1:],
             c.USE_CACHE_BRANCH: np.ones(1, np.bool_),
             **encoder_past,

@@ -19,8 +19,12 @@ reference for format 3); ``onnxmerge.quantize(..., weights="int8")`` of the four
 ``quantize_dynamic(QInt8, EnableSubgraph)`` on the merged file (``int8 quantize_dynamic``), a
 reference for onnxruntime's int8 kernels; and the plain float32 and int8 files opened through a
 session cache whose entry was written before the timed runs (``float32 session cache``,
-``int8 session cache``), what every load after the first costs; and ``weights="int4"`` of the
-plain file (``int4``), held against CTranslate2's int8.
+``int8 session cache``), what every load after the first costs; ``weights="int4"`` of the
+plain file (``int4``), held against CTranslate2's int8; and the plain float32 and int8
+files with their steps run by OpenVINO's CPU plug-in (``MergedSession(path,
+backend="openvino")`` under ``Seq2SeqModel``'s search, float32 arithmetic; ``float32
+openvino``, ``int8 openvino``), each also against onnxruntime on the same file
+(``vs_onnxruntime``), when the openvino package is installed.
 
 Usage: python benchmarks/bench_ctranslate2.py [--quick] [--out benchmarks/out/ctranslate2.json]
     [--repeats 5] [--rounds 3] [--threads 2]
@@ -286,12 +290,36 @@ def _side(
     }
 
 
+# Variants that run the file of another variant in OpenVINO rather than onnxruntime.
+OPENVINO = {"float32 openvino": "float32", "int8 openvino": "int8"}
+
+
+def add_openvino(ours: dict, made_by: dict) -> None:
+    """Add the OpenVINO variants to ``ours`` when the openvino package is installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("openvino") is None:
+        return
+    for variant, base in OPENVINO.items():
+        if base in ours:
+            ours[variant] = ours[base]
+            made_by[variant] = f"the {base} file, its steps run by OpenVINO (CPU, float32)"
+
+
 def worker_ours(
-    path: str, config: dict, repeats: int, threads: int, session_cache: str | None = None
+    path: str,
+    config: dict,
+    repeats: int,
+    threads: int,
+    session_cache: str | None = None,
+    backend: str = "onnxruntime",
 ) -> dict:
     rss_before = _common.self_rss_bytes()["rss_bytes"]
     start = time.perf_counter()
-    import onnxruntime  # noqa: F401 - imported by the first load otherwise; part of the import here
+    if backend == "openvino":
+        import openvino  # noqa: F401 - part of the import, as onnxruntime's below
+    else:
+        import onnxruntime  # noqa: F401 - imported by the first load otherwise; part of the import
 
     import onnxmerge
     from onnxmerge.runtime.session import default_session_options
@@ -300,7 +328,14 @@ def worker_ours(
     rss_imported = _common.self_rss_bytes()["rss_bytes"]
     options = default_session_options()
     options.intra_op_num_threads = threads
-    model = onnxmerge.Seq2SeqModel(path, session_options=options, session_cache=session_cache)
+    if backend == "onnxruntime":
+        model = onnxmerge.Seq2SeqModel(path, session_options=options, session_cache=session_cache)
+    else:  # the same search on another runtime's steps
+        from onnxmerge.runtime.session import MergedSession
+
+        model = onnxmerge.Seq2SeqModel._on(
+            MergedSession(path, session_options=options, backend=backend)
+        )
     load_s = time.perf_counter() - start
     import_s = imported - start
     rss = _common.self_rss_bytes()["rss_bytes"]
@@ -358,10 +393,18 @@ def worker_ctranslate2(path: str, config: dict, repeats: int, threads: int) -> d
 
 
 def _child(
-    side: str, path: Path, config: dict, repeats: int, threads: int, session_cache: Path | None
+    side: str,
+    path: Path,
+    config: dict,
+    repeats: int,
+    threads: int,
+    session_cache: Path | None,
+    backend: str = "onnxruntime",
 ) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     cache = ["--session-cache", str(session_cache)] if session_cache else []
+    if backend != "onnxruntime":
+        cache += ["--backend", backend]
     result = subprocess.run(
         [
             sys.executable,
@@ -448,6 +491,15 @@ def compare(ours: dict, theirs: dict) -> dict:
     return {"ratios": ratios, "token_agreement": agreement}
 
 
+def _version(package: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _common.arguments(__doc__, "ctranslate2", "tiny Marian model, one round")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per case and process")
@@ -457,12 +509,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker", choices=("ours", "ctranslate2"), help=argparse.SUPPRESS)
     parser.add_argument("--path", help=argparse.SUPPRESS)
     parser.add_argument("--session-cache", help=argparse.SUPPRESS)
+    parser.add_argument("--backend", default="onnxruntime", help=argparse.SUPPRESS)
     parser.add_argument("--config", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         work_args = (args.path, json.loads(args.config), args.repeats, args.threads)
         if args.worker == "ours":
-            print(json.dumps(worker_ours(*work_args, session_cache=args.session_cache)))
+            worked = worker_ours(*work_args, session_cache=args.session_cache, backend=args.backend)
+            print(json.dumps(worked))
         else:
             print(json.dumps(worker_ctranslate2(*work_args)))
         return 0
@@ -480,6 +534,7 @@ def main(argv: list[str] | None = None) -> int:
         ours, made_by = build_ours(export.onnx_dir, scratch, references=not args.quick)
         ct2 = convert_ctranslate2(export.pytorch_dir, scratch, config)
         caches = warm_session_caches(ours, made_by, scratch / "session-cache")
+        add_openvino(ours, made_by)
         runs = {v: [] for v in ours}
         ct2_runs = {p: [] for p in ct2}
         for _ in range(args.rounds):  # alternate, so load on the machine hits all sides alike
@@ -497,6 +552,7 @@ def main(argv: list[str] | None = None) -> int:
                                 args.repeats,
                                 args.threads,
                                 caches.get(variant),
+                                "openvino" if variant in OPENVINO else "onnxruntime",
                             )
                         )
         for variant in caches:
@@ -527,6 +583,12 @@ def main(argv: list[str] | None = None) -> int:
             "targets_met": {k: result["ratios"][k] <= v for k, v in targets.items()},
             "runs": {"ours": runs[variant], "ctranslate2": ct2_runs[precision]},
         }
+        if variant in OPENVINO:
+            onnxruntime_side = _medians(runs[OPENVINO[variant]])
+            precisions[variant]["vs_onnxruntime"] = {
+                **compare(mine, onnxruntime_side),
+                "ratio_ranges": ratio_ranges(runs[variant], runs[OPENVINO[variant]]),
+            }
     import ctranslate2
     import onnxruntime
 
@@ -560,6 +622,7 @@ def main(argv: list[str] | None = None) -> int:
             "load_average_at_end": os.getloadavg(),
             "onnxruntime": onnxruntime.__version__,
             "ctranslate2": ctranslate2.__version__,
+            "openvino": _version("openvino"),
         },
     }
     _common.write_results(args.out, results)
@@ -567,6 +630,10 @@ def main(argv: list[str] | None = None) -> int:
         summary = {k: round(v, 2) for k, v in data["ratios"].items()}
         agree = {k: round(v, 2) for k, v in data["token_agreement"].items()}
         print(f"{precision}: ratios ours/ctranslate2 {summary}; token agreement {agree}")
+        if "vs_onnxruntime" in data:
+            versus = {k: round(v, 2) for k, v in data["vs_onnxruntime"]["ratios"].items()}
+            same = data["vs_onnxruntime"]["token_agreement"]
+            print(f"{precision}: ratios openvino/onnxruntime {versus}; token agreement {same}")
     print(f"wrote {args.out}")
     return 0
 

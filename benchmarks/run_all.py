@@ -170,6 +170,22 @@ def _ctranslate2_section(data: dict) -> list[str]:
             spread = f"{spread[0]:.2f}–{spread[1]:.2f}" if spread else ""
             lines.append(f"| {precision} | {case} | {theirs:.3f} | {ours:.3f} | **{ratio:.2f}x** "
                          f"| {spread} | {'' if target is None else f'<= {target}x'} | {agree} |")
+    versus = {
+        v: p["vs_onnxruntime"] for v, p in data["precisions"].items() if "vs_onnxruntime" in p
+    }
+    if versus:
+        lines += ["", "The `openvino` rows run the plain files' steps in OpenVINO "
+                  f"{data['environment'].get('openvino')} (CPU, float32 arithmetic) under the same "
+                  "search; against onnxruntime on the same file (ratios OpenVINO / onnxruntime, "
+                  "below 1 is better):", "",
+                  "| variant | measure | ratio | range | token agreement |",
+                  "|---|---|---:|---:|---:|"]
+        for variant, d in versus.items():
+            for case, ratio in d["ratios"].items():
+                low, high = d["ratio_ranges"][case]
+                agree = d["token_agreement"].get(case)
+                lines.append(f"| {variant} | {case} | **{ratio:.2f}x** | {low:.2f}–{high:.2f} | "
+                             f"{'' if agree is None else f'{agree:.2f}'} |")
     return [*lines, ""]
 
 

@@ -8,6 +8,7 @@ from onnxmerge.errors import (
     IncompatibleModelsError,
     InvalidMergedModelError,
     MergedModelRunError,
+    MissingDependencyError,
     ModelNotFoundError,
     OnnxMergeError,
     QuantizationError,
@@ -33,6 +34,7 @@ __all__ = [
     "InvalidMergedModelError",
     "MergedModelRunError",
     "GenerationError",
+    "MissingDependencyError",
     "QuantizationError",
     "build_generator",
 ]

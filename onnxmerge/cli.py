@@ -17,7 +17,12 @@ from dataclasses import asdict, is_dataclass
 from pathlib import Path
 
 from onnxmerge import __version__
-from onnxmerge.errors import ExportFolderError, OnnxMergeError, RefusedOutputError
+from onnxmerge.errors import (
+    ExportFolderError,
+    MissingDependencyError,
+    OnnxMergeError,
+    RefusedOutputError,
+)
 
 
 class ExitCode(enum.IntEnum):
@@ -823,7 +828,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _failure(e: Exception) -> tuple[int, str]:
     """The exit code and the one-line message for an exception that ends a command."""
-    if isinstance(e, _Missing):
+    if isinstance(e, (_Missing, MissingDependencyError)):
         return EXIT_MISSING_DEPENDENCY, str(e)
     if isinstance(e, OnnxMergeError):
         return EXIT_ERROR, str(e)

@@ -12,6 +12,7 @@ __all__ = [
     "InvalidMergedModelError",
     "MergedModelRunError",
     "GenerationError",
+    "MissingDependencyError",
     "WireFormatError",
     "QuantizationError",
 ]
@@ -79,6 +80,10 @@ class MergedModelRunError(InvalidMergedModelError):
             "was written. Check that the source files run in onnxruntime; if they do, please "
             "report this with the export folder's config.json"
         )
+
+
+class MissingDependencyError(OnnxMergeError, ImportError):
+    """An optional package that was asked for is not installed; the message says what to install."""
 
 
 class GenerationError(OnnxMergeError, ValueError):

@@ -171,22 +171,39 @@ def _branch(name: str, nodes: list[ir.Node], outputs: list[ir.Value]) -> ir.Grap
     return ir.Graph([], final, nodes=nodes, name=name)
 
 
-def _empty_like(name: str, value: ir.Value) -> ir.Node:
-    """A Constant with no elements, keeping ``value``'s fixed dims so runtimes see no mismatch."""
+def _empty_like(name: str, value: ir.Value) -> list[ir.Node]:
+    """Nodes making a tensor with no elements, keeping ``value``'s fixed dims so runtimes see no
+    mismatch; the last node's output is the tensor.
+
+    A ``ConstantOfShape`` of a constant shape rather than an empty ``Constant``: OpenVINO reads
+    an empty ``Constant`` as rank 0 and refuses an ``If`` whose branches differ in rank.
+    """
     dims = list(value.shape) if value.shape is not None else [0, 0, 0, 0]
     dims = [d if isinstance(d, int) else 0 for d in dims]
     if 0 not in dims:
         dims[0] = 0
     dtype = value.dtype if value.dtype is not None else ir.DataType.FLOAT
-    empty = ir.tensor(np.zeros(dims, dtype=dtype.numpy()), name=name)
-    return ir.Node(
+    shape = ir.Value(
+        name=f"{name}.shape", type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([len(dims)])
+    )
+    shape_node = ir.Node(
         "",
         "Constant",
         [],
-        attributes=[ir.AttrTensor("value", empty)],
+        attributes=[ir.AttrTensor("value", ir.tensor(np.asarray(dims, np.int64)))],
+        name=f"{name}.shape",
+        outputs=[shape],
+    )
+    fill = ir.tensor(np.zeros(1, dtype=dtype.numpy()))
+    empty = ir.Node(
+        "",
+        "ConstantOfShape",
+        [shape],
+        attributes=[ir.AttrTensor("value", fill)],
         name=name,
         outputs=[ir.Value(name=name, type=value.type, shape=ir.Shape(dims))],
     )
+    return [shape_node, empty]
 
 
 def _input_like(name: str, value: ir.Value) -> ir.Value:
@@ -518,8 +535,8 @@ def _use_cache_if(
             cached_outputs.append(with_past.outputs[name])
         elif contract.is_encoder_present(name):
             empty = _empty_like(values.claim(f"{name}.empty", "decoder_with_past"), value)
-            cached_nodes.append(empty)
-            cached_outputs.append(empty.outputs[0])
+            cached_nodes.extend(empty)
+            cached_outputs.append(empty[-1].outputs[0])
         else:
             raise IncompatibleModelsError(
                 f"{with_past.source.name} lacks the output {name!r} that "

@@ -360,7 +360,7 @@ def _first_in_loop(p: _LoopParts) -> _Loop:
             carried_in=[sequences_in, unfinished_in],
             body_outputs=[step.keep_going, step.tokens, step.sequences, step.unfinished],
             body_cache=p.cached.presents,
-            initial=[go, start, start, all_rows],
+            initial=[go, start, _unfixed_length(main, start, 1, first.trips), all_rows],
             initial_cache=first.decoder_presents,
         )
         sequences = _name_output(
@@ -381,7 +381,7 @@ def _first_in_loop(p: _LoopParts) -> _Loop:
         carried_in=carried,
         body_outputs=[step.keep_going, _last_column(body, step.running), *step.carried()],
         body_cache=cache,
-        initial=[go, start, *state.carried()],
+        initial=[go, start, *_growing(main, state, first.trips)],
         initial_cache=first.decoder_presents,
     )
     final = search.Beams(*loop.graph_outputs[1 : 1 + len(search.CARRIED_BEAM_TYPES)])
@@ -593,7 +593,7 @@ def _greedy_loop(p: _LoopParts) -> _Loop:
         initial=[
             first_step.keep_going,
             first_step.tokens,
-            first_step.sequences,
+            _unfixed_length(main, first_step.sequences, 1, first.trips),
             first_step.unfinished,
         ],
         initial_cache=first.decoder_presents,
@@ -621,7 +621,7 @@ def _beam_loop(p: _LoopParts) -> _Loop:
         carried_in=carried,
         body_outputs=[step.keep_going, tokens, *step.carried()],
         body_cache=cache,
-        initial=[first_step.keep_going, first_tokens, *first_step.carried()],
+        initial=[first_step.keep_going, first_tokens, *_growing(main, first_step, first.trips)],
         initial_cache=first_cache,
     )
     final = search.Beams(*loop.graph_outputs[1 : 1 + len(search.CARRIED_BEAM_TYPES)])
@@ -631,6 +631,14 @@ def _beam_loop(p: _LoopParts) -> _Loop:
     score = main.op("Identity", score)
     _name_output(score, SEQUENCES_SCORES, ir.DataType.FLOAT, ["batch_size"])
     return _Loop(loop.body_graph, [sequences, score])
+
+
+def _growing(ops: Ops, beams: search.Beams, trips: ir.Value) -> list[ir.Value]:
+    """The carried beam state, the hypotheses' token axis made unknown (:func:`_unfixed_length`)."""
+    state = beams.carried()
+    for i in (0, 2):  # running and finished hypotheses: [batch, beams, length]
+        state[i] = _unfixed_length(ops, state[i], 2, trips)
+    return state
 
 
 def _decode_loop(
@@ -658,6 +666,8 @@ def _decode_loop(
         name=p.names(f"{name}_body"),
     )
     loop_outputs = [ir.Value(name=p.names("loop_out")) for _ in outputs[1:]]
+    dtype = p.cached.past_in[0].dtype
+    initial_cache = [_unfixed_length(p.main, v, 2, p.first.trips, dtype) for v in initial_cache]
     loop = ir.Node(
         "",
         "Loop",
@@ -668,6 +678,33 @@ def _decode_loop(
     )
     p.main.nodes.append(loop)
     return _Loop(body_graph, loop_outputs)
+
+
+def _unfixed_length(
+    ops: Ops, value: ir.Value, axis: int, trips: ir.Value, dtype: ir.DataType = ir.DataType.INT64
+) -> ir.Value:
+    """``value`` with its length along ``axis`` no longer known before the graph runs.
+
+    OpenVINO shapes a Loop body after the initial values of its loop-carried inputs: a value
+    that grows by one position per iteration but enters with a length known when the model is
+    compiled (the first step's cache, 1) keeps that length inside the body, and the second
+    iteration fails ("Concat node ... incompatible with provided dimensions"). Zero positions
+    appended, counted from a runtime input (``trips * 0``), change nothing and hide the length.
+    """
+    zero = ops.op("Mul", trips, ops.i64(0))
+    none = ops.unsqueeze(zero, 0)
+    shape = ops.op(
+        "Concat",
+        ops.op("Shape", value, start=0, end=axis),
+        none,
+        ops.op("Shape", value, start=axis + 1),
+        axis=0,
+    )
+    empty = ops.op("ConstantOfShape", shape, value=ir.tensor(np.zeros(1, dtype.numpy())))
+    # Sliced to an end only known at run time, the least length OpenVINO assumes is 0 too, so
+    # the Loop's outputs fit its initial values when it runs no iteration.
+    whole = ops.slice(value, 0, ops.op("Add", zero, ops.i64(2**62)), axis)
+    return ops.op("Concat", whole, empty, axis=axis)
 
 
 def _name_output(value: ir.Value, name: str, dtype: ir.DataType, dims: list[str]) -> ir.Value:

@@ -83,9 +83,26 @@ class Seq2SeqModel:
         session_options: Any | None = None,
         session_cache: str | os.PathLike | None = None,
     ):
-        self._session = MergedSession(
-            path, providers=providers, session_options=session_options, session_cache=session_cache
+        self._adopt(
+            MergedSession(
+                path,
+                providers=providers,
+                session_options=session_options,
+                session_cache=session_cache,
+            )
         )
+
+    @classmethod
+    def _on(cls, session: MergedSession) -> Seq2SeqModel:
+        """A model over an opened session: the benchmarks run OpenVINO through it
+        (``MergedSession(path, backend="openvino")``), which is measured slower and heavier than
+        onnxruntime and therefore not offered (docs/runtimes.md)."""
+        model = cls.__new__(cls)
+        model._adopt(session)
+        return model
+
+    def _adopt(self, session: MergedSession) -> None:
+        self._session = session
         self.path = self._session.path
         self.info = self._session.info
         self.config: dict = dict(self.info.config)

@@ -18,13 +18,14 @@ from typing import Any
 import numpy as np
 
 from onnxmerge import contract as c
-from onnxmerge.errors import GenerationError, InvalidMergedModelError
+from onnxmerge.errors import GenerationError, InvalidMergedModelError, MissingDependencyError
 from onnxmerge.runtime.greedy_head import FLAG, HIDDEN, GreedyHead
 from onnxmerge.runtime.memory import release_free_heap, release_mapped_weights
 from onnxmerge.runtime.session_cache import open_with_cache
 from onnxmerge.sessions import ORT_TO_NUMPY, open_session
 
 logger = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class InputSpec:
@@ -110,6 +111,24 @@ class StepOutput:
     hidden: np.ndarray | None = None
 
 
+# The runtimes a merged model can run on, and the package each needs.
+BACKENDS = {"onnxruntime": "onnxmerge[runtime]", "openvino": "openvino"}
+
+
+def _require(backend: str) -> None:
+    """Refuse an unknown backend, or one whose package is missing, saying what to do."""
+    import importlib.util
+
+    if backend not in BACKENDS:
+        raise GenerationError(
+            f"unknown backend {backend!r}; choose one of {', '.join(map(repr, BACKENDS))}"
+        )
+    if importlib.util.find_spec(backend) is None:
+        raise MissingDependencyError(
+            f"backend={backend!r} needs the {backend} package: pip install '{BACKENDS[backend]}'"
+        )
+
+
 def default_session_options() -> Any:
     import onnxruntime as ort
 
@@ -137,19 +156,26 @@ class MergedSession:
         providers: Sequence[Any] | None = None,
         session_options: Any | None = None,
         session_cache: str | os.PathLike | None = None,
+        backend: str = "onnxruntime",
     ):
-        try:
-            import onnxruntime  # noqa: F401 - say what to install before anything else fails
-        except ImportError as error:  # pragma: no cover - depends on the environment
-            raise ImportError(
-                "running a merged model needs onnxruntime: pip install 'onnxmerge[runtime]'"
-            ) from error
+        _require(backend)
         self.path = Path(path)
+        self.backend = backend
         if not self.path.is_file():
             raise InvalidMergedModelError(f"{self.path} is not a file; pass the merged .onnx file")
+        if backend != "onnxruntime" and (session_cache is not None or providers):
+            raise GenerationError(
+                f"session_cache and providers are onnxruntime's; backend={backend!r} takes neither"
+            )
         options = session_options if session_options is not None else default_session_options()
         try:
-            if session_cache is None:
+            if backend == "openvino":
+                from onnxmerge.runtime.openvino import OpenVinoSession
+
+                threads = getattr(session_options, "intra_op_num_threads", 0)
+                self.session, self.opened = OpenVinoSession(self.path, threads), self.path
+                self.wrote_cache_entry = False
+            elif session_cache is None:
                 self.session, self.opened = open_session(self.path, options, providers), self.path
                 self.wrote_cache_entry = False
             else:
@@ -157,9 +183,7 @@ class MergedSession:
                     self.path, session_cache, options, providers
                 )
         except Exception as error:
-            raise InvalidMergedModelError(
-                f"onnxruntime cannot load {self.path}: {error}"
-            ) from error
+            raise InvalidMergedModelError(f"{backend} cannot load {self.path}: {error}") from error
         release_free_heap()
         release_mapped_weights(self.opened)
         inputs = self.session.get_inputs()

@@ -241,7 +241,7 @@ def features_graph(
     log = ops.op(
         "Mul", ops.op("Log", ops.op("Max", mel, ops.f32(MEL_FLOOR))), ops.f32(1 / math.log(10))
     )
-    peak = ops.op("ReduceMax", log, ops.i64([1, 2]), keepdims=1)
+    peak = ops.reduce("ReduceMax", ops.reduce("ReduceMax", log, 2, True), 1, True)
     log = ops.op("Max", log, ops.op("Sub", peak, ops.f32(8.0)))
     scaled = ops.op("Div", ops.op("Add", log, ops.f32(4.0)), ops.f32(4.0))
     return ops.op("Transpose", scaled, perm=[0, 2, 1])
@@ -371,3 +371,75 @@ def prepare_audio(
     for i, row in enumerate(rows):
         batch[i, : lengths[i]] = row[: lengths[i]]
     return {AUDIO: batch, AUDIO_LENGTHS: lengths}
+
+
+# -- Whisper's decoder prompt ---------------------------------------------------------------------
+
+# generate() keywords of Whisper that choose the prompt rather than the search.
+PROMPT_KEYWORDS = ("language", "task", "return_timestamps")
+
+
+def whisper_prompt(
+    generation_config: Mapping[str, Any],
+    *,
+    language: str | None = None,
+    task: str | None = None,
+    return_timestamps: bool = False,
+) -> list[int]:
+    """The decoder prompt Whisper's ``generate()`` starts from (transformers 4.57's
+    ``_retrieve_init_tokens``): the start token, then the language and task tokens, then
+    ``<|notimestamps|>``; from ``language``/``task``, else the config's ``forced_decoder_ids``.
+
+    Raises ``GenerationError`` where ``generate()`` would detect the language (a multilingual
+    model, no language given or forced) and for timestamps: neither is in the graph.
+    """
+    from onnxmerge.errors import GenerationError
+
+    g = generation_config
+    if return_timestamps or g.get("return_timestamps"):
+        raise GenerationError(
+            "return_timestamps is not in the graph: the generator transcribes without timestamps"
+        )
+    language = language if language is not None else g.get("language")
+    task = task if task is not None else g.get("task")
+    start = g.get("decoder_start_token_id")
+    if start is None:
+        raise GenerationError("the generation config has no decoder_start_token_id")
+    prompt: list[int | None] = [int(start)]
+    forced = g.get("forced_decoder_ids") or []
+    if language is None and task is None and forced and forced[0][0] == 1:
+        for position, (index, token) in enumerate(forced, start=1):
+            if index != position:
+                raise GenerationError(
+                    f"forced_decoder_ids {forced} do not follow Whisper's prompt pattern"
+                )
+            prompt.append(token)
+    lang_to_id = g.get("lang_to_id") or {}
+    task_to_id = g.get("task_to_id") or {}
+    if language is not None:
+        token = language if language.startswith("<|") else f"<|{language.lower()}|>"
+        if token not in lang_to_id:
+            raise GenerationError(
+                f"language {language!r} is not one of the model's: give a code such as 'en' "
+                f"({', '.join(sorted(lang_to_id)[:8])}, ...)"
+            )
+        prompt[1:2] = [lang_to_id[token]]
+    elif lang_to_id and (len(prompt) == 1 or prompt[1] is None):
+        raise GenerationError(
+            "this multilingual Whisper detects the language when none is given, which the graph "
+            "does not do: pass language='en' (or another code) in generation_config"
+        )
+    if task is not None:
+        if task not in task_to_id:
+            raise GenerationError(f"task {task!r} is not one of {sorted(task_to_id)}")
+        tasks = set(task_to_id.values())
+        if any(t in tasks for t in prompt):
+            prompt = [task_to_id[task] if t in tasks else t for t in prompt]
+        else:
+            prompt.append(task_to_id[task])
+    elif language is not None and task_to_id and not set(task_to_id.values()) & set(prompt):
+        prompt.append(task_to_id["transcribe"])
+    no_timestamps = g.get("no_timestamps_token_id")
+    if no_timestamps is not None and prompt[-1] != no_timestamps:
+        prompt.append(no_timestamps)
+    return [int(t) for t in prompt if t is not None]

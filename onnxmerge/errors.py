@@ -12,6 +12,7 @@ __all__ = [
     "InvalidMergedModelError",
     "MergedModelRunError",
     "GenerationError",
+    "AudioInputError",
     "WireFormatError",
     "QuantizationError",
 ]
@@ -87,3 +88,7 @@ class WireFormatError(OnnxMergeError, ValueError):
 
 class QuantizationError(OnnxMergeError, ValueError):
     """A model cannot be quantized as asked (unknown precision, already quantized, old opset)."""
+
+
+class AudioInputError(OnnxMergeError, ValueError):
+    """PCM the audio generator cannot take: not mono, empty, not finite, not float, another rate."""

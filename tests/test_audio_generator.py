@@ -173,3 +173,37 @@ def test_feature_model_of_an_export(whisper, spec, tmp_path):
     (got,) = _session(path).run(None, audio.prepare_audio(rows, spec=spec))
     assert got.shape == (3, 16, 64)
     assert np.abs(got - _features(spec, rows)).max() <= 1e-4
+
+
+def _cli(*args: object):
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "onnxmerge", *map(str, args)]
+    return subprocess.run(command, capture_output=True, text=True, check=False)
+
+
+def test_cli_merge_audio_and_features(whisper, spec, tmp_path):
+    import onnx
+
+    folder = Path(shutil.copytree(whisper.onnx_dir, tmp_path / "export"))
+    result = _cli("merge", folder, "--generation", "greedy", "--audio", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)["generator"]
+    assert report["audio"] is True
+    inputs = [i.name for i in onnx.load(report["path"], load_external_data=False).graph.input]
+    assert inputs == ["audio", "audio_lengths", "max_new_tokens"]
+    result = _cli("features", folder, "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert Path(report["path"]) == folder / "features.onnx"
+    assert (report["n_mels"], report["n_samples"]) == (spec.n_mels, spec.n_samples)
+    again = _cli("features", folder)
+    assert again.returncode == 3 and "exists" in again.stderr
+
+
+def test_cli_audio_needs_generation(tmp_path, tiny_export):
+    result = _cli("merge", tmp_path / "absent", "--audio")
+    assert result.returncode == 2 and "--audio" in result.stderr
+    result = _cli("features", tiny_export("marian").onnx_dir)
+    assert result.returncode == 3 and "not Whisper" in result.stderr

@@ -27,7 +27,12 @@ import numpy as np
 import onnx_ir as ir
 
 from onnxmerge import contract, model_io
-from onnxmerge.errors import InvalidMergedModelError, OnnxMergeError, RefusedOutputError
+from onnxmerge.errors import (
+    AudioInputError,
+    InvalidMergedModelError,
+    OnnxMergeError,
+    RefusedOutputError,
+)
 from onnxmerge.generator.ops import Names, Ops
 
 AUDIO = "audio"
@@ -39,10 +44,6 @@ DEFAULT_FEATURES_NAME = "features.onnx"
 FEATURES_OPSET = 18
 MEL_FLOOR = 1e-10
 MAX_FREQUENCY = 8000.0  # WhisperFeatureExtractor's mel bank stops there, whatever the rate
-
-
-class AudioInputError(OnnxMergeError):
-    """PCM that the audio front cannot take: wrong rank, empty, not finite, wrong rate."""
 
 
 @dataclass(frozen=True)

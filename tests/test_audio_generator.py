@@ -207,3 +207,39 @@ def test_cli_audio_needs_generation(tmp_path, tiny_export):
     assert result.returncode == 2 and "--audio" in result.stderr
     result = _cli("features", tiny_export("marian").onnx_dir)
     assert result.returncode == 3 and "not Whisper" in result.stderr
+
+
+def test_node_runtime_runs_the_audio_generator(whisper, spec, tmp_path):
+    """onnxruntime-node reads the same PCM into the same tokens (tests/js/generate.test.mjs)."""
+    import os
+    import subprocess
+
+    from onnxmerge.generator import build_generator
+
+    node = shutil.which("node")
+    js_dir = Path(__file__).parent / "js"
+    if node is None:
+        pytest.skip("node is not installed")
+    if not (js_dir / "node_modules" / "onnxruntime-node").is_dir():
+        pytest.skip("onnxruntime-node is not installed: npm ci --ignore-scripts in tests/js")
+    path = build_generator(whisper.onnx_dir, tmp_path / "g.onnx", audio=True)
+    feeds = audio.prepare_audio(_rows(), spec=spec)
+    expected = _run(_session(path), _rows(), spec, 9)
+    cases = [{
+        "inputs": {"audio_lengths": feeds["audio_lengths"].tolist()},
+        "float_inputs": {"audio": feeds["audio"].tolist()},
+        "max_new_tokens": 9,
+        "expected": expected.tolist(),
+    }]  # fmt: skip
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    env = {
+        **os.environ,
+        "ONNXMERGE_GENERATOR_MODEL": str(path),
+        "ONNXMERGE_GENERATOR_CASES": str(tmp_path / "cases.json"),
+    }
+    done = subprocess.run(
+        [node, "--test", "generate.test.mjs"], cwd=js_dir, env=env, capture_output=True,
+        text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "# pass 1" in done.stdout, done.stdout

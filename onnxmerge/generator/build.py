@@ -163,9 +163,10 @@ def _build_from_merged(
     ir.passes.common.RemoveUnusedNodesPass()(model)
     model.metadata_props.pop(contract.META_FORMAT_VERSION, None)
     model.metadata_props.pop(contract.META_LAYOUT, None)
-    model.metadata_props[META_GENERATOR] = json.dumps(
-        {"version": GENERATOR_VERSION, "search": search_kind, "num_beams": beams}, sort_keys=True
-    )
+    description = {"version": GENERATOR_VERSION, "search": search_kind, "num_beams": beams}
+    if prompt:
+        description["decoder_prompt"] = prompt
+    model.metadata_props[META_GENERATOR] = json.dumps(description, sort_keys=True)
     if spec is not None:
         model.metadata_props[audio_front.META_FEATURES] = json.dumps(spec.as_dict(), sort_keys=True)
     model_io.save_model_atomically(

@@ -1,0 +1,267 @@
+"""Whisper benchmark: audio in, tokens out, in one call, next to the feature extractor and a loop.
+
+On the whisper-tiny shape (seeded random weights; the tiny test Whisper under ``--quick``), 10 s
+of audio, greedy, a fixed number of new tokens (``min_new_tokens`` = ``max_new_tokens``):
+
+1. Python: ``WhisperFeatureExtractor`` then ``Seq2SeqModel.generate`` on the merged file with
+   Whisper's prompt, against one ``session.run`` of the audio generator
+   (``build_generator(..., audio=True)``), taking turns in this process; the tokens are checked
+   equal and the features' largest difference to the extractor's is recorded;
+2. the browser: the transcription page (``onnxmerge web``) in Chromium, one wasm thread: bytes
+   downloaded file by file, time to ready (download and session creation) and the median time of
+   one transcription (``window.onnxmerge.transcribe``) after a warm-up, tokens checked against
+   Python's; and the bytes transformers.js would download for the same model (its two files,
+   ``encoder_model.onnx`` and ``decoder_model_merged.onnx``, fp32 as exported).
+
+transformers.js itself is not run: it is not among the packages the tests install, and its page
+needs the network for its model files. Records the processor (``_common.cpu_description``).
+
+Usage: python benchmarks/bench_whisper.py [--quick] [--out benchmarks/out/whisper.json]
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks import _common  # noqa: E402
+from onnxmerge.testing.exports import export_onnx, staging  # noqa: E402
+
+NODE_MODULES = REPO_ROOT / "tests" / "web" / "node_modules"
+SECONDS = 10.0
+RATE = 16_000
+# whisper-tiny's special tokens, and the prompt its generate() builds for English transcription.
+TINY_TOKENS = {
+    "decoder_start_token_id": 50258,
+    "eos_token_id": 50257,
+    "pad_token_id": 50257,
+    "bos_token_id": 50257,
+}
+TINY_GENERATION = {
+    "lang_to_id": {"<|en|>": 50259, "<|fr|>": 50265},
+    "task_to_id": {"transcribe": 50359, "translate": 50358},
+    "no_timestamps_token_id": 50363,
+    "is_multilingual": True,
+    "begin_suppress_tokens": [220, 50257],
+}
+
+
+def whisper_tiny_config() -> Any:
+    from transformers import WhisperConfig
+
+    return WhisperConfig(
+        vocab_size=51865, d_model=384, encoder_layers=4, decoder_layers=4,
+        encoder_attention_heads=6, decoder_attention_heads=6, encoder_ffn_dim=1536,
+        decoder_ffn_dim=1536, num_mel_bins=80, max_source_positions=1500,
+        max_target_positions=448, **TINY_TOKENS,
+    )  # fmt: skip
+
+
+def export_whisper(quick: bool) -> Path:
+    """The export folder of the benchmark's Whisper (cached under .cache/bench)."""
+    if quick:
+        from onnxmerge.testing import zoo
+
+        return zoo.tiny_export("whisper").onnx_dir
+    import torch
+    from transformers import GenerationConfig, WhisperForConditionalGeneration
+
+    config = whisper_tiny_config()
+    key = _common.cache_key(config, "whisper-asr")
+    root = _common.DEFAULT_CACHE_DIR / f"whisper_tiny-{key}"
+    pytorch_dir, onnx_dir = root / "pytorch", root / "onnx"
+    if not (pytorch_dir / "config.json").exists():
+        with staging(pytorch_dir) as folder:
+            torch.manual_seed(_common.SEED)
+            model = WhisperForConditionalGeneration(config).eval()
+            generation = GenerationConfig.from_model_config(config)
+            for name, value in TINY_GENERATION.items():
+                setattr(generation, name, value)
+            model.generation_config = generation
+            model.save_pretrained(folder)
+    if not (onnx_dir / _common.ENCODER_FILE).exists():
+        with staging(onnx_dir) as folder:
+            export_onnx(pytorch_dir, folder, "automatic-speech-recognition-with-past", tied=True)
+    return onnx_dir
+
+
+def _audio(spec) -> Any:
+    """10 s of a chirp over noise; the tiny model's window (0.64 s) cuts it."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    t = np.arange(int(SECONDS * RATE)) / RATE
+    chirp = 0.3 * np.sin(2 * np.pi * (200 * t + 40 * t * t))
+    return (chirp + 0.05 * rng.standard_normal(t.size)).astype(np.float32)
+
+
+def python_side(
+    export_dir: Path, work: Path, new_tokens: int, repeats: int, threads: int
+) -> dict[str, Any]:
+    import numpy as np
+    from transformers import WhisperFeatureExtractor
+
+    import onnxmerge
+    from onnxmerge.generator import audio, build_generator
+    from onnxmerge.sessions import open_session, session_options
+
+    options = (
+        {"language": "en"}
+        if (export_dir / "generation_config.json").exists()
+        and ("lang_to_id" in json.loads((export_dir / "generation_config.json").read_text()))
+        else {}
+    )
+    fixed = {"min_new_tokens": new_tokens, **options}
+    merged = onnxmerge.merge_seq2seq(export_dir, work / "model.onnx")
+    generator = build_generator(export_dir, work / "generator.onnx", audio=True,
+                                generation_config=fixed)  # fmt: skip
+    meta = json.loads(
+        {p.key: p.value for p in __import__("onnx").load(
+            str(generator), load_external_data=False).metadata_props}["onnxmerge.generator"]
+    )  # fmt: skip
+    prompt = np.array([meta.get("decoder_prompt") or [TINY_TOKENS["decoder_start_token_id"]]])
+    spec = audio.spec_for_source(export_dir)
+    samples = _audio(spec)
+    extractor = WhisperFeatureExtractor(feature_size=spec.n_mels)
+    extractor.n_samples, extractor.nb_max_frames = spec.n_samples, spec.frames
+    session_opts = session_options(threads=threads)
+    model = onnxmerge.Seq2SeqModel(merged, session_options=session_opts)
+    session = open_session(generator, session_opts)
+
+    def loop():
+        features = extractor(samples, sampling_rate=RATE, return_tensors="np").input_features
+        return model.generate(
+            input_features=features, decoder_input_ids=prompt,
+            min_new_tokens=new_tokens, max_new_tokens=new_tokens,
+        )  # fmt: skip
+
+    feeds = {**audio.prepare_audio(samples, spec=spec),
+             "max_new_tokens": np.array(new_tokens, np.int64)}  # fmt: skip
+
+    def one_call():
+        return session.run(None, feeds)[0]
+
+    loop_times, one_times = [], []
+    loop(), one_call()  # warm-up
+    for _ in range(repeats):  # taking turns, so that both see the same machine
+        loop_times.append(_common.timed_runs(loop, 1)[0][0])
+        one_times.append(_common.timed_runs(one_call, 1)[0][0])
+    expected, got = loop(), one_call()
+    feature_model = audio.build_features(None, work / "features.onnx", spec=spec)
+    (ours,) = open_session(feature_model, session_opts).run(
+        None, audio.prepare_audio(samples, spec=spec)
+    )
+    theirs = extractor(samples, sampling_rate=RATE, return_tensors="np").input_features
+    return {
+        "threads": threads,
+        "prompt": prompt[0].tolist(),
+        "loop_s": statistics.median(loop_times),
+        "one_call_s": statistics.median(one_times),
+        "tokens_equal": bool(np.array_equal(expected, got)),
+        "features_max_abs_diff": float(np.abs(ours - theirs).max()),
+        "sequences": got.tolist(),
+        "merged_bytes": merged.stat().st_size,
+        "generator_bytes": generator.stat().st_size,
+        "generator": generator,
+        "samples": samples,
+    }
+
+
+def browser_side(export_dir: Path, generator: Path, work: Path, samples, new_tokens: int,
+                 repeats: int) -> dict[str, Any]:  # fmt: skip
+    from onnxmerge.testing.browser import launch_chromium, load_page, serve
+    from onnxmerge.web import build_site
+
+    sync_api = __import__("playwright.sync_api", fromlist=["sync_playwright"])
+    site = build_site(generator, work / "site")
+    with sync_api.sync_playwright() as playwright:
+        browser, missing = launch_chromium(playwright, NODE_MODULES)
+        if browser is None:
+            return {"skipped": missing}
+        try:
+            with serve(site, NODE_MODULES) as server:
+                context = browser.new_context()
+                page, _ = load_page(context, f"{server.url}?threads=1", timeout_ms=600_000)
+                if page.get_attribute("body", "data-state") != "ready":
+                    raise RuntimeError(f"the page did not load: {page.inner_text('#status')}")
+                timings = page.evaluate("window.onnxmerge.app.timings")
+                runs = page.evaluate(
+                    """async ([samples, n, repeats]) => {
+                         const row = Float32Array.from(samples);
+                         const out = [];
+                         for (let i = 0; i <= repeats; i++) {
+                           out.push(await window.onnxmerge.transcribe([row], 16000, n));
+                         }
+                         return out;
+                       }""",
+                    [samples.tolist(), new_tokens, repeats],
+                )
+                sent = dict(sorted(server.sent.items()))
+                context.close()
+        finally:
+            browser.close()
+    return {
+        "threads": 1,
+        "load_s": timings["load_ms"] / 1000,
+        "session_s": timings["session_ms"] / 1000,
+        "transcription_s": statistics.median(r["ms"] for r in runs[1:]) / 1000,
+        "bytes_downloaded": sum(sent.values()),
+        "model_bytes": sum(v for k, v in sent.items() if k.endswith("generator.onnx")),
+        "files": sent,
+        "sequences": runs[-1]["sequences"],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _common.arguments(__doc__, "whisper", "the tiny test Whisper, fewer repeats")
+    args = parser.parse_args(argv)
+    repeats = 3 if args.quick else 5
+    new_tokens = 8 if args.quick else 32
+    export_dir = export_whisper(args.quick)
+    with tempfile.TemporaryDirectory(prefix="bench-whisper-") as tmp:
+        work = Path(tmp)
+        python = python_side(export_dir, work, new_tokens, repeats, threads=1)
+        generator, samples = python.pop("generator"), python.pop("samples")
+        try:
+            browser = browser_side(export_dir, generator, work, samples, new_tokens, repeats)
+        except ImportError as e:
+            browser = {"skipped": f"playwright is not installed: {e}"}
+    if "sequences" in browser:
+        browser["tokens_equal_python"] = browser["sequences"] == python["sequences"]
+    tjs_fp32 = _common.files_bytes(export_dir, (_common.ENCODER_FILE, _common.DECODER_MERGED_FILE))
+    results = {
+        "model": "tiny-whisper" if args.quick else "whisper-tiny shape",
+        "audio_s": SECONDS,
+        "new_tokens": new_tokens,
+        "python": python,
+        "browser": browser,
+        "transformers_js_model_bytes_fp32": tjs_fp32,
+        "ratios": {
+            "one_call_over_loop_python": python["one_call_s"] / python["loop_s"],
+            "model_bytes_over_transformers_js_fp32": python["generator_bytes"] / tjs_fp32,
+        },
+        "cpu": _common.cpu_description(),
+        "platform": platform.platform(),
+        "versions": _common.package_versions(),
+    }
+    _common.write_results(args.out, results)
+    print(json.dumps({k: v for k, v in results.items() if k not in ("browser",)}, indent=1,
+                     default=str)[:3000])  # fmt: skip
+    if "transcription_s" in browser:
+        print(f"browser: ready {browser['load_s']:.2f} s, transcription "
+              f"{browser['transcription_s']:.3f} s, {browser['bytes_downloaded']} bytes, tokens "
+              f"equal Python's: {browser['tokens_equal_python']}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

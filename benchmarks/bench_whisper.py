@@ -76,7 +76,7 @@ def export_whisper(quick: bool) -> Path:
     from transformers import GenerationConfig, WhisperForConditionalGeneration
 
     config = whisper_tiny_config()
-    key = _common.cache_key(config, "whisper-asr")
+    key = _common.cache_key(config, "whisper-asr-multilingual")
     root = _common.DEFAULT_CACHE_DIR / f"whisper_tiny-{key}"
     pytorch_dir, onnx_dir = root / "pytorch", root / "onnx"
     if not (pytorch_dir / "config.json").exists():
@@ -86,6 +86,7 @@ def export_whisper(quick: bool) -> Path:
             generation = GenerationConfig.from_model_config(config)
             for name, value in TINY_GENERATION.items():
                 setattr(generation, name, value)
+            generation._from_model_config = False  # else optimum rebuilds it from the config
             model.generation_config = generation
             model.save_pretrained(folder)
     if not (onnx_dir / _common.ENCODER_FILE).exists():
@@ -221,6 +222,164 @@ def browser_side(export_dir: Path, generator: Path, work: Path, samples, new_tok
     }
 
 
+def markdown(data: dict[str, Any]) -> list[str]:
+    """The section of docs/benchmarks.md (``run_all.py`` renders it from whisper.json)."""
+    py, browser, ratios = data["python"], data["browser"], data["ratios"]
+    cpu = data["cpu"]["model"]
+    lines = [
+        "## Whisper: audio in, tokens out, in one call",
+        "",
+        f"{data['model']} (random weights), {data['audio_s']:.0f} s of audio, greedy, "
+        f"{data['new_tokens']} new tokens, one thread, {cpu} (`benchmarks/bench_whisper.py`). "
+        "Python: `WhisperFeatureExtractor` then `Seq2SeqModel.generate` on the merged file, "
+        "against one `session.run` of the audio generator, taking turns in one process.",
+        "",
+        "| | extractor + Python loop | one call | ratio | same tokens | features max diff |",
+        "|---|---:|---:|---:|---|---:|",
+        f"| Python, s per transcription | {py['loop_s']:.3f} | {py['one_call_s']:.3f} | "
+        f"**{ratios['one_call_over_loop_python']:.2f}x** | {py['tokens_equal']} | "
+        f"{py['features_max_abs_diff']:.1e} |",
+        "",
+    ]
+    if "transcription_s" in browser:
+        lines += [
+            "| in Chromium (onnxruntime-web, wasm, 1 thread) | |",
+            "|---|---:|",
+            f"| downloaded | {_common.mb(browser['bytes_downloaded'])} MB (model "
+            f"{_common.mb(browser['model_bytes'])} MB) |",
+            f"| transformers.js's two model files, fp32 | "
+            f"{_common.mb(data['transformers_js_model_bytes_fp32'])} MB |",
+            f"| time to ready | {browser['load_s']:.2f} s |",
+            f"| time per transcription | {browser['transcription_s']:.3f} s |",
+            f"| tokens equal Python's | {browser['tokens_equal_python']} |",
+            "",
+        ]
+    else:
+        lines += [f"The browser part did not run: {browser.get('skipped')}.", ""]
+    return lines
+
+
+# transformers.js's own page: its feature extractor and its two files, on the wasm backend.
+TJS_PAGE = """<!doctype html>
+<html><head><meta charset="utf-8"><link rel="icon" href="data:,">
+<script type="importmap">{"imports": {
+  "@huggingface/transformers":
+    "./node_modules/@huggingface/transformers/dist/transformers.web.min.js",
+  "onnxruntime-common": "./node_modules/onnxruntime-common/dist/esm/index.js",
+  "onnxruntime-web/webgpu": "./node_modules/onnxruntime-web/dist/ort.webgpu.bundle.min.mjs"}}
+</script></head><body><p>transformers.js</p>
+<script type="module">
+import { env, AutoFeatureExtractor, WhisperForConditionalGeneration }
+  from "@huggingface/transformers";
+env.allowRemoteModels = false;
+env.allowLocalModels = true;
+env.localModelPath = new URL("./models/", location.href).href;
+env.useBrowserCache = false;
+env.backends.onnx.wasm.wasmPaths =
+  new URL("./node_modules/onnxruntime-web/dist/", location.href).href;
+env.backends.onnx.wasm.numThreads = 1;
+const started = performance.now();
+try {
+  const extractor = await AutoFeatureExtractor.from_pretrained("whisper");
+  const model = await WhisperForConditionalGeneration.from_pretrained(
+    "whisper", { device: "wasm", dtype: "fp32" });
+  const load_ms = performance.now() - started;
+  window.bench = {
+    load_ms,
+    async transcribe(samples, n, options) {
+      const t0 = performance.now();
+      const { input_features } = await extractor(Float32Array.from(samples));
+      const out = await model.generate({
+        inputs: input_features, max_new_tokens: n, min_new_tokens: n, ...options });
+      const ms = performance.now() - t0;
+      return { ms, sequences: out.tolist().map((row) => row.map(Number)) };
+    },
+  };
+  document.body.dataset.state = "ready";
+} catch (error) {
+  window.benchError = String(error && error.stack || error);
+  document.body.dataset.state = "failed";
+}
+</script></body></html>
+"""
+
+
+def transformers_js_side(
+    export_dir: Path, work: Path, samples, new_tokens: int, repeats: int, options: dict
+) -> dict[str, Any]:
+    """transformers.js (``ONNXMERGE_TRANSFORMERS_JS``: a node_modules holding
+    @huggingface/transformers) in the same Chromium, on the export's two files."""
+    import os
+    import shutil
+
+    from onnxmerge.generator.audio import PREPROCESSOR_CONFIG
+    from onnxmerge.testing.browser import launch_chromium, load_page, serve
+
+    modules = os.environ.get("ONNXMERGE_TRANSFORMERS_JS")
+    if not modules or not (Path(modules) / "@huggingface" / "transformers").is_dir():
+        return {
+            "skipped": "ONNXMERGE_TRANSFORMERS_JS does not name a node_modules with "
+            "@huggingface/transformers (npm install --ignore-scripts "
+            "@huggingface/transformers@4.3.0)"
+        }
+    site = work / "tjs-site"
+    model_dir = site / "models" / "whisper"
+    (model_dir / "onnx").mkdir(parents=True)
+    for name in ("config.json", "generation_config.json"):
+        shutil.copyfile(export_dir / name, model_dir / name)
+    if (export_dir / PREPROCESSOR_CONFIG).exists():
+        shutil.copyfile(export_dir / PREPROCESSOR_CONFIG, model_dir / PREPROCESSOR_CONFIG)
+    else:
+        from transformers import WhisperFeatureExtractor
+
+        from onnxmerge.generator.audio import spec_for_source
+
+        spec = spec_for_source(export_dir)
+        extractor = WhisperFeatureExtractor(feature_size=spec.n_mels)
+        extractor.n_samples, extractor.nb_max_frames = spec.n_samples, spec.frames
+        extractor.chunk_length = spec.n_samples / spec.sampling_rate
+        extractor.to_json_file(model_dir / PREPROCESSOR_CONFIG)
+    for name in (_common.ENCODER_FILE, _common.DECODER_MERGED_FILE):
+        os.link(export_dir / name, model_dir / "onnx" / name)
+    (site / "index.html").write_text(TJS_PAGE)
+    sync_api = __import__("playwright.sync_api", fromlist=["sync_playwright"])
+    with sync_api.sync_playwright() as playwright:
+        browser, missing = launch_chromium(playwright, NODE_MODULES)
+        if browser is None:
+            return {"skipped": missing}
+        try:
+            with serve(site, Path(modules)) as server:
+                context = browser.new_context()
+                page, errors = load_page(context, server.url, timeout_ms=600_000)
+                if page.get_attribute("body", "data-state") != "ready":
+                    return {
+                        "skipped": f"transformers.js failed: {page.evaluate('window.benchError')}"
+                    }
+                load_ms = page.evaluate("window.bench.load_ms")
+                runs = page.evaluate(
+                    """async ([samples, n, repeats, options]) => {
+                         const out = [];
+                         for (let i = 0; i <= repeats; i++) {
+                           out.push(await window.bench.transcribe(samples, n, options));
+                         }
+                         return out;
+                       }""",
+                    [samples.tolist(), new_tokens, repeats, options],
+                )
+                sent = dict(sorted(server.sent.items()))
+                context.close()
+        finally:
+            browser.close()
+    return {
+        "load_s": load_ms / 1000,
+        "transcription_s": statistics.median(r["ms"] for r in runs[1:]) / 1000,
+        "bytes_downloaded": sum(sent.values()),
+        "model_bytes": sum(v for k, v in sent.items() if k.endswith(".onnx")),
+        "files": sent,
+        "sequences": runs[-1]["sequences"],
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _common.arguments(__doc__, "whisper", "the tiny test Whisper, fewer repeats")
     args = parser.parse_args(argv)
@@ -235,8 +394,16 @@ def main(argv: list[str] | None = None) -> int:
             browser = browser_side(export_dir, generator, work, samples, new_tokens, repeats)
         except ImportError as e:
             browser = {"skipped": f"playwright is not installed: {e}"}
+        options = {"language": "en", "task": "transcribe"} if len(python["prompt"]) > 1 else {}
+        try:
+            tjs = transformers_js_side(export_dir, work, samples, new_tokens, repeats, options)
+        except ImportError as e:
+            tjs = {"skipped": f"playwright is not installed: {e}"}
     if "sequences" in browser:
         browser["tokens_equal_python"] = browser["sequences"] == python["sequences"]
+    if "sequences" in tjs:
+        # transformers.js returns the prompt too, as the generator does.
+        tjs["tokens_equal_python"] = tjs["sequences"] == python["sequences"]
     tjs_fp32 = _common.files_bytes(export_dir, (_common.ENCODER_FILE, _common.DECODER_MERGED_FILE))
     results = {
         "model": "tiny-whisper" if args.quick else "whisper-tiny shape",
@@ -244,22 +411,39 @@ def main(argv: list[str] | None = None) -> int:
         "new_tokens": new_tokens,
         "python": python,
         "browser": browser,
+        "transformers_js": tjs,
         "transformers_js_model_bytes_fp32": tjs_fp32,
         "ratios": {
             "one_call_over_loop_python": python["one_call_s"] / python["loop_s"],
             "model_bytes_over_transformers_js_fp32": python["generator_bytes"] / tjs_fp32,
+            **(
+                {
+                    "page_bytes_over_transformers_js": browser["bytes_downloaded"]
+                    / tjs["bytes_downloaded"],
+                    "transcription_over_transformers_js": browser["transcription_s"]
+                    / tjs["transcription_s"],
+                }
+                if "transcription_s" in tjs and "transcription_s" in browser
+                else {}
+            ),
         },
         "cpu": _common.cpu_description(),
         "platform": platform.platform(),
         "versions": _common.package_versions(),
     }
     _common.write_results(args.out, results)
-    print(json.dumps({k: v for k, v in results.items() if k not in ("browser",)}, indent=1,
-                     default=str)[:3000])  # fmt: skip
+    shown = {k: v for k, v in results.items() if k not in ("browser", "transformers_js")}
+    print(json.dumps(shown, indent=1, default=str)[:3000])
     if "transcription_s" in browser:
         print(f"browser: ready {browser['load_s']:.2f} s, transcription "
               f"{browser['transcription_s']:.3f} s, {browser['bytes_downloaded']} bytes, tokens "
               f"equal Python's: {browser['tokens_equal_python']}")  # fmt: skip
+    if "transcription_s" in tjs:
+        print(f"transformers.js: ready {tjs['load_s']:.2f} s, transcription "
+              f"{tjs['transcription_s']:.3f} s, {tjs['bytes_downloaded']} bytes, tokens "
+              f"equal Python's: {tjs['tokens_equal_python']}")  # fmt: skip
+    else:
+        print(f"transformers.js: {tjs.get('skipped')}")
     return 0
 
 

@@ -241,19 +241,40 @@ def markdown(data: dict[str, Any]) -> list[str]:
         f"{py['features_max_abs_diff']:.1e} |",
         "",
     ]
+    tjs = data.get("transformers_js", {})
     if "transcription_s" in browser:
+        with_tjs = "transcription_s" in tjs
+
+        def row(name: str, ours: str, theirs: str, ratio: float | None = None) -> str:
+            cells = [name, ours] + (
+                [theirs, f"**{ratio:.2f}x**" if ratio else ""] if with_tjs else []
+            )
+            return "| " + " | ".join(cells) + " |"
+
+        head = ["| in Chromium (wasm, 1 thread) | onnxmerge page |"]
+        if with_tjs:
+            head = [
+                "| in Chromium (wasm, 1 thread) | onnxmerge page | transformers.js 4.3 | ratio |"
+            ]
         lines += [
-            "| in Chromium (onnxruntime-web, wasm, 1 thread) | |",
-            "|---|---:|",
-            f"| downloaded | {_common.mb(browser['bytes_downloaded'])} MB (model "
-            f"{_common.mb(browser['model_bytes'])} MB) |",
-            f"| transformers.js's two model files, fp32 | "
-            f"{_common.mb(data['transformers_js_model_bytes_fp32'])} MB |",
-            f"| time to ready | {browser['load_s']:.2f} s |",
-            f"| time per transcription | {browser['transcription_s']:.3f} s |",
-            f"| tokens equal Python's | {browser['tokens_equal_python']} |",
+            *head,
+            "|---|---:|" + ("---:|---:|" if with_tjs else ""),
+            row("downloaded, MB", _common.mb(browser["bytes_downloaded"]),
+                _common.mb(tjs.get("bytes_downloaded")),
+                ratios.get("page_bytes_over_transformers_js")),
+            row("of which the model, MB", _common.mb(browser["model_bytes"]),
+                _common.mb(tjs.get("model_bytes" if with_tjs else "x") or
+                           data["transformers_js_model_bytes_fp32"])),
+            row("time to ready, s", f"{browser['load_s']:.2f}", f"{tjs.get('load_s', 0):.2f}"),
+            row("time per transcription, s", f"{browser['transcription_s']:.3f}",
+                f"{tjs.get('transcription_s', 0):.3f}",
+                ratios.get("transcription_over_transformers_js")),
+            row("tokens equal Python's", str(browser["tokens_equal_python"]),
+                str(tjs.get("tokens_equal_python"))),
             "",
-        ]
+        ]  # fmt: skip
+        if not with_tjs:
+            lines += [f"transformers.js did not run: {tjs.get('skipped')}.", ""]
     else:
         lines += [f"The browser part did not run: {browser.get('skipped')}.", ""]
     return lines

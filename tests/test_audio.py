@@ -134,3 +134,33 @@ def test_spec_from_configs():
 def test_bad_audio_is_refused(pcm, kwargs, message):
     with pytest.raises(audio.AudioInputError, match=message):
         audio.prepare_audio(pcm, **kwargs)
+
+
+def test_whisper_prompt_from_the_configs():
+    """transformers' rules: forced_decoder_ids give the prompt unless language or task is given;
+    an English-only model has no language or task token; no-timestamps closes the prompt."""
+    from onnxmerge.errors import GenerationError
+
+    multilingual = {
+        "decoder_start_token_id": 1,
+        "lang_to_id": {"<|en|>": 10, "<|fr|>": 11},
+        "task_to_id": {"transcribe": 20, "translate": 21},
+        "no_timestamps_token_id": 30,
+        "forced_decoder_ids": [[1, 10], [2, 21], [3, 30]],
+    }
+    assert audio.whisper_prompt(multilingual) == [1, 10, 21, 30]
+    assert audio.whisper_prompt(multilingual, language="fr") == [1, 11, 20, 30]
+    assert audio.whisper_prompt(multilingual, language="<|fr|>", task="translate") == [
+        1,
+        11,
+        21,
+        30,
+    ]
+    english = {"decoder_start_token_id": 1, "no_timestamps_token_id": 30}
+    assert audio.whisper_prompt(english) == [1, 30]
+    assert audio.whisper_prompt({"decoder_start_token_id": 1}) == [1]
+    undetected = {**multilingual, "forced_decoder_ids": [[1, None], [2, 20]]}
+    with pytest.raises(GenerationError, match="detects the language"):
+        audio.whisper_prompt(undetected)
+    with pytest.raises(GenerationError, match="task 'summarize'"):
+        audio.whisper_prompt(multilingual, language="en", task="summarize")

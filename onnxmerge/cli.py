@@ -776,7 +776,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", help="output file (default: features.onnx beside SOURCE)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
 
-    p = add("web", cmd_web, "write a static site that translates in the browser with one model")
+    p = add(
+        "web",
+        cmd_web,
+        "write a static site that translates (Whisper: transcribes) in the browser with one model",
+    )
     p.add_argument("source", help="export folder, merged model or generator model")
     p.add_argument("-o", "--output", required=True, help="site folder to write")
     p.add_argument(

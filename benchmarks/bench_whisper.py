@@ -177,13 +177,14 @@ def python_side(
     }
 
 
-def browser_side(export_dir: Path, generator: Path, work: Path, samples, new_tokens: int,
-                 repeats: int) -> dict[str, Any]:  # fmt: skip
+def browser_side(source: Path, work: Path, samples, new_tokens: int, repeats: int,
+                 weights: str | None = None) -> dict[str, Any]:  # fmt: skip
+    """The transcription page built from ``source`` (quantized to ``weights`` first)."""
     from onnxmerge.testing.browser import launch_chromium, load_page, serve
     from onnxmerge.web import build_site
 
     sync_api = __import__("playwright.sync_api", fromlist=["sync_playwright"])
-    site = build_site(generator, work / "site")
+    site = build_site(source, work / f"site-{weights or 'fp32'}", weights=weights)
     with sync_api.sync_playwright() as playwright:
         browser, missing = launch_chromium(playwright, NODE_MODULES)
         if browser is None:
@@ -292,6 +293,28 @@ def markdown(data: dict[str, Any]) -> list[str]:
             lines += [f"transformers.js did not run: {tjs.get('skipped')}.", ""]
     else:
         lines += [f"The browser part did not run: {browser.get('skipped')}.", ""]
+    if "int8" in data:
+        q = data["int8"]
+        ours8, theirs8, r8 = q["browser"], q["transformers_js"], q["ratios"]
+        lines += [
+            "At int8 (the page built with `--weights int8`; transformers.js's `q8` files, "
+            "`quantize_dynamic` with QInt8 weights, as its conversion script writes them):",
+            "",
+            "| int8, in Chromium (wasm, 1 thread) | onnxmerge page | transformers.js 4.3 q8 "
+            "| ratio |",
+            "|---|---:|---:|---:|",
+            f"| downloaded, MB | {_common.mb(ours8['bytes_downloaded'])} | "
+            f"{_common.mb(theirs8['bytes_downloaded'])} | "
+            f"**{r8['page_bytes_over_transformers_js']:.2f}x** |",
+            f"| of which the model, MB | {_common.mb(ours8['model_bytes'])} | "
+            f"{_common.mb(theirs8['model_bytes'])} | |",
+            f"| time to ready, s | {ours8['load_s']:.2f} | {theirs8['load_s']:.2f} | |",
+            f"| time per transcription, s | {ours8['transcription_s']:.3f} | "
+            f"{theirs8['transcription_s']:.3f} | "
+            f"**{r8['transcription_over_transformers_js']:.2f}x** |",
+            f"| same tokens as each other | {q['same_tokens']} | | |",
+            "",
+        ]  # fmt: skip
     return lines
 
 
@@ -318,7 +341,7 @@ const started = performance.now();
 try {
   const extractor = await AutoFeatureExtractor.from_pretrained("whisper");
   const model = await WhisperForConditionalGeneration.from_pretrained(
-    "whisper", { device: "wasm", dtype: "fp32" });
+    "whisper", { device: "wasm", dtype: new URLSearchParams(location.search).get("dtype") });
   const load_ms = performance.now() - started;
   window.bench = {
     load_ms,
@@ -341,10 +364,17 @@ try {
 
 
 def transformers_js_side(
-    export_dir: Path, work: Path, samples, new_tokens: int, repeats: int, options: dict
+    export_dir: Path,
+    work: Path,
+    samples,
+    new_tokens: int,
+    repeats: int,
+    options: dict,
+    dtype: str = "fp32",
 ) -> dict[str, Any]:
     """transformers.js (``ONNXMERGE_TRANSFORMERS_JS``: a node_modules holding
-    @huggingface/transformers) in the same Chromium, on the export's two files."""
+    @huggingface/transformers) in the same Chromium, on the export's two files; for ``q8``
+    each quantized with ``quantize_dynamic`` (QInt8 weights), as its conversion script does."""
     import os
     import shutil
 
@@ -358,7 +388,7 @@ def transformers_js_side(
             "@huggingface/transformers (npm install --ignore-scripts "
             "@huggingface/transformers@4.3.0)"
         }
-    site = work / "tjs-site"
+    site = work / f"tjs-site-{dtype}"
     model_dir = site / "models" / "whisper"
     (model_dir / "onnx").mkdir(parents=True)
     for name in ("config.json", "generation_config.json"):
@@ -376,7 +406,17 @@ def transformers_js_side(
         extractor.chunk_length = spec.n_samples / spec.sampling_rate
         extractor.to_json_file(model_dir / PREPROCESSOR_CONFIG)
     for name in (_common.ENCODER_FILE, _common.DECODER_MERGED_FILE):
-        os.link(export_dir / name, model_dir / "onnx" / name)
+        if dtype == "q8":
+            from onnxruntime.quantization import QuantType, quantize_dynamic
+
+            quantize_dynamic(
+                export_dir / name,
+                model_dir / "onnx" / name.replace(".onnx", "_quantized.onnx"),
+                weight_type=QuantType.QInt8,
+                extra_options={"EnableSubgraph": True, "MatMulConstBOnly": True},
+            )
+        else:
+            os.link(export_dir / name, model_dir / "onnx" / name)
     (site / "index.html").write_text(TJS_PAGE)
     sync_api = __import__("playwright.sync_api", fromlist=["sync_playwright"])
     with sync_api.sync_playwright() as playwright:
@@ -386,7 +426,7 @@ def transformers_js_side(
         try:
             with serve(site, Path(modules)) as server:
                 context = browser.new_context()
-                page, errors = load_page(context, server.url, timeout_ms=600_000)
+                page, errors = load_page(context, f"{server.url}?dtype={dtype}", timeout_ms=600_000)
                 if page.get_attribute("body", "data-state") != "ready":
                     return {
                         "skipped": f"transformers.js failed: {page.evaluate('window.benchError')}"
@@ -427,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
         python = python_side(export_dir, work, new_tokens, repeats, threads=1)
         generator, samples = python.pop("generator"), python.pop("samples")
         try:
-            browser = browser_side(export_dir, generator, work, samples, new_tokens, repeats)
+            browser = browser_side(generator, work, samples, new_tokens, repeats)
         except ImportError as e:
             browser = {"skipped": f"playwright is not installed: {e}"}
         options = {"language": "en", "task": "transcribe"} if len(python["prompt"]) > 1 else {}
@@ -435,6 +475,24 @@ def main(argv: list[str] | None = None) -> int:
             tjs = transformers_js_side(export_dir, work, samples, new_tokens, repeats, options)
         except ImportError as e:
             tjs = {"skipped": f"playwright is not installed: {e}"}
+        int8 = None
+        if not args.quick and "transcription_s" in browser and "transcription_s" in tjs:
+            # The same comparison at int8: onnxmerge.quantize against quantize_dynamic.
+            ours8 = browser_side(export_dir, work, samples, new_tokens, repeats, weights="int8")
+            theirs8 = transformers_js_side(
+                export_dir, work, samples, new_tokens, repeats, options, dtype="q8"
+            )
+            int8 = {
+                "browser": ours8,
+                "transformers_js": theirs8,
+                "same_tokens": ours8["sequences"] == theirs8.get("sequences"),
+                "ratios": {
+                    "page_bytes_over_transformers_js": ours8["bytes_downloaded"]
+                    / theirs8["bytes_downloaded"],
+                    "transcription_over_transformers_js": ours8["transcription_s"]
+                    / theirs8["transcription_s"],
+                },
+            }
     if "sequences" in browser:
         browser["tokens_equal_python"] = browser["sequences"] == python["sequences"]
     if "sequences" in tjs:
@@ -448,6 +506,7 @@ def main(argv: list[str] | None = None) -> int:
         "python": python,
         "browser": browser,
         "transformers_js": tjs,
+        **({"int8": int8} if int8 else {}),
         "transformers_js_model_bytes_fp32": tjs_fp32,
         "ratios": {
             "one_call_over_loop_python": python["one_call_s"] / python["loop_s"],
@@ -468,7 +527,8 @@ def main(argv: list[str] | None = None) -> int:
         "versions": _common.package_versions(),
     }
     _common.write_results(args.out, results)
-    shown = {k: v for k, v in results.items() if k not in ("browser", "transformers_js")}
+    hidden = ("browser", "transformers_js", "int8")
+    shown = {k: v for k, v in results.items() if k not in hidden}
     print(json.dumps(shown, indent=1, default=str)[:3000])
     if "transcription_s" in browser:
         print(f"browser: ready {browser['load_s']:.2f} s, transcription "

@@ -178,13 +178,16 @@ def python_side(
 
 
 def browser_side(source: Path, work: Path, samples, new_tokens: int, repeats: int,
-                 weights: str | None = None) -> dict[str, Any]:  # fmt: skip
+                 weights: str | None = None, language: str | None = None,
+                 ) -> dict[str, Any]:  # fmt: skip
     """The transcription page built from ``source`` (quantized to ``weights`` first)."""
     from onnxmerge.testing.browser import launch_chromium, load_page, serve
     from onnxmerge.web import build_site
 
     sync_api = __import__("playwright.sync_api", fromlist=["sync_playwright"])
-    site = build_site(source, work / f"site-{weights or 'fp32'}", weights=weights)
+    site = build_site(
+        source, work / f"site-{weights or 'fp32'}", weights=weights, language=language
+    )
     with sync_api.sync_playwright() as playwright:
         browser, missing = launch_chromium(playwright, NODE_MODULES)
         if browser is None:
@@ -478,7 +481,9 @@ def main(argv: list[str] | None = None) -> int:
         int8 = None
         if not args.quick and "transcription_s" in browser and "transcription_s" in tjs:
             # The same comparison at int8: onnxmerge.quantize against quantize_dynamic.
-            ours8 = browser_side(export_dir, work, samples, new_tokens, repeats, weights="int8")
+            ours8 = browser_side(
+                export_dir, work, samples, new_tokens, repeats, "int8", options.get("language")
+            )
             theirs8 = transformers_js_side(
                 export_dir, work, samples, new_tokens, repeats, options, dtype="q8"
             )

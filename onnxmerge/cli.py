@@ -208,6 +208,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
                 search=args.generation,
                 num_beams=num_beams,
                 audio=args.audio,
+                generation_config=_whisper_prompt(args),
                 overwrite=args.overwrite,
             )
         except BaseException:
@@ -521,6 +522,8 @@ def cmd_web(args: argparse.Namespace) -> int:
             weights=args.weights,
             tokenizer=args.tokenizer,
             examples=args.example or (),
+            language=args.language,
+            task=args.task,
             overwrite=args.overwrite,
             progress=steps,
         )
@@ -640,11 +643,29 @@ def _at_least(low: int) -> Callable[[str], int]:
     return parse
 
 
+def _whisper_prompt_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--language",
+        metavar="CODE",
+        help="Whisper: the language of the audio (en, fr, ...); a multilingual model needs one",
+    )
+    p.add_argument(
+        "--task", choices=("transcribe", "translate"), help="Whisper: the task (default transcribe)"
+    )
+
+
+def _whisper_prompt(args: argparse.Namespace) -> dict[str, str] | None:
+    chosen = {k: getattr(args, k) for k in ("language", "task") if getattr(args, k) is not None}
+    return chosen or None
+
+
 def _check_merge_args(args: argparse.Namespace) -> str | None:
     if args.num_beams is not None and args.generation != "beam":
         return "--num-beams applies only with --generation beam"
     if args.audio and not args.generation:
         return "--audio applies only with --generation"
+    if (args.language or args.task) and not args.generation:
+        return "--language and --task apply only with --generation"
     return None
 
 
@@ -723,6 +744,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="Whisper: the generator reads 16 kHz audio and computes the log-mel features itself",
     )
+    _whisper_prompt_arguments(p)
     p.set_defaults(check=_check_merge_args)
     _precision_arguments(p, required=False)
 
@@ -790,6 +812,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--tokenizer", help="folder with tokenizer.json (default: beside the source)")
     p.add_argument("--example", action="append", help="a sentence the text box starts with")
+    _whisper_prompt_arguments(p)
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty site folder")
 
     p = add("batch", cmd_batch, "convert many models: export, merge, verify and more; resumable")

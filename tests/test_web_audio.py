@@ -132,3 +132,27 @@ def test_page_transcribes_a_wav_into_pythons_tokens(browser, whisper_site, tmp_p
         assert "2 channels mixed to mono" in page.text_content("#timing")
         page.close()
     assert not errors
+
+
+def test_a_multilingual_whisper_needs_a_language(tiny_export, tmp_path):
+    """The page's prompt is fixed when the site is built: language and task are options."""
+    import shutil
+
+    from onnxmerge.errors import GenerationError, OnnxMergeError
+
+    export = Path(shutil.copytree(tiny_export("whisper").onnx_dir, tmp_path / "export"))
+    config_file = export / "generation_config.json"
+    config = json.loads(config_file.read_text())
+    config.update(
+        lang_to_id={"<|en|>": 110, "<|fr|>": 111}, task_to_id={"transcribe": 112, "translate": 113},
+        no_timestamps_token_id=114, forced_decoder_ids=[[1, None], [2, 112]],
+    )  # fmt: skip
+    config_file.write_text(json.dumps(config))
+    with pytest.raises(GenerationError, match="detects the language"):
+        build_site(export, tmp_path / "site")
+    assert not (tmp_path / "site").exists()
+    site = build_site(export, tmp_path / "site", language="fr", task="translate")
+    settings = json.loads((site / "site.json").read_text())
+    assert settings["prompt_length"] == 4
+    with pytest.raises(OnnxMergeError, match="Whisper models only"):
+        build_site(tiny_export("marian").onnx_dir, tmp_path / "text", language="fr")

@@ -51,6 +51,8 @@ def build_site(
     weights: str | None = None,
     tokenizer: str | os.PathLike | None = None,
     examples: Sequence[str] = (),
+    language: str | None = None,
+    task: str | None = None,
     overwrite: bool = False,
     progress: Callable[[str], None] | None = None,
 ) -> Path:
@@ -65,6 +67,9 @@ def build_site(
         tokenizer: the folder holding ``tokenizer.json`` (and ``tokenizer_config.json``); default
             the source folder, or the model file's folder.
         examples: sentences the page's text box starts with.
+        language, task: Whisper: the decoder prompt's language (``"en"``) and task
+            (``"transcribe"``, ``"translate"``), as ``generate()`` takes them; a multilingual
+            model needs a language, since the graph does not detect it.
         overwrite: replace an existing, non-empty output folder.
         progress: called with the name of each step as it starts.
 
@@ -85,7 +90,10 @@ def build_site(
     try:
         staging.chmod(0o755)  # mkdtemp's 0700 would hide the site from a server's user
         model = staging / MODEL_FILE
-        _write_generator(source, model, weights, staging, step, audio)
+        prompt = {k: v for k, v in (("language", language), ("task", task)) if v is not None}
+        if prompt and not audio:
+            raise OnnxMergeError("--language and --task apply to Whisper models only")
+        _write_generator(source, model, weights, staging, step, audio, prompt)
         step("writing the page")
         settings = _audio_page_settings(model) if audio else _page_settings(model)
         settings["examples"] = list(examples)
@@ -189,11 +197,17 @@ def _write_generator(
     staging: Path,
     step: Callable[[str], None],
     audio: bool = False,
+    prompt: dict[str, str] | None = None,
 ) -> None:
     from onnxmerge.generator import build_generator
     from onnxmerge.generator.audio import META_FEATURES, PREPROCESSOR_CONFIG
 
     if source.is_file() and _GENERATOR_KEY in _metadata(source):
+        if prompt:
+            raise OnnxMergeError(
+                f"{source} is a generator model, whose prompt is fixed: build the site from the "
+                "merged model or the export folder to choose the language or task"
+            )
         if audio and META_FEATURES not in _metadata(source):
             raise OnnxMergeError(
                 f"{source} is a Whisper generator that reads input_features; the page feeds it "
@@ -225,7 +239,7 @@ def _write_generator(
         if audio and (config_dir / PREPROCESSOR_CONFIG).is_file() and merged != source:
             shutil.copyfile(config_dir / PREPROCESSOR_CONFIG, merged.parent / PREPROCESSOR_CONFIG)
         step("building the decoding loop")
-        build_generator(merged, model, audio=audio)
+        build_generator(merged, model, audio=audio, generation_config=prompt or None)
     if any(p.name != MODEL_FILE for p in staging.iterdir()):
         raise OnnxMergeError(
             f"the generator of {source} was written with external data; {_TOO_LARGE}"

@@ -82,6 +82,9 @@ def build_site(
         raise InvalidMergedModelError(f"{source} does not exist: give an export folder or a model")
     tokenizer_dir = Path(tokenizer) if tokenizer else (source if source.is_dir() else source.parent)
     audio = _is_whisper(source)
+    prompt = {k: v for k, v in (("language", language), ("task", task)) if v is not None}
+    if prompt and not audio:
+        raise OnnxMergeError("--language and --task apply to Whisper models only")
     # Whisper's page shows token ids when there is no tokenizer (the test zoo's tiny model).
     tokenizer_files = _tokenizer_files(tokenizer_dir, required=not audio or tokenizer is not None)
     _check_output(output, overwrite, inputs=(source, tokenizer_dir))
@@ -90,9 +93,6 @@ def build_site(
     try:
         staging.chmod(0o755)  # mkdtemp's 0700 would hide the site from a server's user
         model = staging / MODEL_FILE
-        prompt = {k: v for k, v in (("language", language), ("task", task)) if v is not None}
-        if prompt and not audio:
-            raise OnnxMergeError("--language and --task apply to Whisper models only")
         _write_generator(source, model, weights, staging, step, audio, prompt)
         step("writing the page")
         settings = _audio_page_settings(model) if audio else _page_settings(model)

@@ -34,6 +34,7 @@ def _benchmarks(out: Path, quick: bool) -> dict[str, list[str]]:
         "generate": ["bench_generate.py", str(out / "generate.json"), *q],
         "generator": ["bench_generator.py", *q, "--out", str(out / "generator.json")],
         "web": ["bench_web.py", *q, "--out", str(out / "web.json")],
+        "whisper": ["bench_whisper.py", *q, "--out", str(out / "whisper.json")],
         "quantize": ["bench_quantize.py", *q, "--out", str(out / "quantize.json")],
         "batch": ["bench_batch.py", *q, "--out", str(out / "batch.json")],
         "ctranslate2": ["bench_ctranslate2.py", *q, "--out", str(out / "ctranslate2.json")],
@@ -368,6 +369,7 @@ def render(out: Path, docs: Path) -> Path:
         lines.append("")
     sections = {
         "web": _markdown_of("bench_web"),
+        "whisper": _markdown_of("bench_whisper"),
         "batch": lambda data: ["## Converting a zoo (`onnxmerge batch`)", "",
                                *_markdown_of("bench_batch")(data), ""],
         "ctranslate2": _ctranslate2_section,
@@ -390,8 +392,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny models; checks the pipeline")
     parser.add_argument("--render", action="store_true", help="only render the docs from JSON")
     parser.add_argument("--only", nargs="+",
-                        choices=["merge", "sizes", "generate", "generator", "web", "batch",
-                                 "ctranslate2", "threads", "profile", "quantize", "large"])
+                        choices=["merge", "sizes", "generate", "generator", "web", "whisper",
+                                 "batch", "ctranslate2", "threads", "profile", "quantize", "large"])
     parser.add_argument("--out", type=Path, default=OUT, help="folder for the JSON results")
     parser.add_argument("--jobs", type=int, default=1,
                         help="benchmarks run at a time (with --quick; figures need 1)")

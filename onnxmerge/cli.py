@@ -214,6 +214,8 @@ def cmd_merge(args: argparse.Namespace) -> int:
                 result.path,
                 search=args.generation,
                 num_beams=num_beams,
+                audio=args.audio,
+                generation_config=_whisper_prompt(args),
                 overwrite=args.overwrite,
             )
         except BaseException:
@@ -228,9 +230,11 @@ def cmd_merge(args: argparse.Namespace) -> int:
             "search": args.generation,
             "num_beams": num_beams if args.generation == "beam" else 1,
         }
+        data["generator"]["audio"] = args.audio
+        given = "16 kHz audio in" if args.audio else "token ids in"
         summary += (
             f"\nwrote {generator} ({_human(generator.stat().st_size)}): "
-            f"{args.generation} search inside the graph, token ids in, token ids out"
+            f"{args.generation} search inside the graph, {given}, token ids out"
         )
     _emit(args, data, lambda: summary)
     return EXIT_OK
@@ -495,6 +499,26 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_features(args: argparse.Namespace) -> int:
+    from onnxmerge.generator.audio import DEFAULT_FEATURES_NAME, build_features, spec_for_source
+
+    source = Path(args.source)
+    folder = source if source.is_dir() else source.parent
+    output = Path(args.output) if args.output else folder / DEFAULT_FEATURES_NAME
+    spec = spec_for_source(source)
+    path = build_features(source, output, spec=spec, overwrite=args.overwrite)
+    data = {"path": path, "bytes": path.stat().st_size, **spec.as_dict()}
+    _emit(
+        args,
+        data,
+        lambda: (
+            f"wrote {path} ({_human(path.stat().st_size)}): {spec.sampling_rate} Hz audio "
+            f"in, {spec.n_mels} mel bins x {spec.frames} frames out"
+        ),
+    )
+    return EXIT_OK
+
+
 def cmd_web(args: argparse.Namespace) -> int:
     from onnxmerge.web import build_site
 
@@ -505,6 +529,8 @@ def cmd_web(args: argparse.Namespace) -> int:
             weights=args.weights,
             tokenizer=args.tokenizer,
             examples=args.example or (),
+            language=args.language,
+            task=args.task,
             overwrite=args.overwrite,
             progress=steps,
         )
@@ -624,9 +650,29 @@ def _at_least(low: int) -> Callable[[str], int]:
     return parse
 
 
+def _whisper_prompt_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--language",
+        metavar="CODE",
+        help="Whisper: the language of the audio (en, fr, ...); a multilingual model needs one",
+    )
+    p.add_argument(
+        "--task", choices=("transcribe", "translate"), help="Whisper: the task (default transcribe)"
+    )
+
+
+def _whisper_prompt(args: argparse.Namespace) -> dict[str, str] | None:
+    chosen = {k: getattr(args, k) for k in ("language", "task") if getattr(args, k) is not None}
+    return chosen or None
+
+
 def _check_merge_args(args: argparse.Namespace) -> str | None:
     if args.num_beams is not None and args.generation != "beam":
         return "--num-beams applies only with --generation beam"
+    if args.audio and not args.generation:
+        return "--audio applies only with --generation"
+    if (args.language or args.task) and not args.generation:
+        return "--language and --task apply only with --generation"
     return None
 
 
@@ -707,6 +753,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="also write generator.onnx: the whole decoding loop inside one graph",
     )
     p.add_argument("--num-beams", type=_at_least(2), help="beams for --generation beam (default 4)")
+    p.add_argument(
+        "--audio",
+        action="store_true",
+        help="Whisper: the generator reads 16 kHz audio and computes the log-mel features itself",
+    )
+    _whisper_prompt_arguments(p)
     p.set_defaults(check=_check_merge_args)
     _precision_arguments(p, required=False)
 
@@ -755,7 +807,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--task", default="text2text-generation-with-past")
     p.add_argument("--overwrite", action="store_true")
 
-    p = add("web", cmd_web, "write a static site that translates in the browser with one model")
+    p = add("features", cmd_features, "write Whisper's log-mel features as a model of their own")
+    p.add_argument("source", help="Whisper export folder, merged model or generator model")
+    p.add_argument("-o", "--output", help="output file (default: features.onnx beside SOURCE)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output")
+
+    p = add(
+        "web",
+        cmd_web,
+        "write a static site that translates (Whisper: transcribes) in the browser with one model",
+    )
     p.add_argument("source", help="export folder, merged model or generator model")
     p.add_argument("-o", "--output", required=True, help="site folder to write")
     p.add_argument(
@@ -765,6 +826,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--tokenizer", help="folder with tokenizer.json (default: beside the source)")
     p.add_argument("--example", action="append", help="a sentence the text box starts with")
+    _whisper_prompt_arguments(p)
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty site folder")
 
     p = add("batch", cmd_batch, "convert many models: export, merge, verify and more; resumable")

@@ -13,6 +13,7 @@ __all__ = [
     "MergedModelRunError",
     "GenerationError",
     "MissingDependencyError",
+    "AudioInputError",
     "WireFormatError",
     "QuantizationError",
 ]
@@ -96,3 +97,7 @@ class WireFormatError(OnnxMergeError, ValueError):
 
 class QuantizationError(OnnxMergeError, ValueError):
     """A model cannot be quantized as asked (unknown precision, already quantized, old opset)."""
+
+
+class AudioInputError(OnnxMergeError, ValueError):
+    """PCM the audio generator cannot take: not mono, empty, not finite, not float, another rate."""

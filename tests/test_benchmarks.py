@@ -37,6 +37,9 @@ def test_run_all_quick_writes_results_and_docs(tmp_path):
     assert all(generate["same_tokens"].values())
     web = json.loads((tmp_path / "out" / "web.json").read_text())
     assert "skipped" in web or all(m["same_tokens"] for m in web["models"])
+    whisper = json.loads((tmp_path / "out" / "whisper.json").read_text())
+    assert whisper["python"]["tokens_equal"] and whisper["python"]["features_max_abs_diff"] < 1e-4
+    assert "skipped" in whisper["browser"] or whisper["browser"]["tokens_equal_python"]
     batch = json.loads((tmp_path / "out" / "batch.json").read_text())
     assert all(m["converted"] == m["models"] for m in batch["modes"].values())
     page = (tmp_path / "docs" / "benchmarks.md").read_text()

@@ -28,6 +28,7 @@ from onnxmerge.errors import (
     OnnxMergeError,
     RefusedOutputError,
 )
+from onnxmerge.generator import audio as audio_front
 from onnxmerge.generator import processors, search
 from onnxmerge.generator.ops import Names, Ops, typed_input
 from onnxmerge.settings import GenerationSettings, resolve_settings
@@ -51,6 +52,7 @@ def build_generator(
     search: str = "greedy",
     num_beams: int = 4,
     generation_config: Mapping[str, Any] | None = None,
+    audio: bool = False,
     overwrite: bool = False,
 ) -> Path:
     """Write one ONNX model that generates token ids from encoder inputs; return its path.
@@ -64,6 +66,10 @@ def build_generator(
         num_beams: beams per input for ``search="beam"``.
         generation_config: settings that replace the model's own (``min_new_tokens``,
             ``suppress_tokens``, ``length_penalty``, ...), as ``generate()`` keyword arguments.
+        audio: Whisper only: the inputs are 16 kHz PCM (``audio``, ``audio_lengths``) in place
+            of ``input_features``, which the graph computes as ``WhisperFeatureExtractor`` does
+            (``onnxmerge.generator.audio``), from ``preprocessor_config.json`` beside the source
+            when there is one, else from the model's config.
         overwrite: replace an existing output file.
 
     Raises:
@@ -78,17 +84,32 @@ def build_generator(
         output = Path(output) if output is not None else source / DEFAULT_OUTPUT_NAME
         from onnxmerge.merge import merge_seq2seq
 
+        preprocessor = _preprocessor_config(source) if audio else None
         with tempfile.TemporaryDirectory(prefix="onnxmerge-generator-") as tmp:
             merged = merge_seq2seq(source, Path(tmp) / "model.onnx")
             return _build_from_merged(
-                merged, output, search, num_beams, generation_config, overwrite
+                merged, output, search, num_beams, generation_config, overwrite, preprocessor
             )
     if not source.is_file():
         raise InvalidMergedModelError(
             f"{source} is neither an export folder nor a merged model file"
         )
     output = Path(output) if output is not None else source.parent / DEFAULT_OUTPUT_NAME
-    return _build_from_merged(source, output, search, num_beams, generation_config, overwrite)
+    preprocessor = _preprocessor_config(source.parent) if audio else None
+    return _build_from_merged(
+        source, output, search, num_beams, generation_config, overwrite, preprocessor
+    )
+
+
+def _preprocessor_config(folder: Path) -> dict[str, Any]:
+    """The preprocessor config in ``folder``, or ``{}`` (the model's config then decides)."""
+    path = folder / audio_front.PREPROCESSOR_CONFIG
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text("utf-8"))
+    except ValueError as e:
+        raise InvalidMergedModelError(f"{path} is not JSON: {e}") from e
 
 
 def _build_from_merged(
@@ -98,6 +119,7 @@ def _build_from_merged(
     num_beams: int,
     generation_config: Mapping[str, Any] | None,
     overwrite: bool,
+    preprocessor: dict[str, Any] | None = None,
 ) -> Path:
     if output.exists() and not overwrite:
         raise RefusedOutputError(f"{output} exists; pass overwrite=True to replace it")
@@ -122,20 +144,34 @@ def _build_from_merged(
             f"{sorted(fixed & set(overrides))} cannot be set here: the search and num_beams are "
             "arguments of build_generator, and max_new_tokens is an input of the generator"
         )
+    model_generation = dict(info.generation_config)
+    prompt = None
+    if info.config.get("model_type") == "whisper":
+        prompt = _whisper_prompt(model_generation, overrides)
     overrides.update(num_beams=beams, do_sample=False, num_return_sequences=1)
-    settings = resolve_settings(info.config, info.generation_config, overrides, 1)
+    given = set(overrides) & given
+    prompt_length = len(prompt) if prompt else 1
+    settings = resolve_settings(info.config, model_generation, overrides, prompt_length)
     processors.check_supported(settings, given)
+    spec = None
+    if preprocessor is not None:
+        spec = _audio_spec(info, preprocessor, merged)
     if info.one_decoder:
-        _assemble_one_decoder(model, info, settings, beams)
+        _assemble_one_decoder(model, info, settings, beams, prompt)
     else:
-        _assemble(model, info, settings, beams)
+        _assemble(model, info, settings, beams, prompt)
+    if spec is not None:
+        _prepend_audio(model, spec)
     # The cached steps' empty encoder presents are no longer returned: drop what made them.
     ir.passes.common.RemoveUnusedNodesPass()(model)
     model.metadata_props.pop(contract.META_FORMAT_VERSION, None)
     model.metadata_props.pop(contract.META_LAYOUT, None)
-    model.metadata_props[META_GENERATOR] = json.dumps(
-        {"version": GENERATOR_VERSION, "search": search_kind, "num_beams": beams}, sort_keys=True
-    )
+    description = {"version": GENERATOR_VERSION, "search": search_kind, "num_beams": beams}
+    if prompt:
+        description["decoder_prompt"] = prompt
+    model.metadata_props[META_GENERATOR] = json.dumps(description, sort_keys=True)
+    if spec is not None:
+        model.metadata_props[audio_front.META_FEATURES] = json.dumps(spec.as_dict(), sort_keys=True)
     model_io.save_model_atomically(
         model,
         output,
@@ -144,6 +180,47 @@ def _build_from_merged(
     )
     logger.info("wrote the %s generator %s from %s", search_kind, output, merged)
     return output
+
+
+def _whisper_prompt(generation: dict[str, Any], overrides: dict[str, Any]) -> list[int]:
+    """Whisper's prompt (start, language, task, no-timestamps tokens), the keywords that chose
+    it removed from ``overrides`` and the deprecated ``forced_decoder_ids`` from ``generation``."""
+    chosen = {k: overrides.pop(k) for k in audio_front.PROMPT_KEYWORDS if k in overrides}
+    merged = {**generation, **{k: v for k, v in overrides.items() if v is not None}}
+    prompt = audio_front.whisper_prompt(merged, **chosen)
+    generation.pop("forced_decoder_ids", None)
+    overrides.pop("forced_decoder_ids", None)
+    return prompt
+
+
+def _audio_spec(
+    info: contract.ContractInfo, preprocessor: dict[str, Any], merged: Path
+) -> audio_front.FeatureSpec:
+    if list(info.encoder_inputs) != [audio_front.INPUT_FEATURES]:
+        raise InvalidMergedModelError(
+            f"audio=True needs a Whisper model, whose encoder reads input_features; {merged} "
+            f"reads {list(info.encoder_inputs)}"
+        )
+    return audio_front.feature_spec(info.config, preprocessor)
+
+
+def _prepend_audio(model: ir.Model, spec: audio_front.FeatureSpec) -> None:
+    """Feed the encoder the features graph's output: PCM and lengths become the inputs."""
+    graph = model.graph
+    features_in = next(v for v in graph.inputs if v.name == audio_front.INPUT_FEATURES)
+    ops = Ops(Names("audio"), model.opset_imports.get("", 18))
+    pcm, lengths = audio_front.audio_inputs()
+    features = audio_front.features_graph(ops, graph, pcm, lengths, spec)
+    if features_in.dtype not in (None, ir.DataType.FLOAT):  # an fp16 encoder reads fp16
+        features = ops.op("Cast", features, to=features_in.dtype)
+    ir.convenience.replace_all_uses_with(features_in, features)
+    for node in ops.nodes:
+        graph.append(node)
+    position = graph.inputs.index(features_in)
+    graph.inputs.remove(features_in)
+    graph.inputs.insert(position, lengths)
+    graph.inputs.insert(position, pcm)
+    graph.sort()
 
 
 def _recursive_nodes(graph: ir.Graph) -> set[ir.Node]:
@@ -173,6 +250,7 @@ class _Branches:
 class _FirstStep:
     """The first decoder step in the main graph, rows repeated for every beam."""
 
+    start: ir.Value  # [batch, prompt length]: the decoder prompt
     batch: ir.Value
     logits: ir.Value  # [rows, vocab], the last position
     max_length: ir.Value
@@ -217,7 +295,11 @@ class _Loop:
 
 
 def _assemble(
-    model: ir.Model, info: contract.ContractInfo, s: GenerationSettings, num_beams: int
+    model: ir.Model,
+    info: contract.ContractInfo,
+    s: GenerationSettings,
+    num_beams: int,
+    prompt: list[int] | None = None,
 ) -> None:
     graph = model.graph
     branches = _take_branches(graph)
@@ -229,7 +311,7 @@ def _assemble(
     max_new = ir.Value(
         name=MAX_NEW_TOKENS, type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([])
     )
-    first = _first_step(main, info, s, num_beams, branches, inputs, max_new)
+    first = _first_step(main, info, s, num_beams, branches, inputs, max_new, prompt)
     cached = _wire_cached_decoder(body, info, branches, inputs, first)
     parts = _LoopParts(main, body, names, s, vocab, num_beams, first, cached)
     loop = _greedy_loop(parts) if num_beams == 1 else _beam_loop(parts)
@@ -248,7 +330,11 @@ def _assemble(
 
 
 def _assemble_one_decoder(
-    model: ir.Model, info: contract.ContractInfo, s: GenerationSettings, num_beams: int
+    model: ir.Model,
+    info: contract.ContractInfo,
+    s: GenerationSettings,
+    num_beams: int,
+    prompt: list[int] | None = None,
 ) -> None:
     """Format version 3: the encoder and the cross-attention projections (the ``If``'s ``else``
     branch) run once before the Loop; the decoder, every step's, is the Loop body, which starts
@@ -301,7 +387,16 @@ def _assemble_one_decoder(
         empty = main.slice(present, 0, 0, axis=2)
         empty.type = cross[encoder_names[0]].type
         empty_past.append(empty)
+    if prompt and len(prompt) > 1 and info.prompt_tokens_per_step == 1:
+        raise GenerationError(
+            f"the merged model takes a decoder prompt one token per step, and this model's "
+            f"prompt has {len(prompt)}: merge the export with format=2 (--format 2) to build "
+            "its generator"
+        )
+    tokens = prompt or [s.decoder_start_token_id]
+    start = main.op("Expand", main.i64([tokens]), main.vector(batch, main.i64(len(tokens))))
     first = _FirstStep(
+        start=start,
         batch=batch,
         logits=None,  # type: ignore[arg-type]  # computed by the Loop's first iteration
         max_length=main.op("Add", max_new, main.i64(s.prompt_length)),
@@ -340,12 +435,12 @@ def _assemble_one_decoder(
 def _first_in_loop(p: _LoopParts) -> _Loop:
     """The search's Loop where the first step is the Loop's first iteration."""
     main, first, s = p.main, p.first, p.settings
-    rows = main.dim(first.encoder_presents[0], 0)
-    start = main.op(
-        "ConstantOfShape",
-        main.vector(rows, main.i64(1)),
-        value=ir.tensor(_array([s.decoder_start_token_id])),
-    )
+    start = first.start  # [batch, prompt length]
+    # The first iteration reads the whole prompt, the others one token: a length the Loop
+    # must not take from its initial value (:func:`_unfixed_length`).
+    tokens = start if s.prompt_length == 1 else _unfixed_length(main, start, 1, first.trips)
+    if p.num_beams > 1:
+        tokens = _beam_repeater(main, first.batch, p.num_beams)(tokens)
     go = main.const(True, np.bool_)
     if p.num_beams == 1:
         sequences_in = typed_input(p.names, "sequences", ir.DataType.INT64, 2)
@@ -360,7 +455,7 @@ def _first_in_loop(p: _LoopParts) -> _Loop:
             carried_in=[sequences_in, unfinished_in],
             body_outputs=[step.keep_going, step.tokens, step.sequences, step.unfinished],
             body_cache=p.cached.presents,
-            initial=[go, start, _unfixed_length(main, start, 1, first.trips), all_rows],
+            initial=[go, tokens, _unfixed_length(main, start, 1, first.trips), all_rows],
             initial_cache=first.decoder_presents,
         )
         sequences = _name_output(
@@ -368,7 +463,7 @@ def _first_in_loop(p: _LoopParts) -> _Loop:
         )
         return _Loop(loop.body_graph, [sequences])
     beams = _search(p)
-    state = search.initial_beams(main, s, first.batch, p.num_beams)
+    state = search.initial_beams(main, s, first.batch, p.num_beams, start)
     carried = [
         typed_input(p.names, "beam_state", dtype, rank) for dtype, rank in search.CARRIED_BEAM_TYPES
     ]
@@ -381,7 +476,7 @@ def _first_in_loop(p: _LoopParts) -> _Loop:
         carried_in=carried,
         body_outputs=[step.keep_going, _last_column(body, step.running), *step.carried()],
         body_cache=cache,
-        initial=[go, start, *_growing(main, state, first.trips)],
+        initial=[go, tokens, *_growing(main, state, first.trips)],
         initial_cache=first.decoder_presents,
     )
     final = search.Beams(*loop.graph_outputs[1 : 1 + len(search.CARRIED_BEAM_TYPES)])
@@ -474,14 +569,12 @@ def _first_step(
     branches: _Branches,
     inputs: dict[str, ir.Value],
     max_new: ir.Value,
+    prompt: list[int] | None,
 ) -> _FirstStep:
     encoder_inputs = [inputs[n] for n in info.encoder_inputs]
     batch = main.dim(encoder_inputs[0], 0)
-    start = main.op(
-        "ConstantOfShape",
-        main.vector(batch, main.i64(1)),
-        value=ir.tensor(_array([s.decoder_start_token_id])),
-    )
+    prompt = prompt or [s.decoder_start_token_id]
+    start = main.op("Expand", main.i64([prompt]), main.vector(batch, main.i64(len(prompt))))
     _redirect(inputs[contract.DECODER_INPUT_IDS], branches.first_all, start)
     max_length = main.op("Add", max_new, main.i64(s.prompt_length))
     trips = main.op("Max", main.op("Sub", max_new, main.i64(1)), main.i64(0))
@@ -500,6 +593,7 @@ def _first_step(
         cached_mask = repeat(mask) if mask is not None else None
         encoder_ids = repeat(encoder_ids) if encoder_ids is not None else None
     return _FirstStep(
+        start=start,
         batch=batch,
         logits=logits,
         max_length=max_length,
@@ -570,13 +664,9 @@ def _search(p: _LoopParts) -> search.Search:
 
 
 def _greedy_loop(p: _LoopParts) -> _Loop:
-    main, s, first = p.main, p.settings, p.first
+    main, first = p.main, p.first
     greedy = _search(p)
-    start_sequences = main.op(
-        "ConstantOfShape",
-        main.vector(first.batch, main.i64(1)),
-        value=ir.tensor(_array([s.decoder_start_token_id])),
-    )
+    start_sequences = first.start
     all_rows = main.op(
         "ConstantOfShape", main.vector(first.batch), value=ir.tensor(_bool_array([True]))
     )
@@ -605,7 +695,7 @@ def _greedy_loop(p: _LoopParts) -> _Loop:
 def _beam_loop(p: _LoopParts) -> _Loop:
     main, body, first = p.main, p.body, p.first
     beams = _search(p)
-    state = search.initial_beams(main, p.settings, first.batch, p.num_beams)
+    state = search.initial_beams(main, p.settings, first.batch, p.num_beams, first.start)
     first_step = search.beam_step(main, beams, first.logits, state)
     first_cache = [main.op("Gather", v, first_step.rows, axis=0) for v in first.decoder_presents]
     first_tokens = _last_column(main, first_step.running)

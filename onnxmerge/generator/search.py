@@ -116,12 +116,13 @@ def pad_value(s: GenerationSettings) -> int:
     return s.pad_token_id if s.pad_token_id else int(s.eos_token_id[0])
 
 
-def initial_beams(ops: Ops, s: GenerationSettings, batch: ir.Value, num_beams: int) -> Beams:
+def initial_beams(
+    ops: Ops, s: GenerationSettings, batch: ir.Value, num_beams: int, prompt: ir.Value
+) -> Beams:
+    """Every beam of an input starts from its decoder prompt (``[batch, prompt length]``)."""
     shape = ops.vector(batch, ops.i64(num_beams))
     start = ops.op(
-        "ConstantOfShape",
-        ops.vector(batch, ops.i64(num_beams), ops.i64(1)),
-        value=ir.tensor(np.array([s.decoder_start_token_id], np.int64)),
+        "Expand", ops.unsqueeze(prompt, 1), ops.vector(batch, ops.i64(num_beams), ops.i64(1))
     )
     first = np.full((1, num_beams), _NEG, np.float32)
     first[0, 0] = 0.0

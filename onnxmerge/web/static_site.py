@@ -25,9 +25,20 @@ MODEL_FILE = "generator.onnx"
 SETTINGS_FILE = "site.json"
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
-ASSETS = ("index.html", "translate.js", "package.json")
-# The page feeds these inputs; models with other encoder inputs (audio, images) need another page.
+# Each page's files: the name in the site, then the asset it is copied from.
+ASSETS = {
+    "index.html": "index.html",
+    "translate.js": "translate.js",
+    "package.json": "package.json",
+}
+AUDIO_ASSETS = {
+    "index.html": "transcribe.html",
+    "transcribe.js": "transcribe.js",
+    "package.json": "package.json",
+}
+# The text page feeds these inputs; Whisper (input_features) gets the audio page.
 TEXT_INPUTS = {"input_ids", "attention_mask"}
+AUDIO_INPUTS = ["input_features"]
 # Past about 2 GB a model needs external data, which this page does not load.
 MAX_MODEL_BYTES = 2**31 - 1
 _GENERATOR_KEY = "onnxmerge.generator"
@@ -40,6 +51,8 @@ def build_site(
     weights: str | None = None,
     tokenizer: str | os.PathLike | None = None,
     examples: Sequence[str] = (),
+    language: str | None = None,
+    task: str | None = None,
     overwrite: bool = False,
     progress: Callable[[str], None] | None = None,
 ) -> Path:
@@ -54,6 +67,9 @@ def build_site(
         tokenizer: the folder holding ``tokenizer.json`` (and ``tokenizer_config.json``); default
             the source folder, or the model file's folder.
         examples: sentences the page's text box starts with.
+        language, task: Whisper: the decoder prompt's language (``"en"``) and task
+            (``"transcribe"``, ``"translate"``), as ``generate()`` takes them; a multilingual
+            model needs a language, since the graph does not detect it.
         overwrite: replace an existing, non-empty output folder.
         progress: called with the name of each step as it starts.
 
@@ -65,17 +81,24 @@ def build_site(
     if not source.exists():
         raise InvalidMergedModelError(f"{source} does not exist: give an export folder or a model")
     tokenizer_dir = Path(tokenizer) if tokenizer else (source if source.is_dir() else source.parent)
-    tokenizer_files = _tokenizer_files(tokenizer_dir)
+    audio = _is_whisper(source)
+    prompt = {k: v for k, v in (("language", language), ("task", task)) if v is not None}
+    if prompt and not audio:
+        raise OnnxMergeError("--language and --task apply to Whisper models only")
+    # Whisper's page shows token ids when there is no tokenizer (the test zoo's tiny model).
+    tokenizer_files = _tokenizer_files(tokenizer_dir, required=not audio or tokenizer is not None)
     _check_output(output, overwrite, inputs=(source, tokenizer_dir))
     output.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{output.name}-", dir=output.parent))
     try:
         staging.chmod(0o755)  # mkdtemp's 0700 would hide the site from a server's user
         model = staging / MODEL_FILE
-        _write_generator(source, model, weights, staging, step)
+        _write_generator(source, model, weights, staging, step, audio, prompt)
         step("writing the page")
-        settings = _page_settings(model)
+        settings = _audio_page_settings(model) if audio else _page_settings(model)
         settings["examples"] = list(examples)
+        if audio:
+            settings["tokenizer"] = bool(tokenizer_files)
         (staging / SETTINGS_FILE).write_text(json.dumps(settings, indent=2) + "\n", "utf-8")
         for name, path in tokenizer_files.items():
             if path is None:
@@ -83,8 +106,8 @@ def build_site(
             else:
                 shutil.copyfile(path, staging / name)
         assets = resources.files("onnxmerge.web") / "assets"
-        for name in ASSETS:
-            (staging / name).write_bytes((assets / name).read_bytes())
+        for name, asset in (AUDIO_ASSETS if audio else ASSETS).items():
+            (staging / name).write_bytes((assets / asset).read_bytes())
         _publish(staging, output)
     finally:
         if staging.exists():
@@ -92,8 +115,25 @@ def build_site(
     return output
 
 
-def _tokenizer_files(folder: Path) -> dict[str, Path | None]:
+def _is_whisper(source: Path) -> bool:
+    """Whether the page is the audio one: a Whisper export, merged model or generator."""
+    if source.is_dir():
+        try:
+            config = json.loads((source / "config.json").read_text("utf-8"))
+        except (OSError, ValueError):
+            return False
+        return config.get("model_type") == "whisper"
+    try:
+        metadata = _metadata(source)
+    except InvalidMergedModelError:
+        return False  # refused, with the reason, when the generator is written
+    return json.loads(metadata.get(contract.META_ENCODER_INPUTS, "[]")) == AUDIO_INPUTS
+
+
+def _tokenizer_files(folder: Path, required: bool = True) -> dict[str, Path | None]:
     found = folder / TOKENIZER_FILE
+    if not found.is_file() and not required:
+        return {}
     if not found.is_file():
         raise OnnxMergeError(
             f"no {TOKENIZER_FILE} in {folder}: the page tokenizes with it. Save the model's fast "
@@ -151,11 +191,29 @@ def _metadata(path: Path) -> dict[str, str]:
 
 
 def _write_generator(
-    source: Path, model: Path, weights: str | None, staging: Path, step: Callable[[str], None]
+    source: Path,
+    model: Path,
+    weights: str | None,
+    staging: Path,
+    step: Callable[[str], None],
+    audio: bool = False,
+    prompt: dict[str, str] | None = None,
 ) -> None:
     from onnxmerge.generator import build_generator
+    from onnxmerge.generator.audio import META_FEATURES, PREPROCESSOR_CONFIG
 
     if source.is_file() and _GENERATOR_KEY in _metadata(source):
+        if prompt:
+            raise OnnxMergeError(
+                f"{source} is a generator model, whose prompt is fixed: build the site from the "
+                "merged model or the export folder to choose the language or task"
+            )
+        if audio and META_FEATURES not in _metadata(source):
+            raise OnnxMergeError(
+                f"{source} is a Whisper generator that reads input_features; the page feeds it "
+                "audio: build the site from the merged model or the export folder, or build the "
+                "generator with --audio"
+            )
         if weights is not None:
             raise OnnxMergeError(
                 f"{source} is a generator model; to quantize, build the site from the merged "
@@ -176,8 +234,12 @@ def _write_generator(
             merged = merge_seq2seq(source, Path(tmp) / "model.onnx")
         if weights is not None:
             merged = _quantize(merged, Path(tmp), weights, step)
+        # build_generator reads the preprocessor config beside the model it is given.
+        config_dir = source if source.is_dir() else source.parent
+        if audio and (config_dir / PREPROCESSOR_CONFIG).is_file() and merged != source:
+            shutil.copyfile(config_dir / PREPROCESSOR_CONFIG, merged.parent / PREPROCESSOR_CONFIG)
         step("building the decoding loop")
-        build_generator(merged, model)
+        build_generator(merged, model, audio=audio, generation_config=prompt or None)
     if any(p.name != MODEL_FILE for p in staging.iterdir()):
         raise OnnxMergeError(
             f"the generator of {source} was written with external data; {_TOO_LARGE}"
@@ -221,5 +283,34 @@ def _page_settings(model: Path) -> dict:
         "model": MODEL_FILE,
         "encoder_inputs": encoder_inputs,
         "max_new_tokens": settings.max_length - 1,
+        "pad_token_id": settings.pad_token_id,
+    }
+
+
+def _audio_page_settings(model: Path) -> dict:
+    """The audio page's settings: the feature spec, the prompt's length, how long to generate."""
+    from onnxmerge.generator.audio import META_FEATURES
+    from onnxmerge.settings import resolve_settings
+
+    if model.stat().st_size > MAX_MODEL_BYTES:
+        raise OnnxMergeError(f"{model.name} is {model.stat().st_size} bytes; {_TOO_LARGE}")
+    metadata = _metadata(model)
+    try:
+        config = json.loads(metadata.get(contract.META_CONFIG, "{}"))
+        generation_config = json.loads(metadata.get(contract.META_GENERATION_CONFIG, "{}"))
+        generator = json.loads(metadata[_GENERATOR_KEY])
+        spec = json.loads(metadata[META_FEATURES])
+    except (KeyError, ValueError) as e:
+        raise InvalidMergedModelError(
+            f"the onnxmerge metadata of {model} is incomplete: {e}"
+        ) from e
+    prompt_length = len(generator.get("decoder_prompt") or [0])
+    generation_config.pop("forced_decoder_ids", None)  # the prompt stands for it
+    settings = resolve_settings(config, generation_config, {}, prompt_length)
+    return {
+        "model": MODEL_FILE,
+        "audio": spec,
+        "prompt_length": prompt_length,
+        "max_new_tokens": settings.max_length - prompt_length,
         "pad_token_id": settings.pad_token_id,
     }

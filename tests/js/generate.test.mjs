@@ -12,7 +12,13 @@ const skip = !modelPath || !casesPath ? "ONNXMERGE_GENERATOR_MODEL/CASES not set
 
 function int64Tensor(ort, rows) {
   const flat = rows.flat().map((v) => BigInt(v));
-  return new ort.Tensor("int64", BigInt64Array.from(flat), [rows.length, rows[0].length]);
+  const dims = Array.isArray(rows[0]) ? [rows.length, rows[0].length] : [rows.length];
+  return new ort.Tensor("int64", BigInt64Array.from(flat), dims);
+}
+
+// Audio rows (the audio generator's PCM): float32, [batch, samples].
+function float32Tensor(ort, rows) {
+  return new ort.Tensor("float32", Float32Array.from(rows.flat()), [rows.length, rows[0].length]);
 }
 
 function toRows(tensor) {
@@ -33,6 +39,9 @@ test("generator model generates the expected token ids", { skip }, async () => {
       max_new_tokens: new ort.Tensor("int64", BigInt64Array.from([BigInt(c.max_new_tokens)]), []),
     };
     for (const [name, rows] of Object.entries(c.inputs)) feeds[name] = int64Tensor(ort, rows);
+    for (const [name, rows] of Object.entries(c.float_inputs ?? {})) {
+      feeds[name] = float32Tensor(ort, rows);
+    }
     const result = await session.run(feeds);
     assert.deepEqual(toRows(result.sequences), c.expected, `max_new_tokens=${c.max_new_tokens}`);
   }

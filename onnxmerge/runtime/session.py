@@ -26,6 +26,7 @@ from onnxmerge.sessions import ORT_TO_NUMPY, open_session
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True)
 class InputSpec:
     name: str

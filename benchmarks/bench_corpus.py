@@ -47,7 +47,7 @@ from benchmarks.bench_ctranslate2 import (  # noqa: E402
 
 NEW_TOKENS = 24
 CASES = (("greedy", 1), ("beam4", 4))
-CANDIDATES = (("examples", 16), ("examples", 64), ("tokens", 2048))
+CANDIDATES = (("examples", 16), ("examples", 32), ("examples", 64), ("tokens", 1024))
 TUNE_INPUTS = 64
 ALONE_SAMPLE = 16  # inputs generated alone as well, spread over the corpus
 TARGETS = {  # ours / CTranslate2 tokens per second, at least; peak memory, at most

@@ -47,9 +47,9 @@ from benchmarks.bench_ctranslate2 import (  # noqa: E402
 
 NEW_TOKENS = 24
 CASES = (("greedy", 1), ("beam4", 4))
-CANDIDATES = (("examples", 16), ("examples", 32), ("examples", 64), ("tokens", 1024))
-TUNE_INPUTS = 64
-ALONE_SAMPLE = 16  # inputs generated alone as well, spread over the corpus
+CANDIDATES = (("examples", 16), ("examples", 64), ("tokens", 1024))
+TUNE_INPUTS = 48
+ALONE_SAMPLE = 12  # inputs generated alone as well, spread over the corpus
 TARGETS = {  # ours / CTranslate2 tokens per second, at least; peak memory, at most
     "float32": {"greedy": 1.2, "beam4": 1.2, "peak_rss": 1.2},
     "int8": {"greedy": 1.2, "beam4": 1.0, "peak_rss": 1.2},
@@ -197,6 +197,52 @@ def compare(ours: dict, theirs: dict, targets: dict) -> dict:
 def _without_tokens(side: dict) -> dict:
     cases = {k: {n: v for n, v in c.items() if n != "tokens"} for k, c in side["cases"].items()}
     return {**side, "cases": cases}
+
+
+def markdown(data: dict) -> list[str]:
+    """The section of docs/benchmarks.md."""
+    from benchmarks.run_all import _load_averages, _processor
+
+    s = data["setting"]
+    ids = s["source_ids"]
+    lines = [
+        "## A corpus against CTranslate2 (`generate_many`)",
+        "",
+        f"{data['model']}, {s['inputs']} inputs of {ids['min']}-{ids['max']} source ids "
+        f"({ids['total']} in all, lengths drawn like sentences', fixed seed), exactly "
+        f"{s['new_tokens_per_input']} new tokens each, {s['threads']} threads "
+        "(`benchmarks/bench_corpus.py`). Ours: "
+        f"{s['ours']}; CTranslate2: {s['ctranslate2']}. Each side's batching is the fastest of "
+        f"{', '.join(s['candidates'])} on the first {s['tuned_on_inputs']} inputs. Tokens/s is "
+        "new tokens over the corpus' wall time; the ratio is onnxmerge / CTranslate2, above 1 is "
+        "better (for memory, below 1). *Alone* is the share of "
+        f"{s['alone_sample']} sampled inputs whose tokens equal those the same side generates "
+        "for that input alone; *agreement* the share of positions where both sides agree (the "
+        "last, a forced eos on our side, left out). Load average of this run: "
+        f"{_load_averages(data['environment'])}; processor: {_processor(data['environment'])}.",
+        "",
+        "| precision | search | CTranslate2 tokens/s (batching) | onnxmerge tokens/s (batching) "
+        "| ratio | target | alone: CTranslate2 | alone: onnxmerge | agreement |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for precision, p in data["precisions"].items():
+        for case, ratio in p["ratios"].items():
+            target = p["targets"].get(case)
+            if case == "peak_rss":
+                ours, theirs = p["ours"]["peak_rss_mb"], p["ctranslate2"]["peak_rss_mb"]
+                lines.append(
+                    f"| {precision} | peak memory | {theirs:.0f} MB | {ours:.0f} MB | "
+                    f"**{ratio:.2f}x** | <= {target}x | | | |"
+                )
+                continue
+            ours, theirs = p["ours"]["cases"][case], p["ctranslate2"]["cases"][case]
+            lines.append(
+                f"| {precision} | {case} | {theirs['tokens_per_s']:.1f} ({theirs['batching']}) "
+                f"| {ours['tokens_per_s']:.1f} ({ours['batching']}) | **{ratio:.2f}x** "
+                f"| >= {target}x | {theirs['same_as_alone']:.2f} | {ours['same_as_alone']:.2f} "
+                f"| {p['token_agreement'][case]:.2f} |"
+            )
+    return [*lines, ""]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -162,3 +162,23 @@ def test_text_lines_translate_with_the_demo_model(demo_export, tmp_path):
     assert lines[0] == "onnxmerge: line 2: empty line"
     assert lines[1].startswith("onnxmerge: line 3: ")
     assert lines[1].endswith(" tokens, more than the model's 64 positions")
+
+
+def test_progress_shows_lines_and_tokens_per_second_on_a_terminal_only(monkeypatch, capsys):
+    from onnxmerge import cli
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    progress = cli._LineProgress(quiet=False)
+    progress.drawn -= 1  # as if the last drawing were a second ago
+    progress(7)
+    progress(5)
+    progress.finish()
+    shown = capsys.readouterr().err
+    assert "\r  1 lines, 7 tokens, " in shown
+    assert "\r  2 lines, 12 tokens, " in shown and "tokens/s" in shown
+    assert shown.endswith("\n")  # the finished line stays, the next output starts below it
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+    quiet = cli._LineProgress(quiet=False)
+    quiet(3)
+    quiet.finish()
+    assert capsys.readouterr().err == ""

@@ -480,7 +480,9 @@ class Seq2SeqModel:
         tokenizer: Any | None = None,
         **generate_kwargs: Any,
     ) -> list[str] | str:
-        """Tokenize ``texts``, generate, decode; see :class:`onnxmerge.runtime.TextGenerator`."""
+        """Tokenize ``texts``, generate in length-sorted batches (``max_batch_size=``,
+        ``batch_type=`` as for :meth:`generate_many`), decode; see
+        :class:`onnxmerge.runtime.TextGenerator`."""
         from onnxmerge.runtime.text import TextGenerator
 
         if tokenizer is None and self._tokenizer is None:

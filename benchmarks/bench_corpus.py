@@ -203,6 +203,17 @@ def _without_tokens(side: dict) -> dict:
     return {**side, "cases": cases}
 
 
+def _shared_note(environment: dict) -> str:
+    start = environment.get("load_average_at_start")
+    if not start or start[0] <= environment.get("cpu_count", 1):
+        return ""
+    return (
+        " The machine was shared (a load above its CPU count): both sides ran in the same "
+        "conditions, but each got a fraction of the processor, so these ratios are those of a "
+        "loaded machine, not of a quiet one."
+    )
+
+
 def markdown(data: dict) -> list[str]:
     """The section of docs/benchmarks.md."""
     from benchmarks.run_all import _load_averages, _processor
@@ -223,7 +234,8 @@ def markdown(data: dict) -> list[str]:
         f"{s['alone_sample']} sampled inputs whose tokens equal those the same side generates "
         "for that input alone; *agreement* the share of positions where both sides agree (the "
         "last, a forced eos on our side, left out). Load average of this run: "
-        f"{_load_averages(data['environment'])}; processor: {_processor(data['environment'])}.",
+        f"{_load_averages(data['environment'])}; processor: {_processor(data['environment'])}."
+        + _shared_note(data["environment"]),
         "",
         "| precision | search | CTranslate2 tokens/s (batching) | onnxmerge tokens/s (batching) "
         "| ratio | target | alone: CTranslate2 | alone: onnxmerge | agreement |",

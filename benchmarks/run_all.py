@@ -377,7 +377,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--render", action="store_true", help="only render the docs from JSON")
     parser.add_argument("--only", nargs="+",
                         choices=["merge", "sizes", "generate", "generator", "web", "batch",
-                                 "ctranslate2", "threads", "profile", "quantize", "large"])
+                                 "ctranslate2", "threads", "corpus", "profile", "quantize",
+                                 "large"])
     parser.add_argument("--out", type=Path, default=OUT, help="folder for the JSON results")
     parser.add_argument("--jobs", type=int, default=1,
                         help="benchmarks run at a time (with --quick; figures need 1)")

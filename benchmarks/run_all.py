@@ -39,6 +39,7 @@ def _benchmarks(out: Path, quick: bool) -> dict[str, list[str]]:
         "batch": ["bench_batch.py", *q, "--out", str(out / "batch.json")],
         "ctranslate2": ["bench_ctranslate2.py", *q, "--out", str(out / "ctranslate2.json")],
         "threads": ["bench_threads.py", *q, "--out", str(out / "threads.json")],
+        "corpus": ["bench_corpus.py", *q, "--out", str(out / "corpus.json")],
         # A diagnosis, not a comparison: only when asked by --only.
         "profile": ["profile_generate.py", *q, "--out", str(out / "profile.json")],
         # Exports a 2.4 GB model (about 10 minutes, 9 GB of cache): only when asked by --only.
@@ -374,6 +375,7 @@ def render(out: Path, docs: Path) -> Path:
                                *_markdown_of("bench_batch")(data), ""],
         "ctranslate2": _ctranslate2_section,
         "threads": _threads_section,
+        "corpus": _markdown_of("bench_corpus"),
         "profile": _profile_section,
         "quantize": _markdown_of("bench_quantize"),
         "large": _large_section,
@@ -393,7 +395,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--render", action="store_true", help="only render the docs from JSON")
     parser.add_argument("--only", nargs="+",
                         choices=["merge", "sizes", "generate", "generator", "web", "whisper",
-                                 "batch", "ctranslate2", "threads", "profile", "quantize", "large"])
+                                 "batch", "ctranslate2", "threads", "corpus", "profile", "quantize",
+                                 "large"])
     parser.add_argument("--out", type=Path, default=OUT, help="folder for the JSON results")
     parser.add_argument("--jobs", type=int, default=1,
                         help="benchmarks run at a time (with --quick; figures need 1)")

@@ -12,7 +12,8 @@ import tempfile
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
 
@@ -389,6 +390,190 @@ def cmd_generate(args: argparse.Namespace) -> int:
         {"sequences": sequences.tolist()},
         lambda: "\n".join(" ".join(map(str, row)) for row in sequences.tolist()),
     )
+    return EXIT_OK
+
+
+class _LineProgress:
+    """Lines done and generated tokens per second, on stderr, when it is a terminal."""
+
+    def __init__(self, quiet: bool):
+        self.shown = not quiet and sys.stderr.isatty()
+        self.lines = self.tokens = 0
+        self.started = self.drawn = time.perf_counter()
+
+    def __call__(self, tokens: int) -> None:
+        self.lines += 1
+        self.tokens += tokens
+        now = time.perf_counter()
+        if self.shown and now - self.drawn >= 0.2:
+            self.drawn = now
+            self._draw(now)
+
+    def _draw(self, now: float) -> None:
+        rate = self.tokens / max(now - self.started, 1e-9)
+        line = f"\r  {self.lines} lines, {self.tokens} tokens, {rate:.1f} tokens/s\033[K"
+        print(line, end="", file=sys.stderr, flush=True)
+
+    def finish(self) -> None:
+        if self.shown and self.lines:
+            self._draw(time.perf_counter())
+            print(file=sys.stderr)
+            self.shown = False
+
+
+def _source_lines(source: str) -> Iterator[bytes]:
+    """The lines of FILE (or stdin for ``-``) as bytes, without their line ends."""
+    stream = sys.stdin.buffer if source == "-" else open(source, "rb")  # noqa: SIM115
+    try:
+        for line in stream:
+            yield line.rstrip(b"\r\n")
+    finally:
+        if stream is not sys.stdin.buffer:
+            stream.close()
+
+
+def _translate_inputs(args, model, tokenizer, lines: Iterable[bytes], records: deque):
+    """The encoder input of each good line, for ``generate_many``; every line's record (its
+    number and error, None when good) goes to ``records`` as the line is read."""
+    import numpy as np
+
+    positions = model.config.get("max_position_embeddings")
+    vocab = model.config.get("vocab_size")
+    for number, raw in enumerate(lines, 1):
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as error:
+            records.append((number, f"not UTF-8 (byte {error.start + 1}); nothing translated"))
+            continue
+        if not text.strip():
+            records.append((number, "empty line"))
+            continue
+        if args.ids:
+            try:
+                ids = [int(word) for word in text.split()]
+            except ValueError:
+                records.append((number, "--ids takes integers separated by spaces"))
+                continue
+            outside = [i for i in ids if i < 0 or (isinstance(vocab, int) and i >= vocab)]
+            if outside:
+                records.append(
+                    (number, f"id {outside[0]} is outside the vocabulary 0..{vocab - 1}")
+                )
+                continue
+        else:
+            ids = tokenizer(text)["input_ids"]
+        if isinstance(positions, int) and len(ids) > positions:
+            records.append(
+                (number, f"{len(ids)} tokens, more than the model's {positions} positions")
+            )
+            continue
+        records.append((number, None))
+        yield np.asarray(ids, dtype=np.int64)
+
+
+def _check_translate_args(args: argparse.Namespace) -> str | None:
+    if args.json and not args.output:
+        return "--json needs -o OUT: without it stdout carries the translations"
+    return None
+
+
+def cmd_translate(args: argparse.Namespace) -> int:
+    _need("onnxruntime", "runtime")
+    if not args.ids:
+        _need("transformers", "text")
+        _tokenizers_only()
+    from onnxmerge.runtime import Seq2SeqModel, TextGenerator
+
+    output = Path(args.output) if args.output else None
+    if output is not None and output.exists() and not args.overwrite:
+        raise RefusedOutputError(f"{output} exists; pass --overwrite to replace it")
+    if args.source != "-" and not Path(args.source).is_file():
+        raise FileNotFoundError(2, "no such file", args.source)
+    quiet = args.json or not sys.stderr.isatty()
+    with _Steps(quiet=quiet) as steps:
+        steps("loading the model")
+        model = Seq2SeqModel(args.file, session_cache=args.session_cache)
+        tokenizer = None
+        if not args.ids:
+            steps("loading the tokenizer")
+            tokenizer = TextGenerator.load_tokenizer(model.path.parent)
+    options = {
+        k: v
+        for k, v in (("max_new_tokens", args.max_new_tokens), ("num_beams", args.num_beams))
+        if v is not None
+    }
+    records: deque = deque()
+    errors: list[dict] = []
+    progress = _LineProgress(quiet=args.json)
+    target = None
+    if output is not None:
+        target = tempfile.NamedTemporaryFile(  # noqa: SIM115 - renamed into place at the end
+            "w",
+            encoding="utf-8",
+            dir=output.parent or ".",
+            prefix=f".{output.name}.",
+            delete=False,
+        )
+    sink = target if target is not None else sys.stdout
+
+    def flush_errors() -> None:
+        while records and records[0][1] is not None:
+            number, message = records.popleft()
+            errors.append({"line": number, "message": message})
+            print(f"onnxmerge: line {number}: {message}", file=sys.stderr, flush=True)
+            sink.write("\n")
+
+    try:
+        inputs = _translate_inputs(args, model, tokenizer, _source_lines(args.source), records)
+        results = model.generate_many(
+            inputs, max_batch_size=args.max_batch_size, batch_type=args.batch_type, **options
+        )
+        for sequences in results:
+            flush_errors()
+            records.popleft()
+            generated = sequences[0, 1:]
+            if args.ids:
+                sink.write(" ".join(map(str, generated.tolist())) + "\n")
+            else:
+                sink.write(tokenizer.decode(generated, skip_special_tokens=True) + "\n")
+            progress(generated.size)
+        flush_errors()
+        if target is not None:
+            target.close()
+            os.replace(target.name, output)
+            target = None
+        else:
+            sys.stdout.flush()
+    finally:
+        progress.finish()
+        if target is not None:  # failed before the end: no half-written output
+            target.close()
+            os.unlink(target.name)
+    total = progress.lines + len(errors)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "lines": total,
+                    "translated": progress.lines,
+                    "tokens": progress.tokens,
+                    "errors": errors,
+                    "output": str(output),
+                },
+                indent=2,
+            )
+        )
+    if errors:
+        listed = ", ".join(str(e["line"]) for e in errors[:10]) + (
+            ", ..." if len(errors) > 10 else ""
+        )
+        print(
+            f"onnxmerge: error: {len(errors)} of {total} lines not translated "
+            f"(line{'s' if len(errors) > 1 else ''} {listed}); an empty line stands in for each",
+            file=sys.stderr,
+            flush=True,
+        )
+        return EXIT_ERROR
     return EXIT_OK
 
 
@@ -798,6 +983,37 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="keep onnxruntime's optimized graph in DIR, so that later runs load faster",
     )
+
+    p = add("translate", cmd_translate, "translate a file line by line with a merged model")
+    p.add_argument("file", help="merged model")
+    p.add_argument(
+        "source", nargs="?", default="-", help="text file, one input per line (default: stdin)"
+    )
+    p.add_argument("-o", "--output", help="output file (default: stdout)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    p.add_argument(
+        "--ids", action="store_true", help="lines are token ids separated by spaces, in and out"
+    )
+    p.add_argument(
+        "--max-batch-size",
+        type=_at_least(1),
+        default=32,
+        help="inputs per batch, or source tokens with --batch-type tokens (default 32)",
+    )
+    p.add_argument(
+        "--batch-type",
+        choices=("examples", "tokens"),
+        default="examples",
+        help="what --max-batch-size counts (default: examples)",
+    )
+    p.add_argument("--max-new-tokens", type=_at_least(1))
+    p.add_argument("--num-beams", type=_at_least(1))
+    p.add_argument(
+        "--session-cache",
+        metavar="DIR",
+        help="keep onnxruntime's optimized graph in DIR, so that later runs load faster",
+    )
+    p.set_defaults(check=_check_translate_args)
 
     p = add(
         "export", cmd_export, "export a local model folder (or hub id) with optimum, then merge"

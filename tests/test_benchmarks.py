@@ -25,7 +25,7 @@ def test_run_all_quick_writes_results_and_docs(tmp_path):
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     for name in ("merge", "sizes", "generate", "generator", "batch", "ctranslate2", "threads",
-                 "quantize"):
+                 "quantize", "corpus"):
         assert json.loads((tmp_path / "out" / f"{name}.json").read_text())
     merge = json.loads((tmp_path / "out" / "merge.json").read_text())
     for variant in merge["variants"].values():
@@ -59,6 +59,16 @@ def test_run_all_quick_writes_results_and_docs(tmp_path):
     for variant in variants.values():  # one round in the quick run: each range is its ratio
         for measure, (low, high) in variant["ratio_ranges"].items():
             assert low == pytest.approx(variant["ratios"][measure]) == high
+    corpus = json.loads((tmp_path / "out" / "corpus.json").read_text())
+    for precision in ("float32", "int8"):
+        for case in ("greedy", "beam4"):
+            ours = corpus["precisions"][precision]["ours"]["cases"][case]
+            assert ours["tokens_per_s"] > 0
+            assert ours["batching"].split()[0] in ("examples", "tokens")
+            assert corpus["precisions"][precision]["token_agreement"][case] > 0.5
+        # float32 rows in a padded batch get the tokens they get alone
+        assert corpus["precisions"]["float32"]["ours"]["cases"]["greedy"]["same_as_alone"] == 1.0
+    assert "## A corpus against CTranslate2" in page
     threads = json.loads((tmp_path / "out" / "threads.json").read_text())
     assert all(row["same_tokens_as_serial"] for row in threads["throughput"])
     assert "## Generation against CTranslate2" in page

@@ -278,3 +278,19 @@ def test_beam_search_tokens_do_not_depend_on_which_top_k_runs(monkeypatch, overr
     bounded = generate()
     monkeypatch.setattr(search, "_topk_indices", search._topk_by_partition)
     np.testing.assert_array_equal(bounded, generate())
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["open", "all-but-one-masked"])
+def test_first_step_takes_beam_zeros_columns_with_the_full_answer(masked):
+    """On the first step the other beams score -1e9 plus their log-probs: the shortcut through
+    beam 0's columns picks what the full top-k picks, and falls back where beam 0 runs out."""
+    cfg = search._beam_config(_settings(num_beams=4), 3, 1)
+    rng = np.random.default_rng(0)
+    log_probs = log_softmax(rng.standard_normal((12, 500)).astype(np.float32))
+    if masked:  # beam 0 of input 1 keeps one finite candidate: the others come from -1e9
+        log_probs[4, 1:] = -np.inf
+    scores = np.tile(np.array([0, NEG, NEG, NEG], np.float32), 3)
+    flat = (log_probs + scores[:, None]).reshape(3, -1)
+    expected = search._topk_by_partition(flat, cfg.beams_to_keep)
+    np.testing.assert_array_equal(search._first_step_topk(cfg, 1, flat), expected)
+    np.testing.assert_array_equal(search._first_step_topk(cfg, 2, flat), expected)

@@ -5,13 +5,14 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from onnxmerge import contract as c
 from onnxmerge.errors import GenerationError
+from onnxmerge.runtime import corpus
 from onnxmerge.runtime.greedy_head import GreedyHead, LogitBounds
 from onnxmerge.runtime.processors import build_processors
 from onnxmerge.runtime.search import beam_search, greedy_or_sample
@@ -336,6 +337,115 @@ class Seq2SeqModel:
         runner = _Runner(self._session, inputs, prompt)
         return beam_search(runner, prompt, settings, processors, rng)
 
+    def generate_many(
+        self,
+        inputs: Iterable[np.ndarray | Sequence[int] | Mapping[str, np.ndarray]],
+        *,
+        max_batch_size: int = 32,
+        batch_type: str = "examples",
+        **generate_kwargs: Any,
+    ) -> Iterator[np.ndarray]:
+        """Generate for many inputs in length-sorted batches; one result per input, in order.
+
+        Each input is one example: a 1-D array of ids (the main encoder input), or a mapping of
+        encoder input names to arrays without the batch axis (``input_features`` for Whisper,
+        ``pixel_values`` for vision; an ``attention_mask`` may come with ``input_ids``). A
+        window of inputs is read ahead, sorted by length and cut into batches of at most
+        ``max_batch_size`` inputs (``batch_type="examples"``) or of at most ``max_batch_size``
+        source tokens counting padding (``"tokens"``; an input longer than that goes alone), as
+        CTranslate2's ``translate_batch`` does. Ids are padded on the right with the pad token;
+        a model without an attention mask only batches inputs of one shape. Each result is what
+        ``generate()`` returns for that input alone (``[num_return_sequences, length]``), up to
+        the float rounding of a padded batch (``docs/runtime.md``); sampling draws depend on the
+        batch. ``generate_kwargs`` are ``generate()``'s settings.
+
+        Raises:
+            GenerationError: invalid options, or an invalid input (its index is in the message;
+                the results of earlier windows have been yielded by then).
+        """
+        corpus.check_batching(max_batch_size, batch_type)
+        unknown = sorted(set(generate_kwargs) - set(GENERATE_KEYWORDS) - {"seed"})
+        if unknown:
+            raise GenerationError(
+                f"generate_many() takes generate()'s settings, not {unknown}: give encoder "
+                "inputs as the items of `inputs`; a decoder prompt per input is not supported"
+            )
+        settings = self.resolve_settings(
+            **{k: v for k, v in generate_kwargs.items() if k in GENERATE_KEYWORDS}
+        )
+        pad = settings.pad_token_id if settings.pad_token_id is not None else 0
+        main = self._main_input()
+        examples = (self._one_example(index, item, settings) for index, item in enumerate(inputs))
+        for window in corpus.windows(
+            examples, lambda ex: ex[main].shape[-1], max_batch_size, batch_type
+        ):
+            results: list[np.ndarray | None] = [None] * len(window)
+            lengths = [ex[main].shape[-1] for ex in window]
+            keys = [self._batch_key(ex) for ex in window]
+            for batch in corpus.cut_batches(lengths, keys, max_batch_size, batch_type):
+                rows = [window[i] for i in batch]
+                fed = {
+                    name: corpus.pad_right(
+                        [r[name] for r in rows], 0 if name == c.ATTENTION_MASK else pad
+                    )
+                    if self._paddable(name)
+                    else np.concatenate([r[name] for r in rows])
+                    for name in rows[0]
+                }
+                out = self.generate(fed, **generate_kwargs)
+                per_input = out.shape[0] // len(batch)
+                for row, i in enumerate(batch):
+                    group = out[row * per_input : (row + 1) * per_input]
+                    length = corpus.own_length(group, 1, settings.eos_token_id)
+                    results[i] = np.ascontiguousarray(group[:, :length])
+            yield from results
+
+    def _paddable(self, name: str) -> bool:
+        """Whether inputs of different lengths may share a batch through padding."""
+        return self._session.has_attention_mask and name in ("input_ids", c.ATTENTION_MASK)
+
+    def _batch_key(self, example: dict[str, np.ndarray]) -> tuple:
+        """Examples with equal keys can share a batch: the shapes padding cannot even out."""
+        return tuple(
+            (name, value.shape) for name, value in example.items() if not self._paddable(name)
+        )
+
+    def _one_example(
+        self, index: int, item: Any, settings: GenerationSettings
+    ) -> dict[str, np.ndarray]:
+        """One input of ``generate_many`` as a checked batch of one, with the attention mask
+        ``generate()`` would give it alone."""
+        try:
+            if isinstance(item, Mapping):
+                given = dict(item)
+            elif isinstance(item, (str, bytes)):
+                raise GenerationError(
+                    f"got text ({type(item).__name__}); tokenize it first, or call translate()"
+                )
+            else:
+                given = {self._main_input(): item}
+            batched = {}
+            for name, value in given.items():
+                spec = self._session.inputs.get(name)
+                if not isinstance(value, np.ndarray):
+                    value = np.asarray(value)
+                    if not value.size and spec is not None:  # [] reads as float64
+                        value = value.astype(spec.dtype)
+                rank = len(spec.shape) if spec is not None else value.ndim + 1
+                if value.ndim == rank - 1:
+                    value = value[None]
+                elif value.ndim != rank or value.shape[0] != 1:
+                    raise GenerationError(
+                        f"{name} has shape {tuple(value.shape)}; give one example, "
+                        f"{rank - 1} dimensions without the batch axis"
+                    )
+                batched[name] = value
+            example = self._check_encoder_inputs(batched)
+            self._default_attention_mask(example, settings.pad_token_id, settings.eos_token_id)
+            return example
+        except GenerationError as error:
+            raise GenerationError(f"input {index}: {error}") from error
+
     # -- step API -------------------------------------------------------------------------------
 
     def first_step(
@@ -387,7 +497,9 @@ class Seq2SeqModel:
         tokenizer: Any | None = None,
         **generate_kwargs: Any,
     ) -> list[str] | str:
-        """Tokenize ``texts``, generate, decode; see :class:`onnxmerge.runtime.TextGenerator`."""
+        """Tokenize ``texts``, generate in length-sorted batches (``max_batch_size=``,
+        ``batch_type=`` as for :meth:`generate_many`), decode; see
+        :class:`onnxmerge.runtime.TextGenerator`."""
         from onnxmerge.runtime.text import TextGenerator
 
         if tokenizer is None and self._tokenizer is None:

@@ -293,7 +293,7 @@ def _top_candidates(
             )
         topk_indices = _topk_indices(gumbel, cfg.beams_to_keep)
     else:
-        topk_indices = _topk_indices(log_probs, cfg.beams_to_keep)
+        topk_indices = _first_step_topk(cfg, cur_len, log_probs)
     vocab = log_probs.shape[1] // cfg.num_beams
     topk_log_probs = _gather(log_probs, topk_indices)
     topk_beams = topk_indices // vocab
@@ -306,6 +306,23 @@ def _top_candidates(
     if cur_len + 1 >= cfg.max_length:
         hits[:] = True
     return _Candidates(topk_log_probs, topk_running_sequences, topk_running_beam_indices, hits)
+
+
+def _first_step_topk(cfg: _BeamConfig, cur_len: int, log_probs: np.ndarray) -> np.ndarray:
+    """``_topk_indices(log_probs, beams_to_keep)``; on the first step from beam 0's columns.
+
+    There every beam but the first scores -1e9 plus log-probabilities (at most 0): a row of
+    ties to float32 that sends the whole row to ``_topk_by_partition``. Where beam 0's own k-th
+    best is above -1e9 it beats every other beam's candidate, so its columns (the first, which
+    win ties too) hold the whole answer.
+    """
+    if cur_len == cfg.prompt_len and cfg.num_beams > 1:
+        first = log_probs[:, : log_probs.shape[1] // cfg.num_beams]
+        if first.shape[1] >= cfg.beams_to_keep:
+            top = _topk_indices(first, cfg.beams_to_keep)
+            if bool((_gather(first, top)[:, -1] > _NEG).all()):
+                return top
+    return _topk_indices(log_probs, cfg.beams_to_keep)
 
 
 def _keep_running(cfg: _BeamConfig, beams: _Beams, candidates: _Candidates) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -19,6 +19,8 @@ class Generates(Protocol):
     encoder_input_names: Sequence[str]
 
     def generate(self, inputs: dict[str, np.ndarray], **kwargs: Any) -> np.ndarray: ...
+
+    def generate_many(self, inputs: Iterable[Any], **kwargs: Any) -> Iterator[np.ndarray]: ...
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -71,19 +73,35 @@ class TextGenerator:
                 "(tokenizer.save_pretrained) or pass tokenizer="
             ) from error
 
-    def __call__(self, texts: str | Sequence[str], **generate_kwargs: Any) -> list[str] | str:
-        """Generate from ``texts``: a string per text, or a list per text with several sequences."""
+    def __call__(
+        self,
+        texts: str | Sequence[str],
+        *,
+        max_batch_size: int = 32,
+        batch_type: str = "examples",
+        **generate_kwargs: Any,
+    ) -> list[str] | str:
+        """Generate from ``texts``: a string per text, or a list per text with several sequences.
+
+        Texts go through ``generate_many`` in length-sorted batches (``max_batch_size``,
+        ``batch_type`` as there), so each text's result is the one it gets alone."""
         single = isinstance(texts, str)
         batch = [texts] if single else list(texts)
         if not batch:
             return []
-        encoded = self.tokenizer(batch, return_tensors="np", padding=True)
-        names = set(self.model.encoder_input_names)
-        inputs = {k: v for k, v in encoded.items() if k in names}
-        ids = self.model.generate(inputs, **generate_kwargs)
-        decoded = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
-        per_input = len(decoded) // len(batch)
-        if per_input > 1:
-            grouped = [decoded[i * per_input : (i + 1) * per_input] for i in range(len(batch))]
-            return grouped[0] if single else grouped
-        return decoded[0] if single else decoded
+        encoded = self.tokenizer(batch)
+        names = [n for n in self.model.encoder_input_names if n in encoded]
+        inputs = (
+            {name: np.asarray(encoded[name][i], dtype=np.int64) for name in names}
+            for i in range(len(batch))
+        )
+        grouped = [
+            self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+            for ids in self.model.generate_many(
+                inputs, max_batch_size=max_batch_size, batch_type=batch_type, **generate_kwargs
+            )
+        ]
+        if all(len(g) == 1 for g in grouped):
+            decoded = [g[0] for g in grouped]
+            return decoded[0] if single else decoded
+        return grouped[0] if single else grouped

@@ -1,0 +1,358 @@
+"""A corpus against CTranslate2: ``generate_many`` against ``translate_batch``, tokens per second.
+
+The opus-mt-fr-en shape (seeded random weights, ``_common.export_cached``) merged by onnxmerge
+(and quantized with ``onnxmerge.quantize(weights="int8")``) on one side, converted by
+ctranslate2's ``TransformersConverter`` with a synthetic vocabulary on the other, as
+``bench_ctranslate2.py`` does. The corpus: seeded inputs of 5-64 ids whose lengths are drawn like
+sentences' (log-normal around 20 ids), each ending in eos. Greedy and 4 beams, exactly
+``NEW_TOKENS`` new tokens per input (eos forbidden before that on both sides), 2 threads, each
+precision and side in a fresh process, alternated in the same run.
+
+Each side's batching is its best on this machine: every candidate setting (``max_batch_size``
+with ``batch_type`` ``examples`` or ``tokens``) first runs the first ``TUNE_INPUTS`` inputs, the
+fastest runs the corpus. Reported per case: tokens per second (new tokens of the corpus over the
+corpus' wall time), the process' peak resident memory, the share of sampled inputs whose tokens
+equal those the same side generates for that input alone, and the share of positions where both
+sides agree. Our session opens through a session cache written beforehand (what every load after
+the first does); for greedy float32 that runs the int8 greedy head, which gives the float
+head's tokens (``docs/runtime.md``).
+
+Usage: python benchmarks/bench_corpus.py [--quick] [--inputs 1000]
+    [--out benchmarks/out/corpus.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks import _common  # noqa: E402
+from benchmarks.bench_ctranslate2 import (  # noqa: E402
+    convert_ctranslate2,
+    quantize_ours,
+    token_name,
+)
+
+NEW_TOKENS = 24
+CASES = (("greedy", 1), ("beam4", 4))
+CANDIDATES = (("examples", 16), ("examples", 64), ("tokens", 1024))
+TUNE_INPUTS = 32
+ALONE_SAMPLE = 8  # inputs generated alone as well, spread over the corpus
+TARGETS = {  # ours / CTranslate2 tokens per second, at least; peak memory, at most
+    "float32": {"greedy": 1.2, "beam4": 1.2, "peak_rss": 1.2},
+    "int8": {"greedy": 1.2, "beam4": 1.0, "peak_rss": 1.2},
+}
+
+
+def corpus(count: int, config: dict, longest: int = 64) -> list[list[int]]:
+    """Seeded inputs of 5 to ``longest`` ids, lengths log-normal around 20, ending in eos."""
+    import numpy as np
+
+    rng = np.random.default_rng(_common.SEED)
+    lengths = np.clip(np.rint(rng.lognormal(np.log(20), 0.55, size=count)), 5, longest)
+    low, high = 2, int(config["vocab_size"]) - 1
+    return [
+        [*rng.integers(low, high, size=int(n) - 1).tolist(), int(config["eos_token_id"])]
+        for n in lengths
+    ]
+
+
+def sampled(count: int) -> list[int]:
+    step = max(1, count // ALONE_SAMPLE)
+    return list(range(0, count, step))[:ALONE_SAMPLE]
+
+
+# -- the child processes ---------------------------------------------------------------------------
+
+
+class _Ours:
+    def __init__(self, path: str, threads: int, session_cache: str | None):
+        import onnxmerge
+        from onnxmerge.runtime.session import default_session_options
+
+        options = default_session_options()
+        options.intra_op_num_threads = threads
+        self.model = onnxmerge.Seq2SeqModel(
+            path, session_options=options, session_cache=session_cache
+        )
+
+    def run(self, inputs, beams: int, batch_type: str, size: int) -> list[list[int]]:
+        import numpy as np
+
+        results = self.model.generate_many(
+            (np.asarray(i, np.int64) for i in inputs),
+            max_batch_size=size,
+            batch_type=batch_type,
+            num_beams=beams,
+            min_new_tokens=NEW_TOKENS,
+            max_new_tokens=NEW_TOKENS,
+        )
+        return [r[0, 1:].tolist() for r in results]
+
+
+class _CTranslate2:
+    def __init__(self, path: str, threads: int, config: dict):
+        import ctranslate2
+
+        self.translator = ctranslate2.Translator(
+            path, device="cpu", inter_threads=1, intra_threads=threads
+        )
+        self.config = config
+        self.index = {token_name(i, config): i for i in range(int(config["vocab_size"]))}
+
+    def run(self, inputs, beams: int, batch_type: str, size: int) -> list[list[int]]:
+        source = [[token_name(i, self.config) for i in row] for row in inputs]
+        out = self.translator.translate_batch(
+            source,
+            beam_size=beams,
+            max_decoding_length=NEW_TOKENS,
+            min_decoding_length=NEW_TOKENS,
+            length_penalty=1.0,
+            max_batch_size=size,
+            batch_type=batch_type,
+        )
+        return [[self.index[t] for t in r.hypotheses[0]] for r in out]
+
+
+def worker(side: str, path: str, config: dict, count: int, threads: int, cache: str | None):
+    runner = _Ours(path, threads, cache) if side == "ours" else _CTranslate2(path, threads, config)
+    inputs = corpus(count, config)
+    tune = inputs[:TUNE_INPUTS]
+    cases = {}
+    for name, beams in CASES:
+        runner.run(tune[:8], beams, "examples", 8)  # warm-up
+        tried = {}
+        for batch_type, size in CANDIDATES:
+            start = time.perf_counter()
+            runner.run(tune, beams, batch_type, size)
+            tried[f"{batch_type} {size}"] = time.perf_counter() - start
+        best = min(tried, key=tried.get)
+        batch_type, size = best.split()
+        start = time.perf_counter()
+        tokens = runner.run(inputs, beams, batch_type, int(size))
+        seconds = time.perf_counter() - start
+        alone = {i: runner.run([inputs[i]], beams, "examples", 1)[0] for i in sampled(count)}
+        cases[name] = {
+            "s": seconds,
+            "tokens_per_s": sum(map(len, tokens)) / seconds,
+            "batching": best,
+            "tuning_s": tried,
+            "tokens": tokens,
+            "same_as_alone": sum(alone[i] == tokens[i] for i in alone) / len(alone),
+            "differs_alone": [i for i in alone if alone[i] != tokens[i]],
+        }
+    peak = _common.self_rss_bytes()["peak_rss_bytes"]
+    return {"peak_rss_mb": peak / 1e6, "cases": cases}
+
+
+def _child(side: str, path: Path, config: dict, count: int, threads: int, cache: Path | None):
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    if side == "ctranslate2":
+        # OpenMP's threads sleep rather than spin while they wait: on a shared machine
+        # CTranslate2's float32 greedy ran 4x faster so (40 against 10 tokens/s).
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
+    argv = [sys.executable, __file__, "--worker", side, "--path", str(path)]
+    argv += ["--config", json.dumps(config), "--inputs", str(count), "--threads", str(threads)]
+    argv += ["--session-cache", str(cache)] if cache else []
+    result = subprocess.run(
+        argv, check=True, capture_output=True, text=True, env=env, cwd=REPO_ROOT
+    )
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+# -- the parent ------------------------------------------------------------------------------------
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """Share of positions with the same token, the last left out (ours ends with the forced eos
+    there, as transformers does; CTranslate2 has no such option)."""
+    pairs = [
+        (x, y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra[:-1], rb[:-1], strict=True)
+    ]
+    return sum(x == y for x, y in pairs) / len(pairs) if pairs else 1.0
+
+
+def compare(ours: dict, theirs: dict, targets: dict) -> dict:
+    ratios = {
+        case: ours["cases"][case]["tokens_per_s"] / theirs["cases"][case]["tokens_per_s"]
+        for case in ours["cases"]
+    }
+    ratios["peak_rss"] = ours["peak_rss_mb"] / theirs["peak_rss_mb"]
+    met = {k: (ratios[k] <= v if k == "peak_rss" else ratios[k] >= v) for k, v in targets.items()}
+    agree = {
+        case: agreement(ours["cases"][case]["tokens"], theirs["cases"][case]["tokens"])
+        for case in ours["cases"]
+    }
+    return {"ratios": ratios, "targets": targets, "targets_met": met, "token_agreement": agree}
+
+
+def _without_tokens(side: dict) -> dict:
+    cases = {k: {n: v for n, v in c.items() if n != "tokens"} for k, c in side["cases"].items()}
+    return {**side, "cases": cases}
+
+
+def _shared_note(environment: dict) -> str:
+    start = environment.get("load_average_at_start")
+    if not start or start[0] <= environment.get("cpu_count", 1):
+        return ""
+    return (
+        " The machine was shared (a load above its CPU count): both sides ran in the same "
+        "conditions, but each got a fraction of the processor, so these ratios are those of a "
+        "loaded machine, not of a quiet one."
+    )
+
+
+def markdown(data: dict) -> list[str]:
+    """The section of docs/benchmarks.md."""
+    from benchmarks.run_all import _load_averages, _processor
+
+    s = data["setting"]
+    ids = s["source_ids"]
+    lines = [
+        "## A corpus against CTranslate2 (`generate_many`)",
+        "",
+        f"{data['model']}, {s['inputs']} inputs of {ids['min']}-{ids['max']} source ids "
+        f"({ids['total']} in all, lengths drawn like sentences', fixed seed), exactly "
+        f"{s['new_tokens_per_input']} new tokens each, {s['threads']} threads "
+        "(`benchmarks/bench_corpus.py`). Ours: "
+        f"{s['ours']}; CTranslate2: {s['ctranslate2']}. Each side's batching is the fastest of "
+        f"{', '.join(s['candidates'])} on the first {s['tuned_on_inputs']} inputs. Tokens/s is "
+        "new tokens over the corpus' wall time; the ratio is onnxmerge / CTranslate2, above 1 is "
+        "better (for memory, below 1). *Alone* is the share of "
+        f"{s['alone_sample']} sampled inputs whose tokens equal those the same side generates "
+        "for that input alone; *agreement* the share of positions where both sides agree (the "
+        "last, a forced eos on our side, left out). Load average of this run: "
+        f"{_load_averages(data['environment'])}; processor: {_processor(data['environment'])}."
+        + _shared_note(data["environment"]),
+        "",
+        "| precision | search | CTranslate2 tokens/s (batching) | onnxmerge tokens/s (batching) "
+        "| ratio | target | alone: CTranslate2 | alone: onnxmerge | agreement |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for precision, p in data["precisions"].items():
+        for case, ratio in p["ratios"].items():
+            target = p["targets"].get(case)
+            if case == "peak_rss":
+                ours, theirs = p["ours"]["peak_rss_mb"], p["ctranslate2"]["peak_rss_mb"]
+                lines.append(
+                    f"| {precision} | peak memory | {theirs:.0f} MB | {ours:.0f} MB | "
+                    f"**{ratio:.2f}x** | <= {target}x | | | |"
+                )
+                continue
+            ours, theirs = p["ours"]["cases"][case], p["ctranslate2"]["cases"][case]
+            lines.append(
+                f"| {precision} | {case} | {theirs['tokens_per_s']:.1f} ({theirs['batching']}) "
+                f"| {ours['tokens_per_s']:.1f} ({ours['batching']}) | **{ratio:.2f}x** "
+                f"| >= {target}x | {theirs['same_as_alone']:.2f} | {ours['same_as_alone']:.2f} "
+                f"| {p['token_agreement'][case]:.2f} |"
+            )
+    return [*lines, ""]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _common.arguments(__doc__, "corpus", "tiny Marian model, 48 inputs")
+    parser.add_argument("--inputs", type=int, default=1000, help="inputs in the corpus")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--cache-dir", type=Path, default=_common.DEFAULT_CACHE_DIR)
+    parser.add_argument("--worker", choices=("ours", "ctranslate2"), help=argparse.SUPPRESS)
+    parser.add_argument("--path", help=argparse.SUPPRESS)
+    parser.add_argument("--session-cache", help=argparse.SUPPRESS)
+    parser.add_argument("--config", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        config = json.loads(args.config)
+        result = worker(
+            args.worker, args.path, config, args.inputs, args.threads, args.session_cache
+        )
+        print(json.dumps(result))
+        return 0
+    if args.quick:
+        args.inputs = min(args.inputs, 48)
+    load_at_start = os.getloadavg()
+    started = time.perf_counter()
+    factory = _common.marian_config(args.quick)
+    export = _common.export_cached(factory, "tied", args.cache_dir)
+    full = factory()
+    config = {k: int(getattr(full, k)) for k in ("vocab_size", "pad_token_id", "eos_token_id")}
+    import onnxmerge
+
+    scratch = Path(tempfile.mkdtemp(prefix="bench-corpus-"))
+    try:
+        float_path = onnxmerge.merge_seq2seq(export.onnx_dir, scratch / "float32" / "model.onnx")
+        int8_path = scratch / "int8" / "model.onnx"
+        int8_path.parent.mkdir()
+        quantize_ours(float_path, int8_path)
+        ours = {"float32": float_path, "int8": int8_path}
+        caches = {}
+        for precision, path in ours.items():  # entries written before the timed runs
+            caches[precision] = scratch / f"session-cache-{precision}"
+            onnxmerge.Seq2SeqModel(path, session_cache=caches[precision])
+        ct2 = convert_ctranslate2(export.pytorch_dir, scratch, config)
+        precisions = {}
+        for precision in ("float32", "int8"):
+            theirs = _child("ctranslate2", ct2[precision], config, args.inputs, args.threads, None)
+            mine = _child(
+                "ours", ours[precision], config, args.inputs, args.threads, caches[precision]
+            )
+            precisions[precision] = {
+                **compare(mine, theirs, TARGETS[precision]),
+                "ours": _without_tokens(mine),
+                "ctranslate2": _without_tokens(theirs),
+            }
+            _common.write_results(args.out, {"partial": True, "precisions": precisions})
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    import ctranslate2
+    import onnxruntime
+
+    lengths = [len(i) for i in corpus(args.inputs, config)]
+    results = {
+        "benchmark": "corpus",
+        "model": "tiny Marian" if args.quick else "opus-mt-fr-en shape",
+        "setting": {
+            "inputs": args.inputs,
+            "source_ids": {"min": min(lengths), "max": max(lengths), "total": sum(lengths)},
+            "new_tokens_per_input": NEW_TOKENS,
+            "threads": args.threads,
+            "candidates": [f"{t} {s}" for t, s in CANDIDATES],
+            "tuned_on_inputs": min(TUNE_INPUTS, args.inputs),
+            "alone_sample": len(sampled(args.inputs)),
+            "ours": "Seq2SeqModel.generate_many through a session cache written beforehand",
+            "ctranslate2": "Translator.translate_batch(max_batch_size, batch_type), "
+            "inter_threads=1, OMP_WAIT_POLICY=PASSIVE",
+            "peak_rss": "VmHWM of each side's process (one per precision, both cases)",
+        },
+        "precisions": precisions,
+        "seconds": time.perf_counter() - started,
+        "environment": {
+            "python": platform.python_version(),
+            "cpu_count": os.cpu_count(),
+            "cpu": _common.cpu_description(),
+            "load_average_at_start": load_at_start,
+            "load_average_at_end": os.getloadavg(),
+            "onnxruntime": onnxruntime.__version__,
+            "ctranslate2": ctranslate2.__version__,
+        },
+    }
+    _common.write_results(args.out, results)
+    for precision, data in precisions.items():
+        ratios = {k: round(v, 2) for k, v in data["ratios"].items()}
+        print(f"{precision}: ours/ctranslate2 {ratios}; targets met {data['targets_met']}")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

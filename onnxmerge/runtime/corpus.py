@@ -1,0 +1,93 @@
+"""Many inputs through ``generate()``: read ahead, sort by length, cut batches, restore order.
+
+CTranslate2's ``translate_batch`` and ``translate_iterable`` batch this way: inputs of similar
+length go together, so little of a batch is padding, and a budget of examples or of padded tokens
+bounds each batch. A result is cut back to what ``generate()`` returns for its input alone: a
+row in a batch runs on (padded) until the batch's last row ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from onnxmerge.errors import GenerationError
+
+BATCH_TYPES = ("examples", "tokens")
+# Inputs read ahead, in batches' worth: enough for sorting to group similar lengths (CTranslate2
+# reads 16 batches ahead as well).
+READ_AHEAD_BATCHES = 16
+
+
+def check_batching(max_batch_size: Any, batch_type: Any) -> None:
+    if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, (int, np.integer)):
+        raise GenerationError(
+            f"max_batch_size must be an integer, got {type(max_batch_size).__name__}"
+        )
+    if max_batch_size < 1:
+        raise GenerationError(f"max_batch_size must be at least 1, got {max_batch_size}")
+    if batch_type not in BATCH_TYPES:
+        raise GenerationError(
+            f"batch_type must be one of {', '.join(map(repr, BATCH_TYPES))}, got {batch_type!r}: "
+            "'examples' counts inputs per batch, 'tokens' the padded batch's source tokens"
+        )
+
+
+def windows(
+    items: Iterable[Any], lengths: Any, max_batch_size: int, batch_type: str
+) -> Iterator[list[Any]]:
+    """``items`` in consecutive lists of about ``READ_AHEAD_BATCHES`` batches' worth;
+    ``lengths(item)`` is an item's length in tokens."""
+    budget = max_batch_size * READ_AHEAD_BATCHES
+    window: list[Any] = []
+    used = 0
+    for item in items:
+        window.append(item)
+        used += lengths(item) if batch_type == "tokens" else 1
+        if used >= budget:
+            yield window
+            window, used = [], 0
+    if window:
+        yield window
+
+
+def cut_batches(
+    lengths: Sequence[int], keys: Sequence[Any], max_batch_size: int, batch_type: str
+) -> list[list[int]]:
+    """Indices of each batch: longest first, only equal ``keys`` together, each batch within the
+    budget (``tokens``: rows times the longest row); an input over the budget goes alone."""
+    order = sorted(range(len(lengths)), key=lambda i: (keys[i], -lengths[i]))
+    batches: list[list[int]] = []
+    batch: list[int] = []
+    for i in order:
+        if batch:
+            rows = len(batch) + 1
+            size = rows if batch_type == "examples" else rows * lengths[batch[0]]
+            if keys[i] != keys[batch[0]] or size > max_batch_size:
+                batches.append(batch)
+                batch = []
+        batch.append(i)
+    if batch:
+        batches.append(batch)
+    return batches
+
+
+def pad_right(arrays: Sequence[np.ndarray], value: int) -> np.ndarray:
+    """Rows ``[1, n_i]`` stacked into ``[rows, max n_i]``, filled with ``value`` on the right."""
+    width = max(a.shape[1] for a in arrays)
+    out = np.full((len(arrays), width), value, dtype=arrays[0].dtype)
+    for row, array in enumerate(arrays):
+        out[row, : array.shape[1]] = array[0]
+    return out
+
+
+def own_length(sequences: np.ndarray, prompt_len: int, eos: Sequence[int] | None) -> int:
+    """The length ``generate()`` gives these sequences (one input's) alone: each ends at its
+    first generated eos, or runs to the end; the longest decides."""
+    if eos is None or not len(eos) or sequences.shape[1] <= prompt_len:
+        return sequences.shape[1]
+    ended = np.isin(sequences[:, prompt_len:], np.asarray(eos))
+    ends = np.where(ended.any(axis=1), ended.argmax(axis=1) + prompt_len + 1, sequences.shape[1])
+    return int(ends.max())

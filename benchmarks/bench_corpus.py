@@ -49,7 +49,7 @@ NEW_TOKENS = 24
 CASES = (("greedy", 1), ("beam4", 4))
 CANDIDATES = (("examples", 16), ("examples", 64), ("tokens", 1024))
 TUNE_INPUTS = 32
-ALONE_SAMPLE = 8  # inputs generated alone as well, spread over the corpus
+ALONE_SAMPLE = 24  # inputs generated alone as well, spread over the corpus
 TARGETS = {  # ours / CTranslate2 tokens per second, at least; peak memory, at most
     "float32": {"greedy": 1.2, "beam4": 1.2, "peak_rss": 1.2},
     "int8": {"greedy": 1.2, "beam4": 1.0, "peak_rss": 1.2},

@@ -355,6 +355,13 @@ def _assemble_one_decoder(
     before = _producers_of(
         [v for n in (if_node, *first_nodes) for v in _outer_reads(n)], graph
     )
+    # So does what reads only stored tensors (an int4 weight's DequantizeLinear): computed once
+    # per run, and onnxruntime's 4-bit fusion fails on weights read from inside a Loop.
+    constant: set[ir.Value] = set(graph.initializers.values())
+    for node in graph:
+        if node is not if_node and all(v is None or v in constant for v in _outer_reads(node)):
+            before.add(node)
+            constant.update(node.outputs)
     decoder_nodes = [n for n in graph if n is not if_node and n not in before]
     graph.remove([*decoder_nodes, if_node])
     decoder_all = {m for n in decoder_nodes for m in (n, *_subgraph_nodes(n))}

@@ -23,6 +23,8 @@ META_GENERATION_CONFIG = "onnxmerge.generation_config"
 META_ENCODER_INPUTS = "onnxmerge.encoder_inputs"
 META_GENERATOR = "onnxmerge.generator"  # a generator model (docs/generator.md), not a merged one
 META_PRECISION = "onnxmerge.precision"  # version 2: precision per part (docs/format.md)
+# What the merge read: the dtype and the sha256 of each file (onnxmerge.export_layout).
+META_SOURCES = "onnxmerge.sources"
 # The values META_PRECISION may hold, and those a whole file's weights can be quantized to.
 PRECISIONS = ("fp32", "fp16", "int8", "uint8", "int4")
 WEIGHT_PRECISIONS = ("int8", "uint8", "fp16", "int4")

@@ -20,6 +20,7 @@ from onnxmerge import (
     contract,
     dedup,
     dims,
+    export_layout,
     model_io,
     passes,
     reshape_targets,
@@ -62,6 +63,12 @@ class MergeResult:
     checkpoint_bytes: int | None
     # What every rewrite pass did, by its result name (see :mod:`onnxmerge.passes`).
     rewrites: dict[str, int] = field(default_factory=dict)
+    # The dtype merged (transformers.js's names; None: files with other names), where its files
+    # and the configs were, and the other dtypes the folder holds.
+    dtype: str | None = None
+    model_dir: Path | None = None
+    config_dir: Path | None = None
+    dtypes_present: tuple[str, ...] = ()
 
     @property
     def input_bytes(self) -> int:
@@ -87,13 +94,19 @@ def merge_seq2seq(
     overwrite: bool = False,
     external_data: bool | None = None,
     force: bool = False,
+    dtype: str | None = None,
 ) -> Path:
     """Merge an optimum seq2seq export folder into one ONNX model; return its path.
 
     See :func:`merge_seq2seq_with_report` for the arguments.
     """
     return merge_seq2seq_with_report(
-        export_dir, output, overwrite=overwrite, external_data=external_data, force=force
+        export_dir,
+        output,
+        overwrite=overwrite,
+        external_data=external_data,
+        force=force,
+        dtype=dtype,
     ).path
 
 
@@ -105,31 +118,39 @@ def merge_seq2seq_with_report(
     external_data: bool | None = None,
     force: bool = False,
     progress: Callable[[str], None] | None = None,
+    dtype: str | None = None,
 ) -> MergeResult:
     """Merge an optimum seq2seq export folder into one ONNX model and report the numbers.
 
     Args:
-        export_dir: the folder ``optimum-cli export onnx`` wrote.
-        output: the file to write; ``<export_dir>/model.onnx`` by default.
+        export_dir: the folder ``optimum-cli export onnx`` wrote, or a Hub repository laid out for
+            transformers.js (configs at the root, models under ``onnx/``), or its ``onnx/``
+            folder; an :class:`onnxmerge.export_layout.ExportLayout` already resolved.
+        output: the file to write; ``<export_dir>/model.onnx`` by default
+            (``model{suffix}.onnx`` for another dtype).
         overwrite: replace an existing output file.
         external_data: ``None`` writes weights to ``<output>_data`` only past 2 GB; ``True`` always;
             ``False`` never (a model past 2 GB is then refused).
         force: merge even when the compatibility checks find the files do not belong together.
         progress: called with the name of each step as it starts (for progress displays).
+        dtype: which files of a folder holding several dtypes (transformers.js's names and
+            suffixes: ``"fp32"``, ``"q8"`` for ``_quantized``, ``"fp16"``, ...); fp32 by default.
 
     Raises:
         OnnxMergeError: or one of its subclasses, with what is wrong and what to do. Nothing is
             written and the inputs are never modified.
     """
-    export_dir = Path(export_dir)
-    if not export_dir.is_dir():
-        raise ExportFolderError(
-            f"{export_dir} is not a folder; pass the folder optimum exported to"
-        )
-    output = Path(output) if output is not None else export_dir / DEFAULT_OUTPUT_NAME
+    if isinstance(export_dir, export_layout.ExportLayout):
+        layout = export_dir
+    else:
+        layout = export_layout.resolve(export_dir, dtype)
+    export_dir = layout.source
+    if output is None:
+        output = export_dir / export_layout.output_name(layout.dtype)
+    output = Path(output)
     step = progress or (lambda _: None)
     step("loading")
-    chosen, models, data_files = load_export(export_dir, output)
+    chosen, models, data_files = load_export(layout.model_dir, output, files=layout.files)
     files_read = [f for p in chosen.values() for f in (p, *data_files[p])]
     model_io.check_output(output, files_read, overwrite=overwrite)
 
@@ -151,8 +172,9 @@ def merge_seq2seq_with_report(
     rewrites = passes.run(model, (separate_dims, *rewrite_steps()))
     shared = passes.records(rewrites)
     configs = {
-        contract.META_CONFIG: _read_json(export_dir / "config.json"),
-        contract.META_GENERATION_CONFIG: _read_json(export_dir / "generation_config.json"),
+        contract.META_CONFIG: _read_json(layout.config_dir / "config.json"),
+        contract.META_GENERATION_CONFIG: _read_json(layout.config_dir / "generation_config.json"),
+        contract.META_SOURCES: export_layout.sources_record(layout, files_read),
     }
     config = configs[contract.META_CONFIG]
     problems = compat.checkpoint_problems(
@@ -179,7 +201,7 @@ def merge_seq2seq_with_report(
         InputFile(path, role.value, model_io.file_bytes(path, data_files[path]))
         for role, path in chosen.items()
     )
-    checkpoint = find_checkpoint(export_dir)
+    checkpoint = find_checkpoint(layout.config_dir)
     result = MergeResult(
         path=output,
         layout=model.metadata_props[contract.META_LAYOUT],
@@ -191,6 +213,10 @@ def merge_seq2seq_with_report(
         constants_lifted=passes.counts(rewrites)["constants_lifted"],
         checkpoint_bytes=checkpoint.stat().st_size if checkpoint else None,
         rewrites=passes.counts(rewrites),
+        dtype=layout.dtype,
+        model_dir=layout.model_dir,
+        config_dir=layout.config_dir,
+        dtypes_present=layout.present,
     )
     logger.info(
         "merged %d files (%d bytes) into %s (%d bytes); %d tensors shared, %d transposed",
@@ -219,14 +245,21 @@ def find_checkpoint(folder: Path) -> Path | None:
 
 
 def load_export(
-    export_dir: Path, output: Path, *, ignore_merged: bool = False
+    export_dir: Path,
+    output: Path,
+    *,
+    ignore_merged: bool = False,
+    files: tuple[Path, ...] | None = None,
 ) -> tuple[dict[Role, Path], dict[Path, ir.Model], dict[Path, set[Path]]]:
-    """Load every model of the folder, judge its role, keep the ones the merge needs.
+    """Load every model of the folder (or ``files``, one dtype's: see
+    :func:`onnxmerge.export_layout.resolve`), judge its role, keep the ones the merge needs.
 
     ``ignore_merged`` skips merged models found in the folder instead of refusing them (for
     ``verify``, which only reads the originals).
     """
-    candidates = sorted(p for p in export_dir.glob("*.onnx") if p.is_file())
+    if files is None:
+        files = export_layout.resolve(export_dir).files
+    candidates = sorted(files)
     if not candidates:
         raise ExportFolderError(
             f"{export_dir} holds no .onnx file; export the model first, e.g. `optimum-cli export "
@@ -238,6 +271,8 @@ def load_export(
     for path in candidates:
         model, files = model_io.load_model(path)
         judgement = roles.judge(model)
+        if judgement.role == Role.MERGED_DECODER:
+            export_layout.sink_into_branches(model)
         if judgement.role == Role.MERGED_MODEL and (
             ignore_merged or (output.exists() and path.samefile(output))
         ):

@@ -151,8 +151,6 @@ def test_a_failed_dtype_leaves_none_of_the_files(tiny_repo) -> None:
 
 
 def test_a_flat_folder_without_config_merges_on_the_model_s_own_sizes(tmp_path) -> None:
-    """Regression: without config.json the output check fed ids up to 100 to a 96-token
-    embedding (``indices element out of data bounds``) and refused a valid model."""
     pytest.importorskip("onnxruntime")
     folder = tm.write_export(tmp_path / "onnx", layout="merged_only", config=False)
     result = merge_seq2seq_with_report(folder)
@@ -283,6 +281,23 @@ def _greedy_with_files(ort, folder: Path, suffix: str, ids, mask, steps: int) ->
         if tokens[-1] == config["eos_token_id"]:
             break
     return [tokens]
+
+
+def test_the_demo_files_without_any_config_merge_and_verify(demo_export, tmp_path) -> None:
+    """Regression: without config.json the output check fed ids up to 97 to the demo model's
+    85-row embedding (``indices element out of data bounds, idx=89``) and refused it."""
+    pytest.importorskip("onnxruntime")
+    from onnxmerge.samples import token_counts
+    from onnxmerge.verify import verify
+
+    folder = tmp_path / "models"
+    folder.mkdir()
+    for name in TJS_FILES:
+        shutil.copy(demo_export / name, folder / name)
+    merged = merge_seq2seq(folder)
+    vocab = json.loads((demo_export / "config.json").read_text())["vocab_size"]
+    assert token_counts(merged) == {"input_ids": vocab, "decoder_input_ids": vocab}
+    assert verify(merged, folder).ok
 
 
 def test_the_demo_repository_root_makes_a_site_with_its_tokenizer(demo_repo, tmp_path) -> None:

@@ -16,8 +16,10 @@ from onnxmerge.sessions import ORT_TO_NUMPY
 # Where neither the model nor a config says how many tokens there are: ids below this are valid
 # for any vocabulary a real model has.
 SMALL_VOCAB = 4
-# Operators an embedding table may pass through between its initializer and the Gather.
+# Operators an embedding table may pass through between its initializer and the Gather, and
+# token ids between the graph input and the Gather (optimum's exports reshape them).
 _TABLE_PASS_THROUGH = {"DequantizeLinear", "Cast", "Identity", "Mul"}
+_IDS_PASS_THROUGH = {"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Cast", "Identity"}
 
 
 def token_counts(path: str | os.PathLike) -> dict[str, int]:
@@ -58,16 +60,25 @@ def token_counts(path: str | os.PathLike) -> dict[str, int]:
             return None
         return rows(node.input[0], depth + 1)
 
+    def origin(name: str) -> str:
+        for _ in range(4):
+            node = producers.get(name)
+            if node is None or node.op_type not in _IDS_PASS_THROUGH:
+                break
+            name = node.input[0]
+        return name
+
     counts: dict[str, int] = {}
     token_inputs = {i.name for i in proto.graph.input} & {
         "input_ids",
         contract.DECODER_INPUT_IDS,
     }
     for node in gathers:
-        if node.input[1] in token_inputs:
+        ids = origin(node.input[1])
+        if ids in token_inputs:
             found = rows(node.input[0])
             if found is not None:
-                counts[node.input[1]] = min(found, counts.get(node.input[1], found))
+                counts[ids] = min(found, counts.get(ids, found))
     for output in proto.graph.output:
         if output.name == contract.LOGITS and contract.DECODER_INPUT_IDS not in counts:
             dims = output.type.tensor_type.shape.dim

@@ -21,41 +21,10 @@ from onnxmerge import (
     merge_seq2seq_with_report,
 )
 from onnxmerge.cli import EXIT_ERROR, EXIT_OK, EXIT_USAGE, main
+from onnxmerge.testing.hub import MODEL_FILES, hub_repository
 from tests import textmodels as tm
 
-SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
-TJS_FILES = ("encoder_model.onnx", "decoder_model_merged.onnx")
-
-
-def quantize_q8(model: Path, output: Path) -> None:
-    """transformers.js's q8 (``_quantized``) file: onnxruntime's quantize_dynamic, QInt8."""
-    quantization = pytest.importorskip("onnxruntime.quantization")
-    quantization.quantize_dynamic(
-        model,
-        output,
-        weight_type=quantization.QuantType.QInt8,
-        extra_options={"EnableSubgraph": True, "MatMulConstBOnly": True},
-    )
-
-
-def hub_repository(export: Path, root: Path, dtypes: tuple[str, ...] = ("fp32", "q8")) -> Path:
-    """``export`` laid out as transformers.js expects: side files at ``root``, the encoder and
-    the merged decoder in ``root/onnx`` with each dtype's suffix (q8 made by quantize_dynamic,
-    any other dtype a renamed copy, which is all the layout needs)."""
-    models = root / "onnx"
-    models.mkdir(parents=True)
-    for name in SIDE_FILES:
-        if (export / name).is_file():
-            shutil.copy(export / name, root / name)
-    for dtype in dtypes:
-        suffix = export_layout.DTYPE_SUFFIXES[dtype]
-        for name in TJS_FILES:
-            target = models / name.replace(".onnx", f"{suffix}.onnx")
-            if dtype == "q8":
-                quantize_q8(export / name, target)
-            else:
-                shutil.copy(export / name, target)
-    return root
+TJS_FILES = MODEL_FILES
 
 
 @pytest.fixture()
@@ -225,6 +194,7 @@ def test_the_merge_record_tells_a_current_merge_from_a_stale_one(tiny_repo) -> N
 
 @pytest.fixture(scope="module")
 def demo_repo(demo_export, tmp_path_factory) -> Path:
+    pytest.importorskip("onnxruntime.quantization")
     return hub_repository(demo_export, tmp_path_factory.mktemp("hub") / "repo")
 
 

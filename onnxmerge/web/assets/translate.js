@@ -118,6 +118,7 @@ async function load() {
     download_ms: downloaded - started,
     session_ms: ready - downloaded,
     load_ms: ready - started,
+    ready_ms: ready, // since the navigation started
     model_bytes: model.length,
     threads: ort.env.wasm.numThreads,
     cross_origin_isolated: crossOriginIsolated,

@@ -111,7 +111,10 @@ async function load() {
   });
   const downloaded = performance.now();
   $("status").textContent = "Preparing the model…";
-  const session = await ort.InferenceSession.create(model, { executionProviders: ["wasm"] });
+  // site.json's session options (what build_site measured best), ?optimization= for trials.
+  const options = { executionProviders: ["wasm"], ...(site.session_options ?? {}) };
+  if (params.get("optimization")) options.graphOptimizationLevel = params.get("optimization");
+  const session = await ort.InferenceSession.create(model, options);
   const ready = performance.now();
   progress.hidden = true;
   const timings = {
@@ -121,6 +124,7 @@ async function load() {
     ready_ms: ready, // since the navigation started
     model_bytes: model.length,
     threads: ort.env.wasm.numThreads,
+    graph_optimization: options.graphOptimizationLevel ?? "all",
     cross_origin_isolated: crossOriginIsolated,
   };
   $("status").textContent =

@@ -153,7 +153,8 @@ def _merge_summary(result) -> str:
     lines = [table(rows, ("file", "role", "size"))]
     saved = result.bytes_saved
     lines.append("")
-    lines.append(_dtype_line(result))
+    if _chose_files(result):
+        lines.append(_dtype_line(result))
     lines.append(
         f"tensors: {result.tensors_in} in, {result.tensors_out} out; "
         f"{len(result.shared)} stored once instead of twice or more "
@@ -169,6 +170,15 @@ def _merge_summary(result) -> str:
         )
     lines.append(f"wrote {result.path}")
     return "\n".join(lines)
+
+
+def _chose_files(result) -> bool:
+    """Whether the merge picked files from several dtypes or a Hub layout: worth saying which."""
+    return (
+        result.dtype not in (None, "fp32")
+        or any(d != result.dtype for d in result.dtypes_present)
+        or (result.config_dir is not None and result.config_dir != result.model_dir)
+    )
 
 
 def _dtype_line(result) -> str:

@@ -111,8 +111,9 @@ async function load() {
   });
   const downloaded = performance.now();
   $("status").textContent = "Preparing the model…";
-  // site.json's session options (what build_site measured best), ?optimization= for trials.
-  const options = { executionProviders: ["wasm"], ...(site.session_options ?? {}) };
+  // ?optimization=disabled|basic|extended|all: onnxruntime-web's graph optimization, for
+  // profiling the session creation (docs/web.md); its default ("all") otherwise.
+  const options = { executionProviders: ["wasm"] };
   if (params.get("optimization")) options.graphOptimizationLevel = params.get("optimization");
   const session = await ort.InferenceSession.create(model, options);
   const ready = performance.now();

@@ -272,6 +272,12 @@ def ratios(result: dict[str, Any]) -> dict[str, dict[str, float]]:
 
 
 TARGETS = {"download": 0.75, "ready": 0.8, "translation": 0.8, "translation_8": 0.8}
+TARGET_WORDS = {
+    "download": "downloaded",
+    "ready": "ready",
+    "translation": "1 line",
+    "translation_8": "8 lines",
+}
 
 
 def markdown(section: dict[str, Any], processor: str) -> list[str]:
@@ -323,6 +329,18 @@ def markdown(section: dict[str, Any], processor: str) -> list[str]:
                 f"{r['first_translation']:.2f}x | {r['translation']:.2f}x | "
                 f"{r['translation_8']:.2f}x |"
             )
+        lines.append("")
+        missed = [
+            f"{pair} {TARGET_WORDS[key]} {r[key]:.2f}x > {limit}x"
+            for pair, r in ratios(m).items()
+            for key, limit in TARGETS.items()
+            if r[key] > limit
+        ]
+        lines.append(
+            "Targets (onnxmerge / transformers.js at the same precision: downloaded <= 0.75x, "
+            "ready <= 0.8x, 1 line and 8 lines <= 0.8x): "
+            + (f"missed: {'; '.join(missed)}." if missed else "all met.")
+        )
         lines.append("")
         if "texts" in m:
             by = {(s["side"], s["precision"]): s for s in m["sides"]}

@@ -57,15 +57,6 @@ class ExportLayout:
     files: tuple[Path, ...]
     present: tuple[str, ...]
 
-    @property
-    def suffix(self) -> str:
-        return DTYPE_SUFFIXES.get(self.dtype or DEFAULT_DTYPE, "")
-
-    @property
-    def hub(self) -> bool:
-        """The models sit in an ``onnx/`` folder of their own."""
-        return self.model_dir != self.source
-
 
 def output_name(dtype: str | None) -> str:
     """``model.onnx`` for fp32, ``model{suffix}.onnx`` for another dtype."""
@@ -114,16 +105,13 @@ def dtypes_present(model_dir: Path) -> dict[str, list[Path]]:
     return {d: found[d] for d in DTYPE_SUFFIXES if d in found}
 
 
-def resolve(
-    source: str | os.PathLike, dtype: str | None = None, *, exclude: tuple[Path, ...] = ()
-) -> ExportLayout:
+def resolve(source: str | os.PathLike, dtype: str | None = None) -> ExportLayout:
     """The model files of one dtype of ``source`` (an optimum export folder or a Hub repository
     root, or its ``onnx/`` folder) and the folder to read the configs from.
 
     ``dtype``: a transformers.js dtype name (:data:`DTYPE_SUFFIXES`), fp32 by default. The fp32
     files are the folder's ``.onnx`` files but those of other dtypes (so that a folder with other
-    names still merges, judged by role); another dtype is its suffixed files only. ``exclude``:
-    files to leave out (an earlier merge's output, say).
+    names still merges, judged by role); another dtype is its suffixed files only.
 
     Raises:
         ExportFolderError: ``source`` is not a folder, the dtype is unknown, or the folder holds
@@ -142,12 +130,11 @@ def resolve(
         )
     model_dir = model_folder(source)
     present = dtypes_present(model_dir)
-    skipped = {p.resolve() for p in exclude if p.exists()}
     wanted = dtype or DEFAULT_DTYPE
     if present and wanted not in present:
         listed = ", ".join(f"{d} ({', '.join(p.name for p in present[d])})" for d in present)
         raise ExportFolderError(
-            f"{model_dir} holds no {wanted} model files ({output_words(wanted)}); it holds: "
+            f"{model_dir} holds no {wanted} model files ({_file_names(wanted)}); it holds: "
             f"{listed}. Pass --dtype (dtype=) with one of {', '.join(present)}, or all"
         )
     if wanted == DEFAULT_DTYPE or not present:
@@ -155,7 +142,6 @@ def resolve(
         files = [p for p in _onnx_files(model_dir) if p not in other]
     else:
         files = list(present[wanted])
-    files = [p for p in files if p.resolve() not in skipped]
     return ExportLayout(
         source=source,
         model_dir=model_dir,
@@ -166,7 +152,7 @@ def resolve(
     )
 
 
-def output_words(dtype: str) -> str:
+def _file_names(dtype: str) -> str:
     suffix = DTYPE_SUFFIXES[dtype]
     return f"encoder_model{suffix}.onnx, decoder_model_merged{suffix}.onnx"
 

@@ -299,3 +299,16 @@ def test_web_after_merge_uses_the_merged_file_or_merges_afresh(demo_export, tmp_
     assert json.loads((site / "site.json").read_text())["max_new_tokens"] == 6
     with pytest.raises(InvalidMergedModelError, match="already a merged model"):
         merge_seq2seq(folder, tmp_path / "again.onnx")  # merge itself still refuses it
+
+
+def test_batch_converts_a_hub_repository_in_the_dtype_asked_for(demo_repo, tmp_path) -> None:
+    pytest.importorskip("onnxruntime")
+    from onnxmerge.batch import CONVERTED, convert_many
+    from onnxmerge.web.static_site import _metadata
+
+    [result] = convert_many([demo_repo], tmp_path / "zoo", jobs=0, dtype="q8")
+    assert result.status == CONVERTED, result.error
+    folder = tmp_path / "zoo" / result.name
+    assert (folder / "tokenizer.json").read_bytes() == (demo_repo / "tokenizer.json").read_bytes()
+    recorded = json.loads(_metadata(folder / "model.onnx")[contract.META_SOURCES])
+    assert recorded["dtype"] == "q8"

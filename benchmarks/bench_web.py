@@ -17,11 +17,15 @@ For the shipped demo model and the opus-mt-fr-en shape (seeded random weights), 
 The opus-mt-fr-en shape has no ``tokenizer.json`` (its tokenizer is sentencepiece), so its site
 carries the demo tokenizer as a stand-in and is timed on token ids only.
 
+5. next to transformers.js in the same Chromium (``benchmarks/web_side_by_side.py``): its fp32
+   and q8 files against our fp32 and int8 single files; needs transformers.js from npm
+   (``npm ci --ignore-scripts`` in benchmarks/web), else that part says why it was left out.
+
 Needs chromium and the page's npm packages (``npm ci --ignore-scripts`` in tests/web, done by
 ``scripts/setup.sh test``); without them it writes the reason and no figures.
 ``--quick``: the demo model only, fewer repeats.
 
-Usage: python benchmarks/bench_web.py [--quick] [--out benchmarks/out/web.json]
+Usage: python benchmarks/bench_web.py [--quick] [--side-by-side-only] [--out OUT.json]
 """
 
 from __future__ import annotations
@@ -41,9 +45,15 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks import _common  # noqa: E402
+from benchmarks import _common, web_side_by_side  # noqa: E402
 from onnxmerge.testing import zoo  # noqa: E402
-from onnxmerge.testing.browser import launch_chromium, load_page, serve, strip_pad  # noqa: E402
+from onnxmerge.testing.browser import (  # noqa: E402
+    QUIET_FLAGS,
+    launch_chromium,
+    load_page,
+    serve,
+    strip_pad,
+)
 
 NODE_MODULES = REPO_ROOT / "tests" / "web" / "node_modules"
 THREADS = (1, 2)
@@ -237,10 +247,28 @@ def _mb(n: int) -> str:
 
 
 def markdown(web: dict[str, Any]) -> list[str]:
-    """The docs/benchmarks.md section of a web.json."""
+    """The docs/benchmarks.md sections of a web.json."""
     lines = ["## In the browser (onnxruntime-web in Chromium)", ""]
     if "skipped" in web:
         return lines + [f"Not measured in this run: {web['skipped']}.", ""]
+    lines = _markdown_alone(web) if "models" in web else []
+    side = web.get("side_by_side")
+    if side is None:
+        return lines
+    if "skipped" in side:
+        return lines + [
+            "## In the browser, next to transformers.js",
+            "",
+            f"Not measured in this run: {side['skipped']}.",
+            "",
+        ]
+    cpu = web["platform"].get("cpu") or {}
+    processor = cpu.get("model") or web["platform"]["machine"]
+    return lines + web_side_by_side.markdown(side, f"{processor} ({web['platform']['cpus']} CPUs)")
+
+
+def _markdown_alone(web: dict[str, Any]) -> list[str]:
+    lines = ["## In the browser (onnxruntime-web in Chromium)", ""]
     models = web["models"]
     packages = web["platform"]["packages"]
     lines += [
@@ -317,10 +345,102 @@ def markdown(web: dict[str, Any]) -> list[str]:
     return lines
 
 
+def side_by_side(
+    browser, models: list[str], repeats: int, visits: int, new_tokens: int
+) -> dict[str, Any]:
+    """Part 5: the pages next to transformers.js; ``{"skipped": why}`` without transformers.js."""
+    version = web_side_by_side.transformers_js_version()
+    if version is None:
+        return {
+            "skipped": "transformers.js is not installed: npm ci --ignore-scripts in benchmarks/web"
+        }
+    from onnxmerge.demo import DEMO_SENTENCES
+
+    tjs_ort = web_side_by_side.NODE_MODULES / "onnxruntime-web" / "package.json"
+    ours_ort = NODE_MODULES / "onnxruntime-web" / "package.json"
+    section: dict[str, Any] = {
+        "chromium": browser.version,
+        "transformers_js": version,
+        "onnxruntime_web_tjs": json.loads(tjs_ort.read_text())["version"],
+        "onnxruntime_web_ours": json.loads(ours_ort.read_text())["version"],
+        "models": [],
+    }
+    if "demo" in models:
+        demo = zoo.demo_export()
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(os.fspath(demo / "tokenizer.json"))
+        eight = [tokenizer.encode(t).ids for t in DEMO_SENTENCES[:8]]
+        section["models"].append(
+            web_side_by_side.measure(
+                browser,
+                "demo model",
+                demo,
+                [tokenizer.encode(DEMO_SENTENCES[2]).ids],
+                eight,
+                31,
+                repeats,
+                visits,
+                texts=list(DEMO_SENTENCES),
+            )
+        )
+    if "opus" in models:
+        from onnxmerge.demo import DEMO_MODEL_DIR
+
+        opus = _common.export_cached(_common.opus_mt_config, "tied").onnx_dir
+        config = json.loads((opus / "config.json").read_text())
+        rows = [_ids(config, 16)[0]]
+        eight = [_ids_seeded(config, 8 + 2 * i, seed=i + 1) for i in range(8)]
+        section["models"].append(
+            web_side_by_side.measure(
+                browser,
+                "opus-mt-fr-en shape",
+                opus,
+                rows,
+                eight,
+                new_tokens,
+                repeats,
+                visits,
+                tokenizer_dir=DEMO_MODEL_DIR,
+            )
+        )
+    for m in section["models"]:
+        for s in m["sides"]:
+            print(
+                f"{m['model']}: {s['side']} {s['precision']}: {s['download_bytes']} B, ready "
+                f"{s['ready_s']:.2f} s, first {s['first_translation_ms']:.0f} ms, 1 line "
+                f"{s['translation_ms']:.0f} ms, 8 lines {s['translation_8_ms']:.0f} ms, same "
+                f"tokens {s['same_tokens']}",
+                flush=True,
+            )
+        print(json.dumps(web_side_by_side.ratios(m), indent=1), flush=True)
+    return section
+
+
+def _ids_seeded(config: dict, length: int, seed: int) -> list[int]:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    special = {config.get(k) for k in ("pad_token_id", "eos_token_id", "decoder_start_token_id")}
+    ids = [5 if i in special else i for i in rng.integers(0, config["vocab_size"], length).tolist()]
+    return ids[:-1] + [config["eos_token_id"]]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _common.arguments(__doc__, "web", "the demo model only")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--new-tokens", type=int, default=32, help="for the opus-mt shape")
+    parser.add_argument("--visits", type=int, default=3, help="page loads per side, side by side")
+    parser.add_argument(
+        "--side-by-side-only",
+        action="store_true",
+        help="only the pages next to transformers.js (part 5)",
+    )
+    parser.add_argument(
+        "--side-by-side-models",
+        default="demo,opus",
+        help="models of part 5: demo, opus or both (comma-separated)",
+    )
     args = parser.parse_args(argv)
     repeats = 2 if args.quick else args.repeats
 
@@ -338,13 +458,16 @@ def main(argv: list[str] | None = None) -> int:
             "python": platform.python_version(),
             "machine": platform.machine(),
             "cpus": os.cpu_count(),
+            "cpu": _common.cpu_description(),
             "packages": packages,
         },
     }
     with sync_playwright() as playwright:
-        browser, skipped = launch_chromium(playwright, NODE_MODULES)
+        browser, skipped = launch_chromium(playwright, NODE_MODULES, QUIET_FLAGS)
         if browser is None:
             result["skipped"] = skipped
+        elif args.side_by_side_only:
+            result["chromium"] = browser.version
         else:
             result["chromium"] = browser.version
             models = []
@@ -364,6 +487,13 @@ def main(argv: list[str] | None = None) -> int:
                     )
                 )
             result["models"] = models
+        if browser is not None:
+            models = args.side_by_side_models.split(",")
+            if args.quick:
+                models = ["demo"]
+            result["side_by_side"] = side_by_side(
+                browser, models, repeats, 1 if args.quick else args.visits, args.new_tokens
+            )
             browser.close()
     _common.write_results(args.out, result)
     if "skipped" in result:

@@ -23,6 +23,7 @@ __all__ = [
     "merge_seq2seq",
     "merge_seq2seq_with_report",
     "MergeResult",
+    "merge_every_dtype",
     "quantize",
     "Seq2SeqModel",
     "OnnxMergeError",
@@ -47,6 +48,10 @@ def __getattr__(name: str):
         from onnxmerge import merge
 
         return getattr(merge, name)
+    if name == "merge_every_dtype":
+        from onnxmerge.export_layout import merge_every_dtype
+
+        return merge_every_dtype
     if name == "quantize":
         from onnxmerge.quantization import quantize
 

@@ -22,7 +22,7 @@ import onnx_ir as ir
 
 from onnxmerge import contract
 from onnxmerge.errors import MergedModelRunError
-from onnxmerge.samples import sample_encoder_inputs
+from onnxmerge.samples import sample_encoder_inputs, token_counts, vocabulary
 from onnxmerge.sessions import ORT_TO_NUMPY, open_session, session_options
 
 logger = logging.getLogger(__name__)
@@ -129,8 +129,17 @@ def run_both_branches(path: Path, sources: Sequence[Path] = ()) -> None:
     suffix = "-one-decoder" if one_decoder else ""
     inputs = {i.name: i for i in session.get_inputs()}
     rng = np.random.default_rng(0)
-    feeds = sample_encoder_inputs(session, config, batch=_BATCH, length=_ENCODER_LENGTH, rng=rng)
-    vocab = int(config.get("vocab_size") or 4)
+    # Sizes the model states itself come first: a folder may hold no config.json (Hub onnx/).
+    counts = token_counts(path)
+    feeds = sample_encoder_inputs(
+        session,
+        config,
+        batch=_BATCH,
+        length=_ENCODER_LENGTH,
+        rng=rng,
+        vocab=vocabulary(counts, config, "input_ids"),
+    )
+    vocab = vocabulary(counts, config, contract.DECODER_INPUT_IDS)
     ids = rng.integers(0, vocab, (_BATCH, _DECODER_LENGTH)).astype(np.int64)
     first = dict(feeds, **{contract.DECODER_INPUT_IDS: ids})
     has_past = contract.USE_CACHE_BRANCH in inputs

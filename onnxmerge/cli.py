@@ -144,13 +144,23 @@ def _with_checkpoint(result, source: Path):
     return dataclasses.replace(result, checkpoint_bytes=found.stat().st_size)
 
 
+def _relative(path: Path, folder: Path | None) -> str:
+    try:
+        return path.relative_to(folder).as_posix() if folder else path.name
+    except ValueError:
+        return path.name
+
+
 def _merge_summary(result) -> str:
-    rows = [(f.path.name, f.role, _human(f.bytes)) for f in result.inputs]
+    base = result.config_dir or result.path.parent
+    rows = [(_relative(f.path, base), f.role, _human(f.bytes)) for f in result.inputs]
     rows.append(("total read", "", _human(result.input_bytes)))
-    rows.append((result.path.name, "merged", _human(result.output_bytes)))
+    rows.append((_relative(result.path, base), "merged", _human(result.output_bytes)))
     lines = [table(rows, ("file", "role", "size"))]
     saved = result.bytes_saved
     lines.append("")
+    if _chose_files(result):
+        lines.append(_dtype_line(result))
     lines.append(
         f"tensors: {result.tensors_in} in, {result.tensors_out} out; "
         f"{len(result.shared)} stored once instead of twice or more "
@@ -169,6 +179,34 @@ def _merge_summary(result) -> str:
     return "\n".join(lines)
 
 
+def _chose_files(result) -> bool:
+    """Whether the merge picked files from several dtypes or a Hub layout: worth saying which."""
+    return (
+        result.dtype not in (None, "fp32")
+        or any(d != result.dtype for d in result.dtypes_present)
+        or (result.config_dir is not None and result.config_dir != result.model_dir)
+    )
+
+
+def _dtype_line(result) -> str:
+    """Which dtype's files were merged, from where, and which others the folder holds."""
+    where = os.fspath(result.model_dir or result.path.parent)
+    if result.dtype is None:
+        text = f"merged the .onnx files of {where}"
+    else:
+        from onnxmerge.export_layout import DTYPE_SUFFIXES
+
+        suffix = DTYPE_SUFFIXES[result.dtype]
+        named = f"suffix {suffix}" if suffix else "no suffix"
+        text = f"dtype {result.dtype} ({named}) from {where}"
+    if result.config_dir is not None and result.config_dir != result.model_dir:
+        text += f"; configs from {result.config_dir}"
+    others = [d for d in result.dtypes_present if d != result.dtype]
+    if others:
+        text += f"\nalso present: {', '.join(others)} (--dtype NAME merges one, --dtype all each)"
+    return text
+
+
 def _result_json(result) -> dict:
     data = _jsonable(result)
     data.update(
@@ -180,9 +218,12 @@ def _result_json(result) -> dict:
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
-    from onnxmerge.merge import DEFAULT_OUTPUT_NAME, merge_seq2seq_with_report
+    from onnxmerge.export_layout import EVERY_DTYPE, output_name
+    from onnxmerge.merge import merge_seq2seq_with_report
 
-    output = Path(args.output) if args.output else Path(args.dir) / DEFAULT_OUTPUT_NAME
+    if args.dtype == EVERY_DTYPE:
+        return _merge_every_dtype(args)
+    output = Path(args.output) if args.output else Path(args.dir) / output_name(args.dtype)
     new_output = not output.exists()
     if args.generation:
         _refuse_existing_generator(output, args.overwrite)
@@ -195,6 +236,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
             force=args.force,
             progress=steps,
             format=args.format,
+            dtype=args.dtype,
         )
     data = _result_json(result)
     summary = _merge_summary(result)
@@ -238,6 +280,25 @@ def cmd_merge(args: argparse.Namespace) -> int:
             f"{args.generation} search inside the graph, {given}, token ids out"
         )
     _emit(args, data, lambda: summary)
+    return EXIT_OK
+
+
+def _merge_every_dtype(args: argparse.Namespace) -> int:
+    from onnxmerge.export_layout import merge_every_dtype
+
+    with _Steps(quiet=args.json) as steps:
+        results = merge_every_dtype(
+            args.dir,
+            overwrite=args.overwrite,
+            external_data=True if args.external_data else None,
+            force=args.force,
+            progress=steps,
+        )
+    _emit(
+        args,
+        [_result_json(r) for r in results],
+        lambda: "\n\n".join(_merge_summary(r) for r in results),
+    )
     return EXIT_OK
 
 
@@ -289,7 +350,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
     _need("onnxruntime", "runtime")
     against = Path(args.against) if args.against else Path(args.file).parent
     try:
-        report = verify(args.file, against, seed=args.seed, tolerance=args.tolerance)
+        report = verify(
+            args.file, against, seed=args.seed, tolerance=args.tolerance, dtype=args.dtype
+        )
     except ExportFolderError as e:
         if args.against:
             raise
@@ -718,6 +781,7 @@ def cmd_web(args: argparse.Namespace) -> int:
             task=args.task,
             overwrite=args.overwrite,
             progress=steps,
+            dtype=args.dtype,
         )
     files = {p.name: p.stat().st_size for p in sorted(site.iterdir())}
 
@@ -774,6 +838,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
             generation=args.generation,
             num_beams=args.num_beams,
             web=args.web,
+            dtype=args.dtype,
             memory_bytes=int(args.memory * 2**30) if args.memory else None,
             on_result=progress,
         )
@@ -858,7 +923,27 @@ def _check_merge_args(args: argparse.Namespace) -> str | None:
         return "--audio applies only with --generation"
     if (args.language or args.task) and not args.generation:
         return "--language and --task apply only with --generation"
+    if args.dtype == "all" and (args.output or args.weights or args.generation):
+        return (
+            "--dtype all writes DIR/model{suffix}.onnx for each dtype; it takes no -o, "
+            "--weights or --generation"
+        )
     return None
+
+
+def _dtype_argument(p: argparse.ArgumentParser, *, every: bool) -> None:
+    from onnxmerge.export_layout import DTYPE_SUFFIXES, EVERY_DTYPE
+
+    names = (*DTYPE_SUFFIXES, EVERY_DTYPE) if every else tuple(DTYPE_SUFFIXES)
+    p.add_argument(
+        "--dtype",
+        choices=names,
+        metavar="NAME",
+        help="which files of a folder with several dtypes (transformers.js's suffixes: fp32 "
+        "none, fp16 _fp16, q8 _quantized, int8 _int8, uint8 _uint8, q4 _q4, q4f16 _q4f16, "
+        "bnb4 _bnb4); default fp32"
+        + ("; all: each present, into DIR/model{suffix}.onnx" if every else ""),
+    )
 
 
 def _external_data_argument(p: argparse.ArgumentParser) -> None:
@@ -916,8 +1001,15 @@ def build_parser() -> argparse.ArgumentParser:
         return p
 
     p = add("merge", cmd_merge, "merge an export folder into one model")
-    p.add_argument("dir", help="folder written by optimum-cli export onnx")
-    p.add_argument("-o", "--output", help="output file (default: DIR/model.onnx)")
+    p.add_argument(
+        "dir",
+        help="folder written by optimum-cli export onnx, or a Hub repository with its models "
+        "under onnx/ (transformers.js's layout)",
+    )
+    p.add_argument(
+        "-o", "--output", help="output file (default: DIR/model.onnx, DIR/model{suffix}.onnx)"
+    )
+    _dtype_argument(p, every=True)
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
     _external_data_argument(p)
     p.add_argument(
@@ -957,6 +1049,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("verify", cmd_verify, "compare a merged model with the files it came from")
     p.add_argument("file", help="merged model")
     p.add_argument("--against", help="export folder (default: the model's folder)")
+    _dtype_argument(p, every=False)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--tolerance",
@@ -1041,6 +1134,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="quantize the weights first (default: as they are)",
     )
     p.add_argument("--tokenizer", help="folder with tokenizer.json (default: beside the source)")
+    _dtype_argument(p, every=False)
     p.add_argument("--example", action="append", help="a sentence the text box starts with")
     _whisper_prompt_arguments(p)
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty site folder")
@@ -1063,6 +1157,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--generation", choices=("greedy", "beam"), help="also write generator.onnx")
     p.add_argument("--num-beams", type=int, default=4, help="beams for --generation beam")
     p.add_argument("--web", action="store_true", help="also build a web page running the model")
+    _dtype_argument(p, every=False)
     p.add_argument(
         "--memory",
         type=float,

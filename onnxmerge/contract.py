@@ -28,6 +28,8 @@ META_PRECISION = "onnxmerge.precision"  # versions 2, 3: precision per part (doc
 # Version 3, only where a first step of several tokens differs from the decoder without past:
 # "1", the prompt is fed one token per step.
 META_PROMPT_TOKENS_PER_STEP = "onnxmerge.prompt_tokens_per_step"
+# What the merge read: the dtype and the sha256 of each file (onnxmerge.export_layout).
+META_SOURCES = "onnxmerge.sources"
 # The values META_PRECISION may hold, and those a whole file's weights can be quantized to.
 PRECISIONS = ("fp32", "fp16", "int8", "uint8", "int4")
 WEIGHT_PRECISIONS = ("int8", "uint8", "fp16", "int4")

@@ -22,6 +22,7 @@ from onnxmerge import (
     dedup,
     dims,
     first_step,
+    export_layout,
     model_io,
     passes,
     reshape_targets,
@@ -79,6 +80,12 @@ class MergeResult:
     # The format version written (docs/format.md), and why that one.
     format_version: str = contract.FORMAT_VERSION
     format_reason: str = ""
+    # The dtype merged (transformers.js's names; None: files with other names), where its files
+    # and the configs were, and the other dtypes the folder holds.
+    dtype: str | None = None
+    model_dir: Path | None = None
+    config_dir: Path | None = None
+    dtypes_present: tuple[str, ...] = ()
 
     def _replace_reason(self, reason: str) -> MergeResult:
         return dataclasses.replace(self, format_reason=reason)
@@ -108,6 +115,7 @@ def merge_seq2seq(
     external_data: bool | None = None,
     force: bool = False,
     format: int | None = None,
+    dtype: str | None = None,
 ) -> Path:
     """Merge an optimum seq2seq export folder into one ONNX model; return its path.
 
@@ -120,6 +128,7 @@ def merge_seq2seq(
         external_data=external_data,
         force=force,
         format=format,
+        dtype=dtype,
     ).path
 
 
@@ -132,12 +141,16 @@ def merge_seq2seq_with_report(
     force: bool = False,
     progress: Callable[[str], None] | None = None,
     format: int | None = None,
+    dtype: str | None = None,
 ) -> MergeResult:
     """Merge an optimum seq2seq export folder into one ONNX model and report the numbers.
 
     Args:
-        export_dir: the folder ``optimum-cli export onnx`` wrote.
-        output: the file to write; ``<export_dir>/model.onnx`` by default.
+        export_dir: the folder ``optimum-cli export onnx`` wrote, or a Hub repository laid out for
+            transformers.js (configs at the root, models under ``onnx/``), or its ``onnx/``
+            folder; an :class:`onnxmerge.export_layout.ExportLayout` already resolved.
+        output: the file to write; ``<export_dir>/model.onnx`` by default
+            (``model{suffix}.onnx`` for another dtype).
         overwrite: replace an existing output file.
         external_data: ``None`` writes weights to ``<output>_data`` only past 2 GB; ``True`` always;
             ``False`` never (a model past 2 GB is then refused).
@@ -147,6 +160,8 @@ def merge_seq2seq_with_report(
             ``If`` of versions 1 and 2. ``None`` writes 3 where it holds for these files (the
             merge proves it on sample inputs) and 2 otherwise; ``MergeResult.format_reason``
             says why.
+        dtype: which files of a folder holding several dtypes (transformers.js's names and
+            suffixes: ``"fp32"``, ``"q8"`` for ``_quantized``, ``"fp16"``, ...); fp32 by default.
 
     Raises:
         OnnxMergeError: or one of its subclasses, with what is wrong and what to do. Nothing is
@@ -156,15 +171,17 @@ def merge_seq2seq_with_report(
         raise ExportFolderError(
             f"format must be one of {', '.join(map(str, FORMATS))} (or None), got {format!r}"
         )
-    export_dir = Path(export_dir)
-    if not export_dir.is_dir():
-        raise ExportFolderError(
-            f"{export_dir} is not a folder; pass the folder optimum exported to"
-        )
-    output = Path(output) if output is not None else export_dir / DEFAULT_OUTPUT_NAME
+    if isinstance(export_dir, export_layout.ExportLayout):
+        layout = export_dir
+    else:
+        layout = export_layout.resolve(export_dir, dtype)
+    export_dir = layout.source
+    if output is None:
+        output = export_dir / export_layout.output_name(layout.dtype)
+    output = Path(output)
     step = progress or (lambda _: None)
     step("loading")
-    chosen, models, data_files = load_export(export_dir, output)
+    chosen, models, data_files = load_export(layout.model_dir, output, files=layout.files)
     files_read = [f for p in chosen.values() for f in (p, *data_files[p])]
     model_io.check_output(output, files_read, overwrite=overwrite)
 
@@ -187,8 +204,9 @@ def merge_seq2seq_with_report(
     rewrites = passes.run(model, (separate_dims, *rewrite_steps(cross is not None)))
     shared = passes.records(rewrites)
     configs = {
-        contract.META_CONFIG: _read_json(export_dir / "config.json"),
-        contract.META_GENERATION_CONFIG: _read_json(export_dir / "generation_config.json"),
+        contract.META_CONFIG: _read_json(layout.config_dir / "config.json"),
+        contract.META_GENERATION_CONFIG: _read_json(layout.config_dir / "generation_config.json"),
+        contract.META_SOURCES: export_layout.sources_record(layout, files_read),
     }
     config = configs[contract.META_CONFIG]
     problems = compat.checkpoint_problems(
@@ -230,7 +248,7 @@ def merge_seq2seq_with_report(
                 ) from None
             logger.info("writing format 2: %s", verdict.reason)
             return merge_seq2seq_with_report(
-                export_dir,
+                layout,
                 output,
                 overwrite=overwrite,
                 external_data=external_data,
@@ -246,7 +264,7 @@ def merge_seq2seq_with_report(
         InputFile(path, role.value, model_io.file_bytes(path, data_files[path]))
         for role, path in chosen.items()
     )
-    checkpoint = find_checkpoint(export_dir)
+    checkpoint = find_checkpoint(layout.config_dir)
     result = MergeResult(
         path=output,
         layout=model.metadata_props[contract.META_LAYOUT],
@@ -260,6 +278,10 @@ def merge_seq2seq_with_report(
         rewrites=passes.counts(rewrites),
         format_version=model.metadata_props[contract.META_FORMAT_VERSION],
         format_reason=format_reason,
+        dtype=layout.dtype,
+        model_dir=layout.model_dir,
+        config_dir=layout.config_dir,
+        dtypes_present=layout.present,
     )
     logger.info(
         "merged %d files (%d bytes) into %s (%d bytes); %d tensors shared, %d transposed",
@@ -330,14 +352,21 @@ def find_checkpoint(folder: Path) -> Path | None:
 
 
 def load_export(
-    export_dir: Path, output: Path, *, ignore_merged: bool = False
+    export_dir: Path,
+    output: Path,
+    *,
+    ignore_merged: bool = False,
+    files: tuple[Path, ...] | None = None,
 ) -> tuple[dict[Role, Path], dict[Path, ir.Model], dict[Path, set[Path]]]:
-    """Load every model of the folder, judge its role, keep the ones the merge needs.
+    """Load every model of the folder (or ``files``, one dtype's: see
+    :func:`onnxmerge.export_layout.resolve`), judge its role, keep the ones the merge needs.
 
     ``ignore_merged`` skips merged models found in the folder instead of refusing them (for
     ``verify``, which only reads the originals).
     """
-    candidates = sorted(p for p in export_dir.glob("*.onnx") if p.is_file())
+    if files is None:
+        files = export_layout.resolve(export_dir).files
+    candidates = sorted(files)
     if not candidates:
         raise ExportFolderError(
             f"{export_dir} holds no .onnx file; export the model first, e.g. `optimum-cli export "
@@ -349,6 +378,8 @@ def load_export(
     for path in candidates:
         model, files = model_io.load_model(path)
         judgement = roles.judge(model)
+        if judgement.role == Role.MERGED_DECODER:
+            export_layout.sink_into_branches(model)
         if judgement.role == Role.MERGED_MODEL and (
             ignore_merged or (output.exists() and path.samefile(output))
         ):

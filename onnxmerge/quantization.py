@@ -119,7 +119,12 @@ def quantize_with_report(
 
 def _files_read(source: Path) -> list[Path]:
     """The model and its data files, or those of every model in the export folder."""
-    models = sorted(source.glob("*.onnx")) if source.is_dir() else [source]
+    if source.is_dir():
+        from onnxmerge.export_layout import resolve
+
+        models = list(resolve(source).files)
+    else:
+        models = [source]
     return [f for m in models if m.is_file() for f in (m, *model_io.data_files_of(m))]
 
 

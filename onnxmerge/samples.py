@@ -3,20 +3,112 @@
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import numpy as np
+import onnx
 
 from onnxmerge import contract
 from onnxmerge.errors import InvalidMergedModelError
 from onnxmerge.sessions import ORT_TO_NUMPY
 
+# Where neither the model nor a config says how many tokens there are: ids below this are valid
+# for any vocabulary a real model has.
+SMALL_VOCAB = 4
+# Operators an embedding table may pass through between its initializer and the Gather, and
+# token ids between the graph input and the Gather (optimum's exports reshape them).
+_TABLE_PASS_THROUGH = {"DequantizeLinear", "Cast", "Identity", "Mul"}
+_IDS_PASS_THROUGH = {"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Cast", "Identity"}
+
+
+def token_counts(path: str | os.PathLike) -> dict[str, int]:
+    """How many ids each token input of a model takes: the rows of the embedding that ``Gather``
+    reads it with (also inside subgraphs, and behind a ``DequantizeLinear``), else, for the
+    decoder's ids, the width of the ``logits`` output. Inputs that neither tells are left out."""
+    proto = onnx.load(os.fspath(Path(path)), load_external_data=False)
+    shapes: dict[str, list[int]] = {}
+    producers: dict[str, onnx.NodeProto] = {}
+    gathers: list[onnx.NodeProto] = []
+
+    def walk(graph: onnx.GraphProto) -> None:
+        for tensor in graph.initializer:
+            shapes[tensor.name] = list(tensor.dims)
+        for node in graph.node:
+            for out in node.output:
+                producers[out] = node
+            if node.op_type == "Constant":
+                for attr in node.attribute:
+                    if attr.name == "value":
+                        shapes[node.output[0]] = list(attr.t.dims)
+            if node.op_type in ("Gather", "GatherBlockQuantized") and len(node.input) > 1:
+                gathers.append(node)
+            for attr in node.attribute:
+                if attr.HasField("g"):
+                    walk(attr.g)
+                for sub in attr.graphs:
+                    walk(sub)
+
+    walk(proto.graph)
+
+    def rows(name: str, depth: int = 0) -> int | None:
+        if name in shapes:
+            dims = shapes[name]
+            return int(dims[0]) if len(dims) == 2 and dims[0] > 0 else None
+        node = producers.get(name)
+        if node is None or depth > 4 or node.op_type not in _TABLE_PASS_THROUGH:
+            return None
+        return rows(node.input[0], depth + 1)
+
+    def origin(name: str) -> str:
+        for _ in range(4):
+            node = producers.get(name)
+            if node is None or node.op_type not in _IDS_PASS_THROUGH:
+                break
+            name = node.input[0]
+        return name
+
+    counts: dict[str, int] = {}
+    token_inputs = {i.name for i in proto.graph.input} & {
+        "input_ids",
+        contract.DECODER_INPUT_IDS,
+    }
+    for node in gathers:
+        ids = origin(node.input[1])
+        if ids in token_inputs:
+            found = rows(node.input[0])
+            if found is not None:
+                counts[ids] = min(found, counts.get(ids, found))
+    for output in proto.graph.output:
+        if output.name == contract.LOGITS and contract.DECODER_INPUT_IDS not in counts:
+            dims = output.type.tensor_type.shape.dim
+            if dims and dims[-1].HasField("dim_value") and dims[-1].dim_value > 0:
+                counts[contract.DECODER_INPUT_IDS] = int(dims[-1].dim_value)
+    return counts
+
+
+def vocabulary(counts: dict[str, int], config: dict, name: str) -> int:
+    """The number of valid ids of the token input ``name``: the model's own count, else the
+    config's ``vocab_size``, else :data:`SMALL_VOCAB`."""
+    if name in counts:
+        return counts[name]
+    key = "decoder_vocab_size" if name == contract.DECODER_INPUT_IDS else "vocab_size"
+    return int(config.get(key) or config.get("vocab_size") or SMALL_VOCAB)
+
 
 def sample_encoder_inputs(
-    session, config: dict, *, batch: int, length: int, rng: np.random.Generator
+    session,
+    config: dict,
+    *,
+    batch: int,
+    length: int,
+    rng: np.random.Generator,
+    vocab: int | None = None,
 ) -> dict[str, np.ndarray]:
-    """Random but valid encoder inputs for a merged model's session."""
+    """Random but valid encoder inputs for a merged model's session; ``vocab``: how many ids
+    the encoder takes (see :func:`token_counts`), else the config's ``vocab_size``."""
     names = set(_encoder_input_names(session))
-    vocab = int(config.get("vocab_size") or 100)
+    vocab = vocab or int(config.get("vocab_size") or SMALL_VOCAB)
     feeds: dict[str, np.ndarray] = {}
     for info in session.get_inputs():
         if info.name not in names:

@@ -13,7 +13,7 @@ import numpy as np
 from onnxmerge import contract
 from onnxmerge.errors import ExportFolderError, InvalidMergedModelError
 from onnxmerge.roles import Role
-from onnxmerge.samples import sample_encoder_inputs
+from onnxmerge.samples import sample_encoder_inputs, token_counts, vocabulary
 from onnxmerge.sessions import ORT_TO_NUMPY, open_session, session_options
 
 logger = logging.getLogger(__name__)
@@ -69,14 +69,18 @@ def verify(
     seed: int = 0,
     optimized: bool = False,
     tolerance: float | None = None,
+    dtype: str | None = None,
 ) -> VerifyReport:
     """Compare both branches of ``merged`` with the original files of ``export_dir``.
 
     The first step (``use_cache_branch = false``) runs against encoder + decoder; the cached step
     runs against the decoder with past, both fed the same past key/values. ``tolerance`` bounds
     max |diff|: by default 1e-4 for a float32 file; for a quantized file, a share of each output's
-    largest |value| that fits its precision (:data:`RELATIVE_TOLERANCE`).
+    largest |value| that fits its precision (:data:`RELATIVE_TOLERANCE`). ``export_dir`` may be
+    a Hub repository (models under ``onnx/``); ``dtype`` picks its files, by default the dtype
+    the merged file records it was made from, else fp32.
     """
+    from onnxmerge import export_layout
     from onnxmerge.merge import load_export
 
     merged, export_dir = Path(merged), Path(export_dir)
@@ -101,10 +105,20 @@ def verify(
     relative = coarsest in RELATIVE_TOLERANCE
     if tolerance is None:
         tolerance = RELATIVE_TOLERANCE[coarsest] if relative else DEFAULT_TOLERANCE
-    chosen, _, _ = load_export(export_dir, merged, ignore_merged=True)
-    feeds = sample_encoder_inputs(model, config, batch=batch, length=encoder_length, rng=rng)
-    vocab = model.get_outputs()[0].shape[-1]
-    vocab = vocab if isinstance(vocab, int) else int(config.get("vocab_size", 100))
+    dtype = dtype or export_layout.recorded_dtype(meta.get(contract.META_SOURCES))
+    layout = export_layout.resolve(export_dir, dtype)
+    chosen, _, _ = load_export(layout.model_dir, merged, ignore_merged=True, files=layout.files)
+    # The sizes the model states itself; a folder may hold no config.json (Hub onnx/).
+    counts = token_counts(merged)
+    feeds = sample_encoder_inputs(
+        model,
+        config,
+        batch=batch,
+        length=encoder_length,
+        rng=rng,
+        vocab=vocabulary(counts, config, "input_ids"),
+    )
+    vocab = vocabulary(counts, config, contract.DECODER_INPUT_IDS)
     decoder_ids = rng.integers(2, max(3, vocab - 2), (batch, decoder_length)).astype(np.int64)
     mask = feeds.get(contract.ATTENTION_MASK)
 

@@ -26,3 +26,8 @@ fi
 if [ "${1:-}" = "test" ] && command -v npm >/dev/null; then
   (cd tests/web && npm ci --ignore-scripts --no-audit --no-fund --silent)
 fi
+# transformers.js for the browser benchmark's side-by-side part (benchmarks/web, about 0.5 GB with
+# onnxruntime-node, which it never runs); without it that part says why it was left out.
+if [ "${1:-}" = "bench" ] && command -v npm >/dev/null; then
+  (cd benchmarks/web && npm ci --ignore-scripts --no-audit --no-fund --silent)
+fi

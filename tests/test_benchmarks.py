@@ -40,6 +40,11 @@ def test_run_all_quick_writes_results_and_docs(tmp_path):
     whisper = json.loads((tmp_path / "out" / "whisper.json").read_text())
     assert whisper["python"]["tokens_equal"] and whisper["python"]["features_max_abs_diff"] < 1e-4
     assert "skipped" in whisper["browser"] or whisper["browser"]["tokens_equal_python"]
+    side = web.get("side_by_side", {"skipped": "not run"})
+    for m in side.get("models", []):  # transformers.js installed in benchmarks/web
+        for page in m["sides"]:
+            assert page["same_tokens_to_eos"], (page["side"], page["precision"])
+            assert page["same_tokens"] or page["side"] == "transformers.js"
     batch = json.loads((tmp_path / "out" / "batch.json").read_text())
     assert all(m["converted"] == m["models"] for m in batch["modes"].values())
     page = (tmp_path / "docs" / "benchmarks.md").read_text()

@@ -55,6 +55,7 @@ def convert_many(
     generation: str | None = None,
     num_beams: int = 4,
     web: bool = False,
+    dtype: str | None = None,
     memory_bytes: int | None = None,
     tolerance: float = 1e-4,
     on_result: Callable[[ModelResult, int, int], None] | None = None,
@@ -73,6 +74,8 @@ def convert_many(
         generation: also build ``generator.onnx`` with ``"greedy"`` or ``"beam"`` search.
         num_beams: beams for ``generation="beam"``.
         web: also build a web page that runs the model (``onnxmerge.web.build_site``).
+        dtype: which files of an export holding several dtypes (Hub repositories laid out for
+            transformers.js: ``"fp32"``, ``"q8"``, ...; see :mod:`onnxmerge.export_layout`).
         memory_bytes: the memory each model declares and is held to, instead of the estimate
             from its input sizes.
         tolerance: largest difference to the export that verification accepts.
@@ -90,6 +93,7 @@ def convert_many(
         num_beams=num_beams,
         web=web,
         tolerance=tolerance,
+        dtype=dtype,
         # The cap is for workers; this process's own limits are left as they are.
         limit_memory=bool(ray) or jobs != 0,
     )

@@ -65,7 +65,13 @@ def _read_list(path: Path) -> list[Path]:
 
 
 def kind_of(folder: Path) -> str:
-    if (folder / ENCODER_FILE).is_file():
+    from onnxmerge.export_layout import model_folder, part_and_dtype
+
+    models = model_folder(folder)
+    if (models / ENCODER_FILE).is_file() or any(
+        (part_and_dtype(p) or ("",))[0] == ENCODER_FILE[: -len(".onnx")]
+        for p in models.glob("*.onnx")
+    ):
         return EXPORT
     if (folder / "config.json").is_file() and _checkpoints(folder):
         return PYTORCH
@@ -80,9 +86,11 @@ def input_bytes(folder: Path, kind: str) -> int:
     if kind == PYTORCH:
         return sum(p.stat().st_size for p in _checkpoints(folder))
     if kind == EXPORT:
+        from onnxmerge.export_layout import model_folder
+
         return sum(
             p.stat().st_size
-            for p in folder.iterdir()
+            for p in model_folder(folder).iterdir()
             if p.is_file() and (p.suffix == ".onnx" or p.name.endswith(("_data", ".data")))
         )
     return 0

@@ -63,15 +63,19 @@ class Options:
     web: bool = False
     tolerance: float = 1e-4
     limit_memory: bool = True
+    dtype: str | None = None  # which files of a folder with several (transformers.js's names)
 
     def key(self) -> dict[str, Any]:
         """The options that shape the outputs (a change means the model is converted again)."""
-        return {
+        key = {
             "weights": self.weights,
             "generation": self.generation,
             "num_beams": self.num_beams if self.generation == "beam" else None,
             "web": self.web,
         }
+        if self.dtype not in (None, "fp32"):  # keys written before dtypes existed stay valid
+            key["dtype"] = self.dtype
+        return key
 
 
 @dataclass(frozen=True)
@@ -208,17 +212,20 @@ def _convert(job: Job, staging: Path, options: Options, seconds: dict[str, float
         export_dir = job.source
     else:
         raise ExportFolderError(
-            f"{job.source} holds neither an optimum export (encoder_model.onnx) nor a PyTorch "
+            f"{job.source} holds neither an optimum export (encoder_model.onnx, here or in onnx/) "
+            "nor a PyTorch "
             "checkpoint (config.json with *.safetensors or *.bin); pass a model folder"
         )
-    copy_side_files(export_dir, staging)
+    from onnxmerge.export_layout import config_folder
+
+    copy_side_files(config_folder(export_dir), staging)
     if job.kind == PYTORCH:
         copy_side_files(job.source, staging)
     model = staging / MODEL_FILE
     with _timed(seconds, "merge"):
-        merged = merge_seq2seq_with_report(export_dir, model)
+        merged = merge_seq2seq_with_report(export_dir, model, dtype=options.dtype)
     with _timed(seconds, "verify"):
-        report = verify(model, export_dir, tolerance=options.tolerance)
+        report = verify(model, export_dir, tolerance=options.tolerance, dtype=options.dtype)
     if not report.ok:
         raise InvalidMergedModelError(
             f"{model.name} differs from the export in {export_dir}: max |diff| "

@@ -63,8 +63,21 @@ def serve(
         server.server_close()
 
 
-def launch_chromium(playwright: Any, node_modules: Path) -> tuple[Any, str | None]:
-    """``(browser, None)``, or ``(None, why)`` when Chromium or the page's packages are missing."""
+# For measurements: nothing but the page uses the network or the processor.
+QUIET_FLAGS = (
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+)
+
+
+def launch_chromium(
+    playwright: Any, node_modules: Path, flags: tuple[str, ...] = ()
+) -> tuple[Any, str | None]:
+    """``(browser, None)``, or ``(None, why)`` when Chromium or the page's packages are missing;
+    ``flags`` are added to Chromium's command line."""
     from playwright.sync_api import Error
 
     executable = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -74,7 +87,7 @@ def launch_chromium(playwright: Any, node_modules: Path) -> tuple[Any, str | Non
         where = node_modules.parent
         return None, f"the page's packages are not installed: npm ci --ignore-scripts in {where}"
     # Chromium's sandbox refuses to start as root, which CI runs as.
-    args = ["--no-sandbox"] if os.geteuid() == 0 else []
+    args = (["--no-sandbox"] if os.geteuid() == 0 else []) + list(flags)
     try:
         return playwright.chromium.launch(executable_path=executable, args=args), None
     except Error as e:

@@ -55,12 +55,14 @@ def build_site(
     task: str | None = None,
     overwrite: bool = False,
     progress: Callable[[str], None] | None = None,
+    dtype: str | None = None,
 ) -> Path:
     """Write a static site that translates in the browser with one model file; return its folder.
 
     Args:
-        source: an optimum export folder (merged first), a merged model file or a generator model
-            file (``onnxmerge.generator.build_generator``).
+        source: an optimum export folder or a Hub repository with its models under ``onnx/``
+            (merged first, unless the folder already holds the merge of those very files), a
+            merged model file or a generator model file (``onnxmerge.generator.build_generator``).
         output: the site folder; it must not exist, be empty, or ``overwrite`` must be set.
         weights: ``None`` keeps the weights as they are; ``"int8"`` (or another precision
             ``onnxmerge.quantize`` takes) quantizes the merged model before the loop is built.
@@ -72,6 +74,8 @@ def build_site(
             model needs a language, since the graph does not detect it.
         overwrite: replace an existing, non-empty output folder.
         progress: called with the name of each step as it starts.
+        dtype: which files of a folder with several dtypes (transformers.js's names), fp32 by
+            default.
 
     Raises:
         OnnxMergeError: or a subclass, saying what is wrong; nothing is written then.
@@ -80,8 +84,14 @@ def build_site(
     step = progress or (lambda _name: None)
     if not source.exists():
         raise InvalidMergedModelError(f"{source} does not exist: give an export folder or a model")
-    tokenizer_dir = Path(tokenizer) if tokenizer else (source if source.is_dir() else source.parent)
-    audio = _is_whisper(source)
+    layout = None
+    if source.is_dir():
+        from onnxmerge.export_layout import resolve
+
+        layout = resolve(source, dtype)
+    default_tokenizer = layout.config_dir if layout else source.parent
+    tokenizer_dir = Path(tokenizer) if tokenizer else default_tokenizer
+    audio = _is_whisper(layout.config_dir if layout else source)
     prompt = {k: v for k, v in (("language", language), ("task", task)) if v is not None}
     if prompt and not audio:
         raise OnnxMergeError("--language and --task apply to Whisper models only")
@@ -93,7 +103,7 @@ def build_site(
     try:
         staging.chmod(0o755)  # mkdtemp's 0700 would hide the site from a server's user
         model = staging / MODEL_FILE
-        _write_generator(source, model, weights, staging, step, audio, prompt)
+        _write_generator(layout or source, model, weights, staging, step, audio, prompt)
         step("writing the page")
         settings = _audio_page_settings(model) if audio else _page_settings(model)
         settings["examples"] = list(examples)
@@ -191,7 +201,7 @@ def _metadata(path: Path) -> dict[str, str]:
 
 
 def _write_generator(
-    source: Path,
+    source,
     model: Path,
     weights: str | None,
     staging: Path,
@@ -199,9 +209,14 @@ def _write_generator(
     audio: bool = False,
     prompt: dict[str, str] | None = None,
 ) -> None:
+    from onnxmerge.export_layout import ExportLayout
     from onnxmerge.generator import build_generator
     from onnxmerge.generator.audio import META_FEATURES, PREPROCESSOR_CONFIG
 
+    if isinstance(source, ExportLayout):
+        source, layout = source.source, source
+    else:
+        layout = None
     if source.is_file() and _GENERATOR_KEY in _metadata(source):
         if prompt:
             raise OnnxMergeError(
@@ -227,15 +242,14 @@ def _write_generator(
         return
     with tempfile.TemporaryDirectory(prefix="work-", dir=staging) as tmp:
         merged = source
-        if source.is_dir():
-            from onnxmerge.merge import merge_seq2seq
-
-            step("merging the export folder")
-            merged = merge_seq2seq(source, Path(tmp) / "model.onnx")
+        if layout is not None:
+            merged = _merged_model(layout, Path(tmp), step)
         if weights is not None:
             merged = _quantize(merged, Path(tmp), weights, step)
         # build_generator reads the preprocessor config beside the model it is given.
-        config_dir = source if source.is_dir() else source.parent
+        config_dir = (
+            layout.config_dir if layout is not None else source if source.is_dir() else source.parent
+        )
         if audio and (config_dir / PREPROCESSOR_CONFIG).is_file() and merged != source:
             shutil.copyfile(config_dir / PREPROCESSOR_CONFIG, merged.parent / PREPROCESSOR_CONFIG)
         step("building the decoding loop")
@@ -244,6 +258,35 @@ def _write_generator(
         raise OnnxMergeError(
             f"the generator of {source} was written with external data; {_TOO_LARGE}"
         )
+
+
+def _merged_model(layout, work: Path, step: Callable[[str], None]) -> Path:
+    """The folder's own merged model (``onnxmerge merge`` wrote it) when it is the merge of the
+    files there now; else a fresh merge in ``work``, leaving the folder's file alone."""
+    import dataclasses
+
+    from onnxmerge import export_layout
+    from onnxmerge.merge import merge_seq2seq
+
+    earlier = [
+        folder / export_layout.output_name(layout.dtype)
+        for folder in dict.fromkeys((layout.source, layout.model_dir, layout.config_dir))
+    ]
+    for path in earlier:
+        if path.is_file():
+            recorded = _metadata(path).get(contract.META_SOURCES)
+            if export_layout.is_merge_of(recorded, layout):
+                step(f"using {path}, the merge of these files")
+                return path
+    stale = tuple(p for p in earlier if p.is_file())
+    step(
+        f"merging the export folder (in a temporary folder: {stale[0].name} there is not the "
+        "merge of these files)"
+        if stale
+        else "merging the export folder"
+    )
+    layout = dataclasses.replace(layout, files=tuple(p for p in layout.files if p not in stale))
+    return merge_seq2seq(layout, work / "model.onnx")
 
 
 _TOO_LARGE = (

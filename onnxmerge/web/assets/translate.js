@@ -111,15 +111,24 @@ async function load() {
   });
   const downloaded = performance.now();
   $("status").textContent = "Preparing the model…";
-  const session = await ort.InferenceSession.create(model, { executionProviders: ["wasm"] });
+  // ?optimization=disabled|basic|extended|all: onnxruntime-web's graph optimization, for
+  // profiling the session creation (docs/web.md); its default ("all") otherwise.
+  const options = { executionProviders: ["wasm"] };
+  if (params.get("optimization")) options.graphOptimizationLevel = params.get("optimization");
+  const session = await ort.InferenceSession.create(model, options);
+  // One token on a one-token input: onnxruntime-web sets up the loop's kernels and buffers on
+  // the first run (several times a translation's time), so that the first translation does not.
+  await generate({ ort, session, site }, [[site.pad_token_id ?? 0]], 1);
   const ready = performance.now();
   progress.hidden = true;
   const timings = {
     download_ms: downloaded - started,
-    session_ms: ready - downloaded,
+    session_ms: ready - downloaded, // session creation and the warm-up run
     load_ms: ready - started,
+    ready_ms: ready, // since the navigation started
     model_bytes: model.length,
     threads: ort.env.wasm.numThreads,
+    graph_optimization: options.graphOptimizationLevel ?? "all",
     cross_origin_isolated: crossOriginIsolated,
   };
   $("status").textContent =

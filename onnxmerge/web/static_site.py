@@ -247,9 +247,9 @@ def _write_generator(
         if weights is not None:
             merged = _quantize(merged, Path(tmp), weights, step)
         # build_generator reads the preprocessor config beside the model it is given.
-        config_dir = (
-            layout.config_dir if layout is not None else source if source.is_dir() else source.parent
-        )
+        config_dir = source if source.is_dir() else source.parent
+        if layout is not None:
+            config_dir = layout.config_dir
         if audio and (config_dir / PREPROCESSOR_CONFIG).is_file() and merged != source:
             shutil.copyfile(config_dir / PREPROCESSOR_CONFIG, merged.parent / PREPROCESSOR_CONFIG)
         step("building the decoding loop")

@@ -124,6 +124,9 @@ class OnnxruntimeRunner(Runner):
         options = ort.SessionOptions()
         options.intra_op_num_threads = 1
         options.log_severity_level = 3
+        # The 4-bit kernels it fuses int4 weights into compute in float32, as the others do
+        # (by default they quantize the activations to int8).
+        options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "0")
         self.session = ort.InferenceSession(
             os.fspath(path), options, providers=["CPUExecutionProvider"]
         )

@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
             "merge_rewrites": report.rewrites,
             "searches": profile(merged, config, args.threads, args.repeats),
         }
-        from onnxmerge.reshape_targets import FoldReshapeTargets
+        from onnxmerge.passes.reshape_targets import FoldReshapeTargets
 
         unfolded = merge_without(FoldReshapeTargets, export.onnx_dir, Path(tmp) / "unfolded.onnx")
         result["without_reshape_folding"] = profile(unfolded, config, args.threads, args.repeats)

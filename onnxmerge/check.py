@@ -22,8 +22,8 @@ import onnx_ir as ir
 
 from onnxmerge import contract
 from onnxmerge.errors import MergedModelRunError
+from onnxmerge.runtime.ort import ORT_TO_NUMPY, open_session, session_options
 from onnxmerge.samples import sample_encoder_inputs
-from onnxmerge.sessions import ORT_TO_NUMPY, open_session, session_options
 
 logger = logging.getLogger(__name__)
 

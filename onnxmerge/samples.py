@@ -8,7 +8,7 @@ import numpy as np
 
 from onnxmerge import contract
 from onnxmerge.errors import InvalidMergedModelError
-from onnxmerge.sessions import ORT_TO_NUMPY
+from onnxmerge.runtime.ort import ORT_TO_NUMPY
 
 
 def sample_encoder_inputs(

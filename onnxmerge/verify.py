@@ -12,9 +12,9 @@ import numpy as np
 
 from onnxmerge import contract
 from onnxmerge.errors import ExportFolderError, InvalidMergedModelError
-from onnxmerge.roles import Role
+from onnxmerge.merge.roles import Role
+from onnxmerge.runtime.ort import ORT_TO_NUMPY, open_session, session_options
 from onnxmerge.samples import sample_encoder_inputs
-from onnxmerge.sessions import ORT_TO_NUMPY, open_session, session_options
 
 logger = logging.getLogger(__name__)
 

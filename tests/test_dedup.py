@@ -8,7 +8,8 @@ import onnx.numpy_helper
 import onnx_ir as ir
 import pytest
 
-from onnxmerge import dedup, merge_seq2seq, merge_seq2seq_with_report, passes
+from onnxmerge import merge_seq2seq, merge_seq2seq_with_report, passes
+from onnxmerge.passes import dedup
 from tests import textmodels as tm
 
 RNG = np.random.default_rng(7)

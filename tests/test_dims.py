@@ -6,8 +6,9 @@ from pathlib import Path
 
 import onnx_ir as ir
 
-from onnxmerge import dims, splice
-from onnxmerge.roles import Role
+from onnxmerge.merge import splice
+from onnxmerge.merge.roles import Role
+from onnxmerge.passes import dims
 
 # Both graphs name a size they computed ``unk__0``, as onnxruntime's shape inference does in
 # every file it processes; here it means 2*N in one and N+1 in the other.

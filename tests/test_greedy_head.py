@@ -18,9 +18,9 @@ ort = pytest.importorskip("onnxruntime")
 
 from onnxmerge import Seq2SeqModel, merge_seq2seq, quantize  # noqa: E402
 from onnxmerge.errors import GenerationError  # noqa: E402
-from onnxmerge.greedy_head import GreedySource, find_head, row_tables  # noqa: E402
 from onnxmerge.model_io import load_model  # noqa: E402
 from onnxmerge.runtime.greedy_head import TABLES, GreedyHead  # noqa: E402
+from onnxmerge.runtime.greedy_source import GreedySource, find_head, row_tables  # noqa: E402
 from onnxmerge.runtime.processors import (  # noqa: E402
     ForcedBOS,
     MinLength,
@@ -290,7 +290,7 @@ def test_the_rewrite_runs_in_a_process_that_imported_nothing_else(tied, tmp_path
     code = (
         "import sys\n"
         "from pathlib import Path\n"
-        "from onnxmerge.greedy_head import write_greedy_source\n"
+        "from onnxmerge.runtime.greedy_source import write_greedy_source\n"
         "print(write_greedy_source(Path(sys.argv[1]), Path(sys.argv[2])) is not None)\n"
     )
     done = subprocess.run(

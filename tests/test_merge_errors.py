@@ -16,13 +16,12 @@ from onnxmerge import (
     InvalidMergedModelError,
     OnnxMergeError,
     RefusedOutputError,
-    compat,
-    dedup,
     merge_seq2seq,
     passes,
-    splice,
 )
 from onnxmerge import contract as contract_module
+from onnxmerge.merge import compat, splice
+from onnxmerge.passes import dedup
 from tests import textmodels as tm
 
 

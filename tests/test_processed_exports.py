@@ -16,10 +16,10 @@ import onnx
 import onnx.numpy_helper
 import pytest
 
-from onnxmerge import Seq2SeqModel, contract, dims, merge_seq2seq
-from onnxmerge.dedup import MIN_SHARED_BYTES
+from onnxmerge import Seq2SeqModel, contract, merge_seq2seq
 from onnxmerge.errors import MergedModelRunError
-from onnxmerge.passes import StepResult
+from onnxmerge.passes import StepResult, dims
+from onnxmerge.passes.dedup import MIN_SHARED_BYTES
 from onnxmerge.runtime.processors import build_processors
 from onnxmerge.runtime.search import greedy_or_sample
 from onnxmerge.testing import zoo as models

@@ -33,7 +33,8 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from onnxmerge import dedup, merge, merge_seq2seq, model_io, passes
+from onnxmerge import merge, merge_seq2seq, model_io, passes
+from onnxmerge.passes import dedup
 from tests import textmodels as tm
 
 OPSET = 17

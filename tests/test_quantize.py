@@ -12,10 +12,12 @@ import onnx
 import onnx_ir as ir
 import pytest
 
-from onnxmerge import contract, model_io, quant_math, quant_rewrite
-from onnxmerge.dedup import find_duplicates
+from onnxmerge import contract, model_io
 from onnxmerge.errors import QuantizationError, RefusedOutputError
-from onnxmerge.sessions import open_session, session_options
+from onnxmerge.passes.dedup import find_duplicates
+from onnxmerge.quantization import codes as quant_math
+from onnxmerge.quantization import rewrite as quant_rewrite
+from onnxmerge.runtime.ort import open_session, session_options
 from onnxmerge.testing import quality
 from onnxmerge.testing.zoo import ARCHITECTURES
 from tests import textmodels as tm

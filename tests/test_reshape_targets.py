@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from onnxmerge.reshape_targets import FoldReshapeTargets, folded_target, inferred_shapes
+from onnxmerge.passes.reshape_targets import FoldReshapeTargets, folded_target, inferred_shapes
 from tests import textmodels as tm
 
 RNG = np.random.default_rng(5)

@@ -21,8 +21,8 @@ from onnxmerge import contract as c
 from onnxmerge.errors import GenerationError, InvalidMergedModelError
 from onnxmerge.runtime.greedy_head import FLAG, HIDDEN, GreedyHead
 from onnxmerge.runtime.memory import release_free_heap, release_mapped_weights
+from onnxmerge.runtime.ort import ORT_TO_NUMPY, open_session
 from onnxmerge.runtime.session_cache import open_with_cache
-from onnxmerge.sessions import ORT_TO_NUMPY, open_session
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ import onnx_ir as ir
 
 from onnxmerge import __version__, contract
 from onnxmerge.errors import ExportFolderError, IncompatibleModelsError
-from onnxmerge.roles import Role
+from onnxmerge.merge.roles import Role
 
 logger = logging.getLogger(__name__)
 

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from onnxmerge import dedup, splice
-from onnxmerge.roles import Role
+from onnxmerge.merge import splice
+from onnxmerge.merge.roles import Role
+from onnxmerge.passes import dedup
 
 # A decoder with past from the same checkpoint shares nearly all of its weights with the decoder.
 MIN_SHARED_FRACTION = 0.5

@@ -16,12 +16,14 @@ from pathlib import Path
 
 import onnx_ir as ir
 
-from onnxmerge import contract, dedup, inspection, model_io, passes, quant_rewrite
+from onnxmerge import contract, inspection, model_io, passes
 from onnxmerge.contract import PRECISIONS, WEIGHT_PRECISIONS
 from onnxmerge.errors import (
     InvalidMergedModelError,
     QuantizationError,
 )
+from onnxmerge.passes import dedup
+from onnxmerge.quantization import rewrite as quant_rewrite
 
 logger = logging.getLogger(__name__)
 

@@ -14,25 +14,15 @@ from pathlib import Path
 
 import onnx_ir as ir
 
-from onnxmerge import (
-    check,
-    compat,
-    contract,
-    dedup,
-    dims,
-    model_io,
-    passes,
-    reshape_targets,
-    roles,
-    splice,
-    tied_head,
-)
+from onnxmerge import check, contract, model_io, passes
 from onnxmerge.errors import (
     ExportFolderError,
     IncompatibleModelsError,
     InvalidMergedModelError,
 )
-from onnxmerge.roles import Role
+from onnxmerge.merge import compat, roles, splice
+from onnxmerge.merge.roles import Role
+from onnxmerge.passes import dedup, dims, reshape_targets, tied_head
 
 logger = logging.getLogger(__name__)
 

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from onnxmerge import quant_math
 from onnxmerge.errors import QuantizationError
 from onnxmerge.passes import StepResult, initializer, is_op, replace_result
+from onnxmerge.quantization import codes as quant_math
 
 logger = logging.getLogger(__name__)
 

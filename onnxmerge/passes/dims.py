@@ -16,9 +16,9 @@ from collections.abc import Iterator
 
 import onnx_ir as ir
 
+from onnxmerge.merge.roles import Role
+from onnxmerge.merge.splice import Part
 from onnxmerge.passes import StepResult, free_name
-from onnxmerge.roles import Role
-from onnxmerge.splice import Part
 
 # Short, since a tag is repeated in every shape that uses the name.
 TAGS = {

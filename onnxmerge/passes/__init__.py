@@ -1,0 +1,35 @@
+"""The rewrite passes, one family per module, and what they share (``passes.base``).
+
+| module | passes |
+|---|---|
+| ``dims`` | ``SeparateSymbolicDims`` |
+| ``reshape_targets`` | ``FoldReshapeTargets`` |
+| ``dedup`` | ``LiftLargeConstants``, ``DeduplicateInitializers``, ``HoistConstantNodes``, ``MergeEqualConstantNodes``, ``DropInitializerAliases``, ``RemoveUnusedInitializers`` |
+| ``tied_head`` | ``GemmForTransposedWeights`` |
+
+The quantization pass lives with the rest of quantization (``onnxmerge.quantization.rewrite``).
+"""
+
+from __future__ import annotations
+
+from onnxmerge.passes.base import (
+    StepResult,
+    counts,
+    free_name,
+    initializer,
+    is_op,
+    records,
+    replace_result,
+    run,
+)
+
+__all__ = [
+    "StepResult",
+    "counts",
+    "free_name",
+    "initializer",
+    "is_op",
+    "records",
+    "replace_result",
+    "run",
+]

@@ -156,8 +156,9 @@ def profile_ours(export_dir: str, output: str, top: int = 25) -> dict[str, Any]:
     import onnx
     import onnx_ir as ir
 
-    from onnxmerge import merge, model_io, passes
+    from onnxmerge import model_io, passes
     from onnxmerge.merge import compat, roles, splice
+    from onnxmerge.merge import orchestrate as merge
 
     # Each phase as module.function; a few carry a note, or share the name of the public one.
     phases = {

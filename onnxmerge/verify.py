@@ -77,7 +77,7 @@ def verify(
     max |diff|: by default 1e-4 for a float32 file; for a quantized file, a share of each output's
     largest |value| that fits its precision (:data:`RELATIVE_TOLERANCE`).
     """
-    from onnxmerge.merge import load_export
+    from onnxmerge.merge.load import load_export
 
     merged, export_dir = Path(merged), Path(export_dir)
     if not merged.is_file():

@@ -10,6 +10,7 @@ import pytest
 
 from onnxmerge import merge_seq2seq, merge_seq2seq_with_report, passes
 from onnxmerge.passes import dedup
+from onnxmerge.testing.checks import find_duplicates
 from tests import textmodels as tm
 
 RNG = np.random.default_rng(7)
@@ -395,10 +396,10 @@ def test_lm_head_is_one_transpose_in_the_main_graph(tmp_path, head):
 
 def test_find_duplicates_sees_none_in_a_merged_model(tmp_path):
     source = ir.load(tm.write_export(tmp_path / "export") / tm.DECODER)
-    found = dedup.find_duplicates(source.graph)
+    found = find_duplicates(source.graph)
     # The decoder file alone holds the embedding and its transposed copy as the LM head.
     assert [({s.kept, s.removed}, s.transposed) for s in found] == [
         ({tm.EMBEDDING, tm.LM_HEAD}, True)
     ]
     merged = ir.load(merge_seq2seq(tmp_path / "export"))
-    assert dedup.find_duplicates(merged.graph) == []
+    assert find_duplicates(merged.graph) == []

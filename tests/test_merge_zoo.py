@@ -10,7 +10,7 @@ import onnx_ir as ir
 import pytest
 
 from onnxmerge import contract, merge_seq2seq_with_report
-from onnxmerge.passes.dedup import find_duplicates
+from onnxmerge.testing.checks import find_duplicates
 from onnxmerge.testing.zoo import ARCHITECTURES, TIED_HEAD_ARCHITECTURES
 from onnxmerge.verify import verify
 

@@ -35,6 +35,7 @@ from hypothesis import strategies as st
 
 from onnxmerge import merge, merge_seq2seq, model_io, passes
 from onnxmerge.passes import dedup
+from onnxmerge.testing.checks import find_duplicates
 from tests import textmodels as tm
 
 OPSET = 17
@@ -291,7 +292,7 @@ def test_store_once_keeps_outputs_removes_duplicates_and_passes_the_checker(spec
     # (c) the checker, with full shape inference, on the serialised bytes
     onnx.checker.check_model(onnx.load_from_string(result.SerializeToString()), full_check=True)
     # (b) nothing of 1 KiB or more is stored twice, plainly or transposed
-    assert dedup.find_duplicates(model.graph) == []
+    assert find_duplicates(model.graph) == []
     # tensors whose bytes match under another dtype are different tensors
     dtypes = {t.name: t.array.dtype for t in spec.tensors}
     for shared in shared_tensors:
@@ -376,7 +377,7 @@ def test_merged_folder_matches_its_sources_and_stores_everything_once(options, i
             assert cached is not None
             cached_merged = tm.run_merged(merged, inputs, use_cache=True)
             assert tm.max_abs_diff(cached, cached_merged) <= TOLERANCE
-        assert dedup.find_duplicates(_loaded_ir(merged).graph) == []
+        assert find_duplicates(_loaded_ir(merged).graph) == []
         onnx.checker.check_model(os.fspath(merged), full_check=True)
 
 

@@ -569,8 +569,8 @@ def export_parts(*, with_past_seed: int | None = None) -> tuple[list, dict]:
     """
     import onnx_ir as ir
 
+    from onnxmerge.merge.parts import parts_of_file
     from onnxmerge.merge.roles import Role
-    from onnxmerge.merge.splice import parts_of_file
 
     weights = make_weights()
     past_weights = make_weights(with_past_seed) if with_past_seed is not None else weights

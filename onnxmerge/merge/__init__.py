@@ -10,11 +10,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from onnxmerge.merge.load import find_checkpoint, load_export
     from onnxmerge.merge.orchestrate import (
         DEFAULT_OUTPUT_NAME,
         MergeResult,
-        find_checkpoint,
-        load_export,
         merge_seq2seq,
         merge_seq2seq_with_report,
         rewrite_steps,
@@ -32,6 +31,10 @@ __all__ = [
 
 
 def __getattr__(name: str):
+    if name in ("find_checkpoint", "load_export"):
+        from onnxmerge.merge import load
+
+        return getattr(load, name)
     if name in __all__:
         from onnxmerge.merge import orchestrate
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from onnxmerge.merge import splice
+from onnxmerge.merge.parts import Part
 from onnxmerge.merge.roles import Role
 from onnxmerge.passes import dedup
 
@@ -16,7 +16,7 @@ from onnxmerge.passes import dedup
 MIN_SHARED_FRACTION = 0.5
 
 
-def origins(parts: list[splice.Part]) -> dict[int, tuple[Role, ir.Value]]:
+def origins(parts: list[Part]) -> dict[int, tuple[Role, ir.Value]]:
     """Which part brought each initializer (keyed by identity: names change during the splice)."""
     found: dict[int, tuple[Role, ir.Value]] = {}
     for part in parts:
@@ -26,7 +26,7 @@ def origins(parts: list[splice.Part]) -> dict[int, tuple[Role, ir.Value]]:
 
 
 def checkpoint_problems(
-    parts: list[splice.Part],
+    parts: list[Part],
     origin: dict[int, tuple[Role, ir.Value]],
     shared: list[dedup.SharedTensor],
     config: dict | None = None,

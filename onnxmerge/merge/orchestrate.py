@@ -18,16 +18,16 @@ from onnxmerge import check, contract, model_io, passes
 from onnxmerge.errors import (
     ExportFolderError,
     IncompatibleModelsError,
-    InvalidMergedModelError,
 )
-from onnxmerge.merge import compat, roles, splice
+from onnxmerge.merge import compat, splice
+from onnxmerge.merge.load import find_checkpoint, load_export
+from onnxmerge.merge.parts import dim_sources, parts_of_file
 from onnxmerge.merge.roles import Role
 from onnxmerge.passes import dedup, dims, reshape_targets, tied_head
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_OUTPUT_NAME = "model.onnx"
-CHECKPOINT_NAMES = ("model.safetensors", "pytorch_model.bin")
 
 
 @dataclass(frozen=True)
@@ -127,7 +127,7 @@ def merge_seq2seq_with_report(
         part
         for role in (Role.ENCODER, Role.MERGED_DECODER, Role.DECODER, Role.DECODER_WITH_PAST)
         if role in chosen
-        for part in splice.parts_of_file(models[chosen[role]], role, chosen[role])
+        for part in parts_of_file(models[chosen[role]], role, chosen[role])
     ]
     origins = compat.origins(parts)
     tensors_in = len(origins)
@@ -135,7 +135,7 @@ def merge_seq2seq_with_report(
     tolerated = check.unknown_operators(models.values())
     step("splicing")
     # Made before the splice, which moves the parts' nodes into one graph.
-    separate_dims = dims.SeparateSymbolicDims(parts)
+    separate_dims = dims.SeparateSymbolicDims(dim_sources(parts))
     model = splice.splice(parts, models)
     step("deduplicating")
     rewrites = passes.run(model, (separate_dims, *rewrite_steps()))
@@ -200,79 +200,6 @@ def rewrite_steps() -> tuple[ir.passes.InPlacePass, ...]:
         reshape_targets.FoldReshapeTargets(),
         *dedup.store_once_steps(),
         tied_head.GemmForTransposedWeights(),
-    )
-
-
-def find_checkpoint(folder: Path) -> Path | None:
-    """The PyTorch checkpoint file in ``folder``, if there is one."""
-    return next((folder / n for n in CHECKPOINT_NAMES if (folder / n).is_file()), None)
-
-
-def load_export(
-    export_dir: Path, output: Path, *, ignore_merged: bool = False
-) -> tuple[dict[Role, Path], dict[Path, ir.Model], dict[Path, set[Path]]]:
-    """Load every model of the folder, judge its role, keep the ones the merge needs.
-
-    ``ignore_merged`` skips merged models found in the folder instead of refusing them (for
-    ``verify``, which only reads the originals).
-    """
-    candidates = sorted(p for p in export_dir.glob("*.onnx") if p.is_file())
-    if not candidates:
-        raise ExportFolderError(
-            f"{export_dir} holds no .onnx file; export the model first, e.g. `optimum-cli export "
-            f"onnx --model MODEL --task text2text-generation-with-past {export_dir}`"
-        )
-    models: dict[Path, ir.Model] = {}
-    data_files: dict[Path, set[Path]] = {}
-    judged: dict[Path, roles.Judgement] = {}
-    for path in candidates:
-        model, files = model_io.load_model(path)
-        judgement = roles.judge(model)
-        if judgement.role == Role.MERGED_MODEL and (
-            ignore_merged or (output.exists() and path.samefile(output))
-        ):
-            continue  # the previous result of this merge, about to be replaced
-        models[path], data_files[path], judged[path] = model, files, judgement
-        logger.debug("%s: %s (%s)", path.name, judgement.role, judgement.reason)
-    chosen = roles.assign_roles(judged)
-    if Role.MERGED_MODEL in chosen:
-        raise InvalidMergedModelError(
-            f"{chosen[Role.MERGED_MODEL]} is already a merged model; move it out of "
-            f"{export_dir} or write over it (-o {chosen[Role.MERGED_MODEL]} --overwrite)"
-        )
-    missing = []
-    if Role.ENCODER not in chosen:
-        missing.append(roles.CONVENTIONAL_NAMES[Role.ENCODER])
-    if Role.DECODER not in chosen and Role.MERGED_DECODER not in chosen:
-        missing.append(roles.CONVENTIONAL_NAMES[Role.DECODER])
-    if missing:
-        found = ", ".join(
-            f"{p.name} ({j.role.value if j.role else j.reason})" for p, j in judged.items()
-        )
-        raise ExportFolderError(
-            f"{export_dir} lacks {' and '.join(missing)} (found: {found}); export with "
-            "--task text2text-generation-with-past"
-        )
-    if (
-        Role.DECODER in chosen
-        and Role.MERGED_DECODER in chosen
-        and (Role.DECODER_WITH_PAST in chosen)
-    ):
-        # The separate decoders hold the same graphs; the merged one adds nothing.
-        del chosen[Role.MERGED_DECODER]
-    elif Role.MERGED_DECODER in chosen:
-        chosen.pop(Role.DECODER, None)
-        chosen.pop(Role.DECODER_WITH_PAST, None)
-    if Role.DECODER_WITH_PAST in chosen and Role.DECODER not in chosen:
-        raise ExportFolderError(
-            f"{export_dir} has {chosen[Role.DECODER_WITH_PAST].name} but no decoder without past "
-            "for the first step; export again or add decoder_model.onnx"
-        )
-    kept = set(chosen.values())
-    return (
-        chosen,
-        {p: m for p, m in models.items() if p in kept},
-        {p: d for p, d in data_files.items() if p in kept},
     )
 
 

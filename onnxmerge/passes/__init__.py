@@ -1,11 +1,10 @@
 """The rewrite passes, one family per module, and what they share (``passes.base``).
 
-| module | passes |
-|---|---|
-| ``dims`` | ``SeparateSymbolicDims`` |
-| ``reshape_targets`` | ``FoldReshapeTargets`` |
-| ``dedup`` | ``LiftLargeConstants``, ``DeduplicateInitializers``, ``HoistConstantNodes``, ``MergeEqualConstantNodes``, ``DropInitializerAliases``, ``RemoveUnusedInitializers`` |
-| ``tied_head`` | ``GemmForTransposedWeights`` |
+- ``dims``: ``SeparateSymbolicDims``
+- ``reshape_targets``: ``FoldReshapeTargets``
+- ``dedup``: ``LiftLargeConstants``, ``DeduplicateInitializers``, ``HoistConstantNodes``,
+  ``MergeEqualConstantNodes``, ``DropInitializerAliases``, ``RemoveUnusedInitializers``
+- ``tied_head``: ``GemmForTransposedWeights``
 
 The quantization pass lives with the rest of quantization (``onnxmerge.quantization.rewrite``).
 """

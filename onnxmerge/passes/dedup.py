@@ -506,39 +506,3 @@ def store_once_steps() -> tuple[ir.passes.InPlacePass, ...]:
         DropInitializerAliases(),
         RemoveUnusedInitializers(),
     )
-
-
-def find_duplicates(graph: ir.Graph, min_bytes: int = MIN_SHARED_BYTES) -> list[SharedTensor]:
-    """Pairs of initializers of at least ``min_bytes`` that hold the same data, or transposed data.
-
-    Reads only; a merged model should have none. It keys on plain sha256 of each tensor and of its
-    transpose, independent of the keys :func:`deduplicate_initializers` uses, so it can check them;
-    it holds whole arrays in memory, so it is meant for tests and small models.
-    """
-    large = [
-        v
-        for v in graph.initializers.values()
-        if v.const_value is not None
-        and v.const_value.nbytes >= min_bytes
-        and v.const_value.dtype != ir.DataType.STRING
-    ]
-    seen: dict[tuple, ir.Value] = {}
-    found: list[SharedTensor] = []
-    for value in large:
-        array = _array(value.const_value)
-        keys = [((value.const_value.dtype, array.shape, _digest(array)), False)]
-        if array.ndim == 2:
-            keys.append(
-                (
-                    (value.const_value.dtype, array.shape[::-1], _digest(array, transposed=True)),
-                    True,
-                )
-            )
-        for key, transposed in keys:
-            other = seen.get(key)
-            if other is not None and other is not value:
-                found.append(
-                    SharedTensor(other.name, value.name, value.const_value.nbytes, transposed)
-                )
-        seen.setdefault(keys[0][0], value)
-    return found

@@ -104,7 +104,7 @@ def open_with_cache(
 
 
 def _greedy_source(model: Path, building: Path) -> Any:
-    """The model with a greedy head (``onnxmerge/runtime/greedy_source.py``), written in ``building``;
+    """The model with a greedy head (``runtime/greedy_source.py``), written in ``building``;
     None where its head does not allow one or it cannot be written."""
     try:
         from onnxmerge.runtime.greedy_source import (

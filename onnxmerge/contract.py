@@ -22,6 +22,7 @@ META_CONFIG = "onnxmerge.config"
 META_GENERATION_CONFIG = "onnxmerge.generation_config"
 META_ENCODER_INPUTS = "onnxmerge.encoder_inputs"
 META_GENERATOR = "onnxmerge.generator"  # a generator model (docs/generator.md), not a merged one
+MAX_NEW_TOKENS = "max_new_tokens"  # the generator's input besides the encoder's
 META_PRECISION = "onnxmerge.precision"  # version 2: precision per part (docs/format.md)
 # The values META_PRECISION may hold, and those a whole file's weights can be quantized to.
 PRECISIONS = ("fp32", "fp16", "int8", "uint8", "int4")
@@ -165,24 +166,3 @@ def read_contract(
         generation_config=generation_config,
         precision=precision,
     )
-
-
-def check_written_model(path, what: str = "merged model") -> None:
-    """Run the ONNX checker with full shape inference on a written file, before it is published.
-
-    Raises:
-        InvalidMergedModelError: the checker refused it; the message says nothing was written.
-    """
-    import os
-
-    import onnx
-
-    from onnxmerge.errors import InvalidMergedModelError
-
-    try:
-        onnx.checker.check_model(os.fspath(path), full_check=True)
-    except Exception as e:  # the checker raises several types
-        raise InvalidMergedModelError(
-            f"the {what} failed the ONNX checker ({e}); nothing was written. Please report this "
-            "with the export folder's config.json"
-        ) from e

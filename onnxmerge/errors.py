@@ -14,6 +14,7 @@ __all__ = [
     "GenerationError",
     "WireFormatError",
     "QuantizationError",
+    "MissingDependencyError",
 ]
 
 
@@ -55,23 +56,25 @@ class InvalidMergedModelError(OnnxMergeError):
 
 
 class MergedModelRunError(InvalidMergedModelError):
-    """onnxruntime cannot run a merged model the merge produced; nothing was written.
+    """onnxruntime cannot run a model that onnxmerge wrote; nothing was published.
 
     ``step`` says where it failed: ``"load"``, ``"first"`` (``use_cache_branch = false``: encoder
-    and decoder without past) or ``"cached"`` (``use_cache_branch = true``: decoder with past).
+    and decoder without past), ``"cached"`` (``use_cache_branch = true``: decoder with past) or
+    ``"generate"`` (a generator's run).
     """
 
     STEPS = {
         "load": "loading it",
         "first": "the first step (use_cache_branch = false: encoder and decoder without past)",
         "cached": "a cached step (use_cache_branch = true: decoder with past)",
+        "generate": "a generation of two tokens (the generator's loop)",
     }
 
     def __init__(self, step: str, reason: str):
         self.step = step
         self.reason = reason
         super().__init__(
-            f"onnxruntime failed on the merged model in {self.STEPS[step]}: {reason}. Nothing "
+            f"onnxruntime failed on the written model in {self.STEPS[step]}: {reason}. Nothing "
             "was written. Check that the source files run in onnxruntime; if they do, please "
             "report this with the export folder's config.json"
         )
@@ -87,3 +90,8 @@ class WireFormatError(OnnxMergeError, ValueError):
 
 class QuantizationError(OnnxMergeError, ValueError):
     """A model cannot be quantized as asked (unknown precision, already quantized, old opset)."""
+
+
+class MissingDependencyError(OnnxMergeError, ImportError):
+    """An optional dependency is not installed, or its import fails; the message says what to
+    install (the CLI exits 4)."""

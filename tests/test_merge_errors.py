@@ -19,7 +19,7 @@ from onnxmerge import (
     merge_seq2seq,
     passes,
 )
-from onnxmerge import contract as contract_module
+from onnxmerge import check as check_module
 from onnxmerge.merge import compat, splice
 from onnxmerge.passes import dedup
 from tests import textmodels as tm
@@ -248,11 +248,11 @@ def test_failed_validation_leaves_no_output_and_no_temporary_files(tmp_path, mon
     folder = tm.write_export(tmp_path / "export")
     before = tm.folder_digest(folder)
 
-    def refuse(path: Path) -> None:
+    def refuse(path: Path, **_) -> None:
         assert path.exists()  # the file is checked where it was written, before it is published
         raise InvalidMergedModelError("refused by the test")
 
-    monkeypatch.setattr(contract_module, "check_written_model", refuse)
+    monkeypatch.setattr(check_module, "check_written_model", refuse)
     with pytest.raises(InvalidMergedModelError, match="refused by the test"):
         merge_seq2seq(folder)
     _assert_untouched(folder, before)
@@ -262,10 +262,10 @@ def test_failed_validation_keeps_the_previous_output(tmp_path, monkeypatch):
     folder = tm.write_export(tmp_path / "export")
     previous = merge_seq2seq(folder).read_bytes()
 
-    def refuse(path: Path) -> None:
+    def refuse(path: Path, **_) -> None:
         raise InvalidMergedModelError("refused by the test")
 
-    monkeypatch.setattr(contract_module, "check_written_model", refuse)
+    monkeypatch.setattr(check_module, "check_written_model", refuse)
     with pytest.raises(InvalidMergedModelError):
         merge_seq2seq(folder, overwrite=True)
     assert (folder / "model.onnx").read_bytes() == previous

@@ -21,7 +21,7 @@ import numpy as np
 import onnx_ir as ir
 import onnx_ir.passes.common
 
-from onnxmerge import contract, model_io
+from onnxmerge import check, contract, model_io
 from onnxmerge.errors import (
     GenerationError,
     InvalidMergedModelError,
@@ -35,7 +35,7 @@ from onnxmerge.settings import GenerationSettings, resolve_settings
 logger = logging.getLogger(__name__)
 
 DEFAULT_OUTPUT_NAME = "generator.onnx"
-MAX_NEW_TOKENS = "max_new_tokens"
+MAX_NEW_TOKENS = contract.MAX_NEW_TOKENS
 SEQUENCES = "sequences"
 SEQUENCES_SCORES = "sequences_scores"
 META_GENERATOR = contract.META_GENERATOR
@@ -104,6 +104,7 @@ def _build_from_merged(
     if output.exists() and output.resolve() == merged.resolve():
         raise RefusedOutputError(f"the output {output} is the input; choose another output path")
     model, data_files = model_io.load_model(merged)
+    tolerated = check.unknown_operators([model])
     graph = model.graph
     info = contract.read_contract(
         dict(model.metadata_props), [v.name for v in graph.inputs], [v.name for v in graph.outputs]
@@ -136,7 +137,9 @@ def _build_from_merged(
     model_io.save_model_atomically(
         model,
         output,
-        validate=lambda p: contract.check_written_model(p, "generator model"),
+        validate=lambda p: check.check_written_model(
+            p, what="generator model", tolerated=tolerated, sources=[merged]
+        ),
         protected=frozenset({merged.resolve(), *data_files}),
     )
     logger.info("wrote the %s generator %s from %s", search_kind, output, merged)

@@ -161,7 +161,9 @@ def merge_seq2seq_with_report(
         model,
         output,
         external_data=external_data,
-        validate=lambda path: check.check_merged_model(path, tolerated, list(chosen.values())),
+        validate=lambda path: check.check_written_model(
+            path, tolerated=tolerated, sources=list(chosen.values())
+        ),
         protected=frozenset(f.resolve() for f in files_read),
     )
     output_bytes = model_io.file_bytes(output, model_io.data_files_of(output))

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import onnx_ir as ir
 
-from onnxmerge import contract, inspection, model_io, passes
+from onnxmerge import check, contract, inspection, model_io, passes
 from onnxmerge.contract import PRECISIONS, WEIGHT_PRECISIONS
 from onnxmerge.errors import (
     InvalidMergedModelError,
@@ -143,6 +143,7 @@ def _quantize_file(
     source: Path, output: Path, weights: str, encoder: str, external_data: bool | None
 ) -> QuantizeResult:
     model, data_files = model_io.load_model(source)
+    tolerated = check.unknown_operators([model])
     if external_data is None and data_files:
         external_data = True
     meta = model.metadata_props
@@ -185,7 +186,9 @@ def _quantize_file(
         model,
         output,
         external_data=external_data,
-        validate=contract.check_written_model,
+        validate=lambda path: check.check_written_model(
+            path, what="quantized model", tolerated=tolerated, sources=[source]
+        ),
         protected=inputs_read,
     )
     result = QuantizeResult(

@@ -17,7 +17,12 @@ from dataclasses import asdict, is_dataclass
 from pathlib import Path
 
 from onnxmerge import __version__
-from onnxmerge.errors import ExportFolderError, OnnxMergeError, RefusedOutputError
+from onnxmerge.errors import (
+    ExportFolderError,
+    MissingDependencyError,
+    OnnxMergeError,
+    RefusedOutputError,
+)
 
 
 class ExitCode(enum.IntEnum):
@@ -45,10 +50,6 @@ EXIT_ERROR = ExitCode.ERROR
 EXIT_MISSING_DEPENDENCY = ExitCode.MISSING_DEPENDENCY
 EXIT_INTERNAL = ExitCode.INTERNAL
 EXIT_INTERRUPTED = ExitCode.INTERRUPTED
-
-
-class _Missing(Exception):
-    """An optional dependency is not installed."""
 
 
 def _human(n: int | float | None) -> str:
@@ -594,7 +595,9 @@ def _need(module: str, extra: str) -> None:
     import importlib.util
 
     if importlib.util.find_spec(module.split(".")[0]) is None:
-        raise _Missing(f"this command needs {module}: pip install 'onnxmerge[{extra}]'")
+        raise MissingDependencyError(
+            f"this command needs {module}: pip install 'onnxmerge[{extra}]'"
+        )
 
 
 def _emit(args: argparse.Namespace, data, text: Callable[[], str]) -> None:
@@ -814,7 +817,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _failure(e: Exception) -> tuple[int, str]:
     """The exit code and the one-line message for an exception that ends a command."""
-    if isinstance(e, _Missing):
+    if isinstance(e, MissingDependencyError):
         return EXIT_MISSING_DEPENDENCY, str(e)
     if isinstance(e, OnnxMergeError):
         return EXIT_ERROR, str(e)

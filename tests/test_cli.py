@@ -420,6 +420,35 @@ def test_generate_text_translates_with_the_demo_model(demo_model) -> None:
     }
 
 
+# A transformers that is installed but fails on import (a broken or blocked install).
+BROKEN_TRANSFORMERS = """
+import importlib.abc, importlib.util, sys
+
+class Broken(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, name, path=None, target=None):
+        if name == "transformers" or name.startswith("transformers."):
+            return importlib.util.spec_from_loader(name, self)
+    def create_module(self, spec):
+        return None
+    def exec_module(self, module):
+        raise ImportError("transformers is broken here")
+
+sys.meta_path.insert(0, Broken())
+from onnxmerge.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_generate_text_with_a_broken_transformers_says_what_to_install(demo_model) -> None:
+    """The module is found but its import raises: that is a dependency to install, exit 4, not a
+    bug (it used to exit 5)."""
+    result = subprocess.run(
+        [sys.executable, "-c", BROKEN_TRANSFORMERS, "generate", str(demo_model), "--text", "un"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert_one_line_error(result, EXIT_MISSING, "pip install 'onnxmerge[text]'", "broken")
+
+
 # ---------------------------------------------------------------------------------------------
 # export and demo (each runs optimum once)
 

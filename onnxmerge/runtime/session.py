@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from onnxmerge import contract as c
-from onnxmerge.errors import GenerationError, InvalidMergedModelError
+from onnxmerge.errors import GenerationError, InvalidMergedModelError, MissingDependencyError
 from onnxmerge.runtime import ort
 from onnxmerge.runtime.greedy_head import FLAG, HIDDEN, GreedyHead
 from onnxmerge.runtime.memory import release_free_heap, release_mapped_weights
@@ -128,7 +128,7 @@ class MergedSession:
         try:
             import onnxruntime  # noqa: F401 - say what to install before anything else fails
         except ImportError as error:  # pragma: no cover - depends on the environment
-            raise ImportError(
+            raise MissingDependencyError(
                 "running a merged model needs onnxruntime: pip install 'onnxmerge[runtime]'"
             ) from error
         self.path = Path(path)

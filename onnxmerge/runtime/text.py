@@ -9,7 +9,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from onnxmerge.errors import GenerationError
+from onnxmerge.errors import GenerationError, MissingDependencyError
 
 
 class Generates(Protocol):
@@ -58,8 +58,8 @@ class TextGenerator:
         try:
             from transformers import AutoTokenizer
         except ImportError as error:
-            raise ImportError(
-                "text in, text out needs transformers and tokenizers: "
+            raise MissingDependencyError(
+                f"text in, text out needs transformers and tokenizers ({error}): "
                 "pip install 'onnxmerge[text]', or tokenize yourself and call generate()"
             ) from error
         folder = Path(folder)

@@ -182,7 +182,7 @@ def run_once(path: Path, sources: Sequence[Path] = ()) -> None:
     cached[contract.USE_CACHE_BRANCH] = np.array([True])
     for name, value in outputs.items():
         if contract.is_present_name(name):
-            cached[contract.past_name(*contract.parse_cache_name(name)[1:])] = value
+            cached[contract.past_name_of(name)] = value
     try:
         session.run(None, cached)
     except Exception as e:

@@ -28,6 +28,8 @@ from onnxmerge.errors import (
 class ExitCode(enum.IntEnum):
     """The exit codes and what they mean: the one source of docs/cli.md's table and of --help."""
 
+    meaning: str
+
     def __new__(cls, value: int, meaning: str):
         member = int.__new__(cls, value)
         member._value_ = value

@@ -65,6 +65,14 @@ def parse_cache_name(name: str) -> tuple[str, int, str, str] | None:
     return prefix, int(layer), part, kind
 
 
+def past_name_of(present: str) -> str:
+    """The past input that the next step feeds ``present`` (a ``present.*`` output) back into."""
+    parsed = parse_cache_name(present)
+    if parsed is None:
+        raise ValueError(f"{present!r} is not a past/present name")
+    return past_name(*parsed[1:])
+
+
 def past_names(num_layers: int, part: str) -> list[str]:
     """Every layer's past key and value of ``part`` (decoder|encoder), in the graph's order."""
     return [past_name(i, part, k) for i in range(num_layers) for k in CACHE_KINDS]

@@ -127,7 +127,7 @@ def verify(
     diffs = [_diff("first", n, first[n], ref) for n, ref in first_ref.items() if n in first]
     if has_past:
         past = {
-            contract.past_name(*contract.parse_cache_name(n)[1:]): v
+            contract.past_name_of(n): v
             for n, v in first_ref.items()
             if contract.is_present_name(n)
         }

@@ -30,6 +30,7 @@ from onnxmerge.errors import (
 )
 from onnxmerge.generator import processors, search
 from onnxmerge.generator.ops import Names, Ops, typed_input
+from onnxmerge.passes.base import name_of
 from onnxmerge.settings import GenerationSettings, resolve_settings
 
 logger = logging.getLogger(__name__)
@@ -107,7 +108,9 @@ def _build_from_merged(
     tolerated = check.unknown_operators([model])
     graph = model.graph
     info = contract.read_contract(
-        dict(model.metadata_props), [v.name for v in graph.inputs], [v.name for v in graph.outputs]
+        dict(model.metadata_props),
+        [name_of(v) for v in graph.inputs],
+        [name_of(v) for v in graph.outputs],
     )
     if not info.has_past:
         raise InvalidMergedModelError(
@@ -221,7 +224,7 @@ def _assemble(
 ) -> None:
     graph = model.graph
     branches = _take_branches(graph)
-    inputs = {v.name: v for v in graph.inputs}
+    inputs = {name_of(v): v for v in graph.inputs}
     vocab = _vocab_size(info, branches.first_out[contract.LOGITS])
     names = Names()
     opset = model.opset_imports.get("", 18)
@@ -261,7 +264,7 @@ def _take_branches(graph: ir.Graph) -> _Branches:
     if_node = if_nodes[0]
     cached_graph = if_node.attributes["then_branch"].value
     first_graph = if_node.attributes["else_branch"].value
-    out_names = [v.name for v in if_node.outputs]
+    out_names = [name_of(v) for v in if_node.outputs]
     branches = _Branches(
         first_nodes=list(first_graph),
         cached_nodes=list(cached_graph),

@@ -3,7 +3,7 @@ optimum merged decoder yields two), and what the symbolic-dims pass needs to kno
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -12,6 +12,7 @@ import onnx_ir as ir
 from onnxmerge import contract
 from onnxmerge.errors import ExportFolderError
 from onnxmerge.merge.roles import Role
+from onnxmerge.passes.base import name_of
 from onnxmerge.passes.dims import DimSource
 
 __all__ = ["Part", "dim_sources", "parts_of_file"]
@@ -47,8 +48,8 @@ def parts_of_file(model: ir.Model, role: Role, source: Path) -> list[Part]:
                 role,
                 source,
                 graph,
-                {v.name: v for v in graph.inputs},
-                {v.name: v for v in graph.outputs},
+                {name_of(v): v for v in graph.inputs},
+                {name_of(v): v for v in graph.outputs},
                 initializers,
             )
         ]
@@ -60,9 +61,9 @@ def parts_of_file(model: ir.Model, role: Role, source: Path) -> list[Part]:
             "decoder_model.onnx and decoder_with_past_model.onnx"
         )
     node = if_nodes[0]
-    inputs = {v.name: v for v in graph.inputs}
+    inputs = {name_of(v): v for v in graph.inputs}
     past_inputs = {v for name, v in inputs.items() if contract.is_past_name(name)}
-    names = [v.name for v in node.outputs]
+    names = [name_of(v) for v in node.outputs]
     parts: list[Part] = []
     for attr_name in ("then_branch", "else_branch"):
         branch = node.attributes[attr_name].value
@@ -109,7 +110,7 @@ def _interior_values(part: Part) -> Iterator[ir.Value]:
     interface = set(part.inputs.values()) | set(part.outputs.values())
     for node in ir.traversal.RecursiveGraphIterator(part.graph):
         for attr in node.attributes.values():
-            subgraphs = ()
+            subgraphs: Sequence[ir.Graph] = ()
             if attr.type == ir.AttributeType.GRAPH:
                 subgraphs = (attr.value,)
             elif attr.type == ir.AttributeType.GRAPHS:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Collection
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,7 @@ from onnxmerge._version import __version__
 from onnxmerge.errors import ExportFolderError, IncompatibleModelsError
 from onnxmerge.merge.parts import Part
 from onnxmerge.merge.roles import Role
+from onnxmerge.passes.base import name_of
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +46,7 @@ class _Names:
 def _rename_part(part: Part, values: _Names, nodes: _Names) -> None:
     prefix = part.role.value
     for value in part.initializers:
-        value.name = values.claim(value.name, prefix)
+        value.name = values.claim(name_of(value), prefix)
     for node in ir.traversal.RecursiveGraphIterator(part.graph):
         if node.name:
             node.name = nodes.claim(node.name, prefix)
@@ -68,7 +70,7 @@ def _move_initializers(parts: list[Part], main: ir.Graph) -> None:
             if owner is main:
                 continue
             if owner is not None:
-                owner.initializers.pop(value.name)
+                owner.initializers.pop(name_of(value))
             main.register_initializer(value)
 
 
@@ -80,7 +82,7 @@ def _take_nodes(part: Part) -> list[ir.Node]:
     return nodes
 
 
-def _produced_in(value: ir.Value, nodes: list[ir.Node]) -> bool:
+def _produced_in(value: ir.Value, nodes: Collection[ir.Node]) -> bool:
     producer = value.producer()
     return producer is not None and producer in nodes
 

@@ -12,23 +12,31 @@ The quantization pass lives with the rest of quantization (``onnxmerge.quantizat
 from __future__ import annotations
 
 from onnxmerge.passes.base import (
+    NoMatch,
     StepResult,
     counts,
     free_name,
+    graph_of,
     initializer,
     is_op,
+    name_of,
     records,
     replace_result,
     run,
+    tensor_of,
 )
 
 __all__ = [
+    "NoMatch",
     "StepResult",
     "counts",
     "free_name",
+    "graph_of",
     "initializer",
     "is_op",
+    "name_of",
     "records",
     "replace_result",
     "run",
+    "tensor_of",
 ]

@@ -132,8 +132,9 @@ class LogitBounds:
         vocab = head.weight.shape[0]
         exact = np.full(self.approximate.shape, -np.inf, dtype=np.float32)
         for row, (hidden, floor) in enumerate(zip(self.hidden, best_lower, strict=True)):
-            tokens = np.flatnonzero(upper[row] >= floor) if np.isfinite(floor) else None
-            if tokens is None or tokens.size > _MOST * vocab:
+            found = np.flatnonzero(upper[row] >= floor) if np.isfinite(floor) else None
+            tokens: np.ndarray | slice = found if found is not None else slice(None)
+            if found is not None and found.size > _MOST * vocab:
                 tokens = slice(None)  # every row, read in place rather than gathered
             logits = head.weight[tokens] @ hidden
             if head.bias is not None:

@@ -237,7 +237,7 @@ class MergedSession:
 
     def placeholders(self, rows: int) -> dict[str, np.ndarray]:
         """Zero-length stand-ins for the encoder inputs a cached step does not read."""
-        result = {}
+        result: dict[str, np.ndarray] = {}
         for name in self.encoder_input_names:
             if name == c.ATTENTION_MASK:
                 continue

@@ -75,7 +75,8 @@ def open_with_cache(
             shutil.rmtree(entry)  # broken, or left half-deleted: it would block the new entry
     except OSError as error:
         return _without_cache(model, options, providers, error)
-    why: Exception | None = None
+    # Every way out of the loop below sets it; the first value only keeps the type honest.
+    why: Exception = RuntimeError("no cache entry was tried")
     for greedy in (True, False):  # a graph with a greedy head that fails: once more without
         try:
             building = Path(tempfile.mkdtemp(prefix=".building-", dir=_made(entry.parent)))

@@ -15,10 +15,13 @@ from onnxmerge.errors import GenerationError, MissingDependencyError
 class Generates(Protocol):
     """What text generation needs of a model (``Seq2SeqModel`` has it)."""
 
-    path: Path
-    encoder_input_names: Sequence[str]
+    @property
+    def path(self) -> Path: ...
 
-    def generate(self, inputs: dict[str, np.ndarray], **kwargs: Any) -> np.ndarray: ...
+    @property
+    def encoder_input_names(self) -> Sequence[str]: ...
+
+    def generate(self, inputs: dict[str, np.ndarray], /, **kwargs: Any) -> np.ndarray: ...
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
+from onnxmerge.passes.base import name_of, tensor_of
 from onnxmerge.passes.dedup import MIN_SHARED_BYTES, SharedTensor, _array, _digest
 from onnxmerge.quantization.codes import Quantized
 
@@ -28,20 +29,18 @@ def find_duplicates(graph: ir.Graph, min_bytes: int = MIN_SHARED_BYTES) -> list[
     seen: dict[tuple, ir.Value] = {}
     found: list[SharedTensor] = []
     for value in large:
-        array = _array(value.const_value)
-        keys = [((value.const_value.dtype, array.shape, _digest(array)), False)]
+        tensor = tensor_of(value)
+        array = _array(tensor)
+        if array is None:  # strings are left out above
+            continue
+        keys = [((tensor.dtype, array.shape, _digest(array)), False)]
         if array.ndim == 2:
-            keys.append(
-                (
-                    (value.const_value.dtype, array.shape[::-1], _digest(array, transposed=True)),
-                    True,
-                )
-            )
+            keys.append(((tensor.dtype, array.shape[::-1], _digest(array, transposed=True)), True))
         for key, transposed in keys:
             other = seen.get(key)
             if other is not None and other is not value:
                 found.append(
-                    SharedTensor(other.name, value.name, value.const_value.nbytes, transposed)
+                    SharedTensor(name_of(other), name_of(value), tensor.nbytes, transposed)
                 )
         seen.setdefault(keys[0][0], value)
     return found

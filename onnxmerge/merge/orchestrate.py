@@ -48,10 +48,13 @@ class MergeResult:
     tensors_in: int
     tensors_out: int
     shared: tuple[dedup.SharedTensor, ...]
-    constants_lifted: int
     checkpoint_bytes: int | None
     # What every rewrite pass did, by its result name (see :mod:`onnxmerge.passes`).
     rewrites: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def constants_lifted(self) -> int:
+        return self.rewrites.get("constants_lifted", 0)
 
     @property
     def input_bytes(self) -> int:
@@ -180,7 +183,6 @@ def merge_seq2seq_with_report(
         tensors_in=tensors_in,
         tensors_out=len(model.graph.initializers),
         shared=shared,
-        constants_lifted=passes.counts(rewrites)["constants_lifted"],
         checkpoint_bytes=checkpoint.stat().st_size if checkpoint else None,
         rewrites=passes.counts(rewrites),
     )

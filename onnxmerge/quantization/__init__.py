@@ -24,6 +24,7 @@ from onnxmerge.errors import (
 )
 from onnxmerge.passes import dedup
 from onnxmerge.quantization import rewrite as quant_rewrite
+from onnxmerge.quantization.codes import INT8_PEAK
 
 logger = logging.getLogger(__name__)
 
@@ -209,4 +210,4 @@ def _quantize_file(
     return result
 
 
-__all__ = ["quantize", "quantize_with_report", "QuantizeResult", "default_output"]
+__all__ = ["INT8_PEAK", "quantize", "quantize_with_report", "QuantizeResult", "default_output"]

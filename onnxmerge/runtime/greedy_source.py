@@ -27,6 +27,7 @@ import onnx_ir.passes.common
 from onnxmerge import contract as c
 from onnxmerge.model_io import load_model
 from onnxmerge.passes import NoMatch, initializer, is_op, name_of, tensor_of
+from onnxmerge.quantization import INT8_PEAK
 from onnxmerge.runtime.greedy_head import FLAG, HIDDEN, write_tables
 
 logger = logging.getLogger(__name__)
@@ -37,7 +38,6 @@ _VOCAB = "onnxmerge.greedy_head.vocab"
 # DynamicQuantizeLinear arrived in opset 11.
 _MIN_OPSET = 11
 _CHUNK_ROWS = 4096
-_CODE_MAX = 63
 
 
 @dataclass(frozen=True)
@@ -76,10 +76,10 @@ def row_tables(weight: np.ndarray) -> RowTables:
         part = slice(start, start + _CHUNK_ROWS)
         rows = np.asarray(weight[part], dtype=np.float64)
         amax[part] = np.abs(rows).max(axis=1)
-        scale = (amax[part] / _CODE_MAX).astype(np.float32)
+        scale = (amax[part] / INT8_PEAK).astype(np.float32)
         scale[scale == 0] = 1
         scales[part] = scale
-        codes[part] = np.clip(np.rint(rows / scale[:, None]), -_CODE_MAX, _CODE_MAX)
+        codes[part] = np.clip(np.rint(rows / scale[:, None]), -INT8_PEAK, INT8_PEAK)
         dequantized = codes[part] * scale[:, None].astype(np.float64)
         error[part] = np.abs(rows - dequantized).max(axis=1)
         l1[part] = np.abs(dequantized).sum(axis=1)

@@ -45,8 +45,6 @@ class ExitCode(enum.IntEnum):
     INTERRUPTED = 130, "interrupted (Ctrl-C)"
 
 
-
-
 def _human(n: int | float | None) -> str:
     if n is None:
         return "-"

@@ -127,9 +127,7 @@ def verify(
     diffs = [_diff("first", n, first[n], ref) for n, ref in first_ref.items() if n in first]
     if has_past:
         past = {
-            contract.past_name_of(n): v
-            for n, v in first_ref.items()
-            if contract.is_present_name(n)
+            contract.past_name_of(n): v for n, v in first_ref.items() if contract.is_present_name(n)
         }
         next_ids = rng.integers(2, max(3, vocab - 2), (batch, 1)).astype(np.int64)
         cached_ref = _run_decoder(chosen, optimized, next_ids, mask, None, past=past)

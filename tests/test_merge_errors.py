@@ -51,11 +51,14 @@ def test_folder_without_models(tmp_path):
         merge_seq2seq(tmp_path)
 
 
-@pytest.mark.parametrize(("removed", "named"), [
-    ([tm.DECODER, tm.DECODER_WITH_PAST], "decoder_model.onnx"),
-    ([tm.ENCODER], "encoder_model.onnx"),
-    ([tm.DECODER], "decoder"),
-])
+@pytest.mark.parametrize(
+    ("removed", "named"),
+    [
+        ([tm.DECODER, tm.DECODER_WITH_PAST], "decoder_model.onnx"),
+        ([tm.ENCODER], "encoder_model.onnx"),
+        ([tm.DECODER], "decoder"),
+    ],
+)
 def test_missing_files_are_named(tmp_path, removed, named):
     folder = tm.write_export(tmp_path / "export")
     for name in removed:
@@ -156,8 +159,10 @@ def test_mismatch_in_a_second_opset_domain_is_found(tmp_path):
     # optimum compared only the first opset entry of each file.
     folder = tm.write_export(tmp_path / "export")
     for name, version in ((tm.DECODER, 3), (tm.DECODER_WITH_PAST, 4)):
-        _edit(folder / name, lambda m, v=version: m.opset_import.append(
-            onnx.helper.make_opsetid("ai.onnx.ml", v)))
+        _edit(
+            folder / name,
+            lambda m, v=version: m.opset_import.append(onnx.helper.make_opsetid("ai.onnx.ml", v)),
+        )
     with pytest.raises(IncompatibleModelsError, match="ai.onnx.ml"):
         merge_seq2seq(folder)
 
@@ -197,9 +202,14 @@ def test_decoder_with_past_lacking_a_present_output(tmp_path):
 # ------------------------------------------------------------------ the output path
 
 
-@pytest.mark.parametrize("output", [
-    tm.ENCODER, tm.DECODER, tm.DECODER_WITH_PAST,
-])
+@pytest.mark.parametrize(
+    "output",
+    [
+        tm.ENCODER,
+        tm.DECODER,
+        tm.DECODER_WITH_PAST,
+    ],
+)
 def test_an_input_model_is_never_the_output(tmp_path, output):
     folder = tm.write_export(tmp_path / "export")
     before = tm.folder_digest(folder)
@@ -282,7 +292,13 @@ def test_successful_merge_changes_no_input(tmp_path):
 
 @pytest.mark.parametrize("layout", ["with_past", "no_past", "merged_only"])
 def test_merged_file_passes_the_full_checker(tmp_path, layout):
-    path = merge_seq2seq(tm.write_export(tmp_path / "export", layout=layout, head="tied",
-                                         out_proj_as_constant=layout != "merged_only"))
+    path = merge_seq2seq(
+        tm.write_export(
+            tmp_path / "export",
+            layout=layout,
+            head="tied",
+            out_proj_as_constant=layout != "merged_only",
+        )
+    )
     onnx.checker.check_model(os.fspath(path), full_check=True)
     assert np.isfinite(tm.run_merged(path, tm.sample_inputs(), use_cache=False)["logits"]).all()

@@ -89,14 +89,23 @@ def test_with_past_layout_follows_the_contract(tmp_path):
     onnx.checker.check_model(os.fspath(path), full_check=True)
     proto = onnx.load(os.fspath(path))
 
-    expected_inputs = ["input_ids", "attention_mask", "decoder_input_ids", *tm.past_names(),
-                       "use_cache_branch"]
+    expected_inputs = [
+        "input_ids",
+        "attention_mask",
+        "decoder_input_ids",
+        *tm.past_names(),
+        "use_cache_branch",
+    ]
     assert [i.name for i in proto.graph.input] == expected_inputs
     use_cache = proto.graph.input[-1].type.tensor_type
     assert use_cache.elem_type == onnx.TensorProto.BOOL
     assert [d.dim_value for d in use_cache.shape.dim] == [1]
-    presents = [f"present.{layer}.{part}.{kind}" for layer in range(tm.LAYERS)
-                for part in ("decoder", "encoder") for kind in ("key", "value")]
+    presents = [
+        f"present.{layer}.{part}.{kind}"
+        for layer in range(tm.LAYERS)
+        for part in ("decoder", "encoder")
+        for kind in ("key", "value")
+    ]
     assert sorted(o.name for o in proto.graph.output) == sorted(["logits", *presents])
     assert proto.graph.output[0].name == "logits"
     assert [n.op_type for n in proto.graph.node if n.op_type == "If"] == ["If"]
@@ -116,8 +125,11 @@ def test_no_past_layout_has_no_if_and_no_cache(tmp_path):
     proto = onnx.load(os.fspath(result.path))
 
     assert result.layout == contract.LAYOUT_WITHOUT_PAST
-    assert [i.name for i in proto.graph.input] == ["input_ids", "attention_mask",
-                                                   "decoder_input_ids"]
+    assert [i.name for i in proto.graph.input] == [
+        "input_ids",
+        "attention_mask",
+        "decoder_input_ids",
+    ]
     assert [o.name for o in proto.graph.output] == ["logits"]
     assert not any(n.op_type == "If" for n in proto.graph.node)
     meta = {p.key: p.value for p in proto.metadata_props}
@@ -162,9 +174,7 @@ def test_folder_with_all_four_files_uses_the_separate_decoders(tmp_path):
     three = merge_seq2seq(tm.write_export(tmp_path / "three"))
     four_result = merge_seq2seq_with_report(tm.write_export(tmp_path / "four", layout="all"))
     assert three.read_bytes() == four_result.path.read_bytes()
-    assert sorted(f.role for f in four_result.inputs) == [
-        "decoder", "decoder_with_past", "encoder"
-    ]
+    assert sorted(f.role for f in four_result.inputs) == ["decoder", "decoder_with_past", "encoder"]
 
 
 def test_external_data_sources_merge_into_one_self_contained_file(tmp_path):
@@ -200,8 +210,7 @@ def test_outer_scope_references_follow_renamed_initializers(tmp_path, layout):
     path = merge_seq2seq(folder)
     onnx.checker.check_model(os.fspath(path), full_check=True)
     proto = onnx.load(os.fspath(path))
-    projections = [t.name for t in proto.graph.initializer
-                   if t.name.endswith(tm.OUT_PROJ)]
+    projections = [t.name for t in proto.graph.initializer if t.name.endswith(tm.OUT_PROJ)]
     assert len(projections) == 2
     _assert_parity(path, tm.write_export(tmp_path / "reference"), tm.sample_inputs())
 
@@ -209,8 +218,12 @@ def test_outer_scope_references_follow_renamed_initializers(tmp_path, layout):
 def test_intermediate_names_that_clash_with_the_contract_are_renamed(tmp_path):
     folder = tm.write_export(tmp_path / "export")
     encoder = onnx.load(os.fspath(folder / tm.ENCODER))
-    for old, new in (("projected", "logits"), ("embedded", "decoder_input_ids"),
-                     ("mask_float", "use_cache_branch"), ("mask_3d", "present.0.decoder.key")):
+    for old, new in (
+        ("projected", "logits"),
+        ("embedded", "decoder_input_ids"),
+        ("mask_float", "use_cache_branch"),
+        ("mask_3d", "present.0.decoder.key"),
+    ):
         _rename_everywhere(encoder, old, new)
     tm.save(encoder, folder / tm.ENCODER)
 
@@ -218,7 +231,9 @@ def test_intermediate_names_that_clash_with_the_contract_are_renamed(tmp_path):
     onnx.checker.check_model(os.fspath(path), full_check=True)
     proto = onnx.load(os.fspath(path))
     assert [o.name for o in proto.graph.output][:3] == [
-        "logits", "present.0.decoder.key", "present.0.decoder.value"
+        "logits",
+        "present.0.decoder.key",
+        "present.0.decoder.value",
     ]
     _assert_parity(path, tm.write_export(tmp_path / "reference"), tm.sample_inputs())
 
@@ -255,13 +270,16 @@ def test_output_is_byte_identical_across_runs_and_hash_seeds(tmp_path):
     folder = tm.write_export(tmp_path / "export", head="tied", out_proj_as_constant=True)
     in_process = _sha(merge_seq2seq(folder, tmp_path / "a.onnx"))
     assert _sha(merge_seq2seq(folder, tmp_path / "b.onnx")) == in_process
-    code = ("import sys; from onnxmerge import merge_seq2seq; "
-            "merge_seq2seq(sys.argv[1], sys.argv[2])")
+    code = (
+        "import sys; from onnxmerge import merge_seq2seq; merge_seq2seq(sys.argv[1], sys.argv[2])"
+    )
     for seed in ("0", "123"):
         out = tmp_path / f"seed{seed}.onnx"
         subprocess.run(
             [sys.executable, "-c", code, os.fspath(folder), os.fspath(out)],
-            env={**os.environ, "PYTHONHASHSEED": seed}, check=True, capture_output=True,
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            check=True,
+            capture_output=True,
         )
         assert _sha(out) == in_process, f"PYTHONHASHSEED={seed} changed the output"
 

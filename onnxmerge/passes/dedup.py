@@ -288,9 +288,7 @@ def deduplicate_initializers(graph: ir.Graph) -> list[SharedTensor]:
             and tensor.dtype.bitwidth in (8, 16, 32, 64)
         )
 
-    shapes = {
-        (tensor_of(v).dtype, tuple(tensor_of(v).shape)) for v in survivors if transposable(v)
-    }
+    shapes = {(tensor_of(v).dtype, tuple(tensor_of(v).shape)) for v in survivors if transposable(v)}
     transposed_of: dict[tuple, ir.Value] = {}
     transposes: dict[str, ir.Value] = {}
     for value in survivors:

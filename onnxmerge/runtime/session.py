@@ -26,6 +26,7 @@ from onnxmerge.runtime.session_cache import open_with_cache
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True)
 class InputSpec:
     name: str

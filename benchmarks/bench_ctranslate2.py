@@ -322,11 +322,11 @@ def worker_ours(
         import onnxruntime  # noqa: F401 - imported by the first load otherwise; part of the import
 
     import onnxmerge
-    from onnxmerge.runtime.session import default_session_options
+    from onnxmerge.runtime.ort import session_options
 
     imported = time.perf_counter()
     rss_imported = _common.self_rss_bytes()["rss_bytes"]
-    options = default_session_options()
+    options = session_options()
     options.intra_op_num_threads = threads
     if backend == "onnxruntime":
         model = onnxmerge.Seq2SeqModel(path, session_options=options, session_cache=session_cache)

@@ -106,8 +106,12 @@ def export_large(cache_dir: Path) -> dict[str, Any]:
 
         start = time.perf_counter()
         try:
-            main_export(str(pytorch_dir), output=staging, task="text2text-generation-with-past",
-                        do_validation=False)
+            main_export(
+                str(pytorch_dir),
+                output=staging,
+                task="text2text-generation-with-past",
+                do_validation=False,
+            )
             record["export_error"] = None
         except Exception as e:  # optimum's post-processing past 2 GB; the files may be there
             record["export_error"] = f"{type(e).__name__}: {e}"[:2000]
@@ -196,11 +200,18 @@ def merge_optimum(export_dir: str, output: str) -> dict[str, Any]:
 
     folder = Path(export_dir)
     try:
-        merge_decoders(folder / _common.DECODER_FILE, folder / _common.DECODER_WITH_PAST_FILE,
-                       save_path=output, strict=False)
+        merge_decoders(
+            folder / _common.DECODER_FILE,
+            folder / _common.DECODER_WITH_PAST_FILE,
+            save_path=output,
+            strict=False,
+        )
     except Exception as e:  # recorded, not raised: the failure is the measurement
-        return {"failed": True, "error": f"{type(e).__name__}: {e}"[:1000],
-                "traceback": tb.format_exc()[-3000:]}
+        return {
+            "failed": True,
+            "error": f"{type(e).__name__}: {e}"[:1000],
+            "traceback": tb.format_exc()[-3000:],
+        }
     out = Path(output)
     return {"failed": False, "output_bytes": _common.files_bytes(out.parent, [out.name])}
 
@@ -209,8 +220,15 @@ def merge_optimum(export_dir: str, output: str) -> dict[str, Any]:
 
 
 def _measured(run: dict[str, Any]) -> dict[str, Any]:
-    keys = ("wall_s", "call_s", "peak_rss_bytes", "baseline_rss_bytes", "peak_call_rss_bytes",
-            "peak_private_bytes", "maxrss_bytes")
+    keys = (
+        "wall_s",
+        "call_s",
+        "peak_rss_bytes",
+        "baseline_rss_bytes",
+        "peak_call_rss_bytes",
+        "peak_private_bytes",
+        "maxrss_bytes",
+    )
     return {k: run.get(k) for k in keys}
 
 
@@ -223,16 +241,20 @@ def _in_child(fn: str, args: tuple, preload: tuple[str, ...]) -> dict[str, Any]:
     return {"crashed": False, **_measured(run), "result": run["result"]}
 
 
-def run_benchmark(cache_dir: Path, scratch: Path, *, skip_verify: bool, skip_optimum: bool,
-                  tolerance: float) -> dict[str, Any]:
+def run_benchmark(
+    cache_dir: Path, scratch: Path, *, skip_verify: bool, skip_optimum: bool, tolerance: float
+) -> dict[str, Any]:
     record = export_large(cache_dir)
     export_dir = Path(record["onnx_dir"])
     checkpoint = Path(record["pytorch_dir"]) / _common.CHECKPOINT_FILE
     results: dict[str, Any] = {
         "benchmark": "large",
         "model": "facebook/mbart-large-50 shape (seeded random weights)",
-        "machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
-                    "platform": platform.platform()},
+        "machine": {
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+        },
         "versions": _common.package_versions(),
         "checkpoint_bytes": checkpoint.stat().st_size,
         "export": {k: v for k, v in record.items() if k != "export_traceback"},
@@ -241,25 +263,29 @@ def run_benchmark(cache_dir: Path, scratch: Path, *, skip_verify: bool, skip_opt
     }
     ours_out = scratch / "ours" / "model.onnx"
     ours_out.parent.mkdir(parents=True, exist_ok=True)
-    ours = _in_child("benchmarks.bench_large:merge_ours", (str(export_dir), str(ours_out)),
-                     ("onnxmerge.merge",))
+    ours = _in_child(
+        "benchmarks.bench_large:merge_ours", (str(export_dir), str(ours_out)), ("onnxmerge.merge",)
+    )
     results["onnxmerge"] = ours
     if not ours["crashed"]:
         files = ours["result"]["files"]
         results["onnxmerge"]["external_data"] = sorted(files) == ["model.onnx", "model.onnx_data"]
-        results["checker"] = _in_child("benchmarks.bench_large:check_merged", (str(ours_out),),
-                                       ("onnx",))
+        results["checker"] = _in_child(
+            "benchmarks.bench_large:check_merged", (str(ours_out),), ("onnx",)
+        )
         if not skip_verify:
             results["verify"] = _in_child(
                 "benchmarks.bench_large:verify_merged",
-                (str(ours_out), str(export_dir), tolerance), ("onnxmerge.verify", "onnxruntime"),
+                (str(ours_out), str(export_dir), tolerance),
+                ("onnxmerge.verify", "onnxruntime"),
             )
     shutil.rmtree(ours_out.parent, ignore_errors=True)  # room for optimum's attempt
     if not skip_optimum:
         optimum_out = scratch / "optimum" / _common.DECODER_MERGED_FILE
         optimum_out.parent.mkdir(parents=True, exist_ok=True)
         results["optimum_merge_decoders"] = _in_child(
-            "benchmarks.bench_large:merge_optimum", (str(export_dir), str(optimum_out)),
+            "benchmarks.bench_large:merge_optimum",
+            (str(export_dir), str(optimum_out)),
             ("optimum.onnx",),
         )
         shutil.rmtree(optimum_out.parent, ignore_errors=True)
@@ -271,8 +297,11 @@ def _root_cause(traceback_text: str) -> str | None:
     """The first exception line of a chained traceback: what failed before optimum wrapped it."""
     for line in traceback_text.splitlines():
         head = line.split(":", 1)[0]
-        if line and not line.startswith(" ") and head.replace(".", "").isidentifier() and (
-            head.endswith(("Error", "Exception"))
+        if (
+            line
+            and not line.startswith(" ")
+            and head.replace(".", "").isidentifier()
+            and (head.endswith(("Error", "Exception")))
         ):
             return line.strip()[:300]
     return None
@@ -283,11 +312,13 @@ def targets(results: dict[str, Any]) -> dict[str, bool | None]:
     peak = ours.get("peak_private_bytes")
     verify = results.get("verify")
     return {
-        "onnxmerge peak private memory <= 1.5 GiB":
-            None if peak is None else peak <= TARGET_PEAK_PRIVATE_BYTES,
+        "onnxmerge peak private memory <= 1.5 GiB": None
+        if peak is None
+        else peak <= TARGET_PEAK_PRIVATE_BYTES,
         "output is model.onnx + model.onnx_data": ours.get("external_data"),
         "check_model(full_check=True)": results.get("checker", {}).get("result", {}).get("ok"),
-        "both branches match the export": None if verify is None
+        "both branches match the export": None
+        if verify is None
         else bool(verify.get("result", {}).get("ok")),
     }
 
@@ -313,8 +344,11 @@ def markdown(results: dict[str, Any]) -> str:
         f"decoder with past, with data files): {_gib(results['export_input_bytes'])} GiB",
         f"- optimum export: {_secs(export.get('export_s'))} s; post-processing error: "
         f"{export.get('export_error') or 'none'}"
-        + (f" (cause: {results['export_root_cause']}; the three model files were kept)"
-           if results.get("export_root_cause") else ""),
+        + (
+            f" (cause: {results['export_root_cause']}; the three model files were kept)"
+            if results.get("export_root_cause")
+            else ""
+        ),
         "",
         "| step | outcome | wall s | peak RSS GiB | peak private GiB |",
         "|---|---|---|---|---|",
@@ -329,8 +363,10 @@ def markdown(results: dict[str, Any]) -> str:
         if run is None:
             continue
         outcome = _outcome(label, run)
-        lines.append(f"| {label} | {outcome} | {_secs(run.get('wall_s'))} | "
-                     f"{_gib(run.get('peak_rss_bytes'))} | {_gib(run.get('peak_private_bytes'))} |")
+        lines.append(
+            f"| {label} | {outcome} | {_secs(run.get('wall_s'))} | "
+            f"{_gib(run.get('peak_rss_bytes'))} | {_gib(run.get('peak_private_bytes'))} |"
+        )
     lines += ["", "### Targets", ""]
     for name, ok in results["targets"].items():
         lines.append(f"- {name}: {'not measured' if ok is None else 'met' if ok else 'MISSED'}")
@@ -347,9 +383,11 @@ def _outcome(label: str, run: dict[str, Any]) -> str:
     if label.startswith("check_model"):
         return "passes" if result.get("ok") else f"fails: {result.get('error', '')[:120]}"
     if label.startswith("verify"):
-        return (f"{'ok' if result.get('ok') else 'MISMATCH'}: max abs diff "
-                f"{result.get('max_abs_diff', float('nan')):.2e} over "
-                f"{result.get('outputs_compared')} outputs")
+        return (
+            f"{'ok' if result.get('ok') else 'MISMATCH'}: max abs diff "
+            f"{result.get('max_abs_diff', float('nan')):.2e} over "
+            f"{result.get('outputs_compared')} outputs"
+        )
     if result.get("failed"):
         return "fails: " + result["error"].splitlines()[0][:120]
     return f"writes {_gib(result.get('output_bytes'))} GiB"
@@ -359,9 +397,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON results file")
     parser.add_argument("--cache-dir", type=Path, default=_common.DEFAULT_CACHE_DIR)
-    parser.add_argument("--scratch", type=Path, default=None,
-                        help="folder for the merged files (default: a temporary folder beside "
-                             "the cache, on the same disk)")
+    parser.add_argument(
+        "--scratch",
+        type=Path,
+        default=None,
+        help="folder for the merged files (default: a temporary folder beside "
+        "the cache, on the same disk)",
+    )
     parser.add_argument("--export-only", action="store_true", help="build the export and stop")
     parser.add_argument("--skip-verify", action="store_true")
     parser.add_argument("--skip-optimum", action="store_true")
@@ -374,8 +416,13 @@ def main(argv: list[str] | None = None) -> int:
     args.cache_dir.mkdir(parents=True, exist_ok=True)
     scratch = args.scratch or Path(tempfile.mkdtemp(prefix="bench-large-", dir=args.cache_dir))
     try:
-        results = run_benchmark(args.cache_dir, scratch, skip_verify=args.skip_verify,
-                                skip_optimum=args.skip_optimum, tolerance=args.tolerance)
+        results = run_benchmark(
+            args.cache_dir,
+            scratch,
+            skip_verify=args.skip_verify,
+            skip_optimum=args.skip_optimum,
+            tolerance=args.tolerance,
+        )
     finally:
         if args.scratch is None:
             shutil.rmtree(scratch, ignore_errors=True)

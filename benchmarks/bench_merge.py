@@ -156,7 +156,9 @@ def profile_ours(export_dir: str, output: str, top: int = 25) -> dict[str, Any]:
     import onnx
     import onnx_ir as ir
 
-    from onnxmerge import compat, merge, model_io, passes, roles, splice
+    from onnxmerge import model_io, passes
+    from onnxmerge.merge import compat, roles, splice
+    from onnxmerge.merge import orchestrate as merge
 
     # Each phase as module.function; a few carry a note, or share the name of the public one.
     phases = {
@@ -221,7 +223,7 @@ def ort_check(export_dir: Path, merged: Path) -> dict[str, Any]:
     """Run the merged file for one first step and one cached step; compare with the export files."""
     import numpy as np
 
-    from onnxmerge.sessions import open_session
+    from onnxmerge.runtime.ort import open_session
 
     model = open_session(merged)
     encoder = open_session(export_dir / ENCODER_FILE)

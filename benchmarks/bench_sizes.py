@@ -23,7 +23,10 @@ from benchmarks import _common  # noqa: E402
 DEFAULT_OUT = _common.OUT_DIR / "sizes.json"
 LAYOUTS = {
     "encoder+decoder+decoder_with_past": (
-        "encoder_model.onnx", "decoder_model.onnx", "decoder_with_past_model.onnx"),
+        "encoder_model.onnx",
+        "decoder_model.onnx",
+        "decoder_with_past_model.onnx",
+    ),
     "encoder+decoder_model_merged": ("encoder_model.onnx", "decoder_model_merged.onnx"),
 }
 
@@ -80,8 +83,9 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    parser.add_argument("--archs", nargs="+",
-                        default=[a for a in ARCHITECTURES if a != "vision-encoder-decoder"])
+    parser.add_argument(
+        "--archs", nargs="+", default=[a for a in ARCHITECTURES if a != "vision-encoder-decoder"]
+    )
     args = parser.parse_args(argv)
     rows = []
     for arch in args.archs:

@@ -30,11 +30,11 @@ CALLER_THREADS = (1, 2, 8)
 
 def _model(export_dir: Path, folder: Path):
     import onnxmerge
-    from onnxmerge.runtime.session import default_session_options
+    from onnxmerge.runtime.ort import session_options
 
     folder.mkdir()
     merged = onnxmerge.merge_seq2seq(export_dir, folder / "model.onnx")
-    options = default_session_options()
+    options = session_options()
     options.intra_op_num_threads = 2
     return onnxmerge.Seq2SeqModel(merged, session_options=options)
 

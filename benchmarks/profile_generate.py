@@ -83,10 +83,10 @@ def _timed_steps(model, ids, beams: int, repeats: int) -> dict[str, Any]:
 def _ort_profile(path: Path, ids, beams: int, threads: int) -> dict[str, Any]:
     """onnxruntime's profile of one generate(): operator time by type, and time outside them."""
     import onnxmerge
-    from onnxmerge.runtime.session import default_session_options
+    from onnxmerge.runtime.ort import session_options
 
     with tempfile.TemporaryDirectory(prefix="profile-") as tmp:
-        options = default_session_options()
+        options = session_options()
         options.intra_op_num_threads = threads
         options.enable_profiling = True
         options.profile_file_prefix = str(Path(tmp) / "ort")
@@ -127,9 +127,9 @@ def _ort_profile(path: Path, ids, beams: int, threads: int) -> dict[str, Any]:
 
 def profile(merged: Path, config: dict, threads: int, repeats: int) -> dict[str, Any]:
     import onnxmerge
-    from onnxmerge.runtime.session import default_session_options
+    from onnxmerge.runtime.ort import session_options
 
-    options = default_session_options()
+    options = session_options()
     options.intra_op_num_threads = threads
     model = onnxmerge.Seq2SeqModel(merged, session_options=options)
     ids = _source(config)
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
             "merge_rewrites": report.rewrites,
             "searches": profile(merged, config, args.threads, args.repeats),
         }
-        from onnxmerge.reshape_targets import FoldReshapeTargets
+        from onnxmerge.passes.reshape_targets import FoldReshapeTargets
 
         unfolded = merge_without(FoldReshapeTargets, export.onnx_dir, Path(tmp) / "unfolded.onnx")
         result["without_reshape_folding"] = profile(unfolded, config, args.threads, args.repeats)

@@ -29,8 +29,12 @@ def _benchmarks(out: Path, quick: bool) -> dict[str, list[str]]:
     q = ["--quick"] if quick else []
     return {
         "merge": ["bench_merge.py", *q, "--out", str(out / "merge.json")],
-        "sizes": ["bench_sizes.py", "--out", str(out / "sizes.json"),
-                  *(["--archs", "marian", "t5"] if quick else [])],
+        "sizes": [
+            "bench_sizes.py",
+            "--out",
+            str(out / "sizes.json"),
+            *(["--archs", "marian", "t5"] if quick else []),
+        ],
         "generate": ["bench_generate.py", str(out / "generate.json"), *q],
         "generator": ["bench_generator.py", *q, "--out", str(out / "generator.json")],
         "web": ["bench_web.py", *q, "--out", str(out / "web.json")],
@@ -53,12 +57,18 @@ def run(out: Path, quick: bool, only: list[str] | None, jobs: int = 1) -> None:
     def one(name: str, argv: list[str]) -> None:
         started = time.perf_counter()
         print(f"== {name}: {' '.join(argv)}", flush=True)
-        subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / argv[0]), *argv[1:]],
-                       check=True, cwd=REPO_ROOT)
+        subprocess.run(
+            [sys.executable, str(REPO_ROOT / "benchmarks" / argv[0]), *argv[1:]],
+            check=True,
+            cwd=REPO_ROOT,
+        )
         print(f"== {name}: {time.perf_counter() - started:.0f} s", flush=True)
 
-    chosen = {name: argv for name, argv in _benchmarks(out, quick).items()
-              if not ((only and name not in only) or (not only and name in ("large", "profile")))}
+    chosen = {
+        name: argv
+        for name, argv in _benchmarks(out, quick).items()
+        if not ((only and name not in only) or (not only and name in ("large", "profile")))
+    }
     # More than one at a time only to check the pipeline: measured runs need the machine alone.
     with ThreadPoolExecutor(jobs) as pool:
         list(pool.map(one, chosen, chosen.values()))
@@ -85,12 +95,17 @@ def _chart_sizes(merge: dict, img: Path) -> str | None:
     width = 0.8 / len(variants)
     for i, (variant, data) in enumerate(variants.items()):
         values = [data["layouts"][name]["bytes"] / 1e6 for name in layouts]
-        bars = ax.barh([y + i * width for y in range(len(layouts))], values, height=width,
-                       label=f"optimum export, LM head {'tied' if variant == 'tied' else 'copied'}")
+        bars = ax.barh(
+            [y + i * width for y in range(len(layouts))],
+            values,
+            height=width,
+            label=f"optimum export, LM head {'tied' if variant == 'tied' else 'copied'}",
+        )
         ax.bar_label(bars, fmt="%.0f", padding=3, fontsize=8)
     checkpoint = next(iter(variants.values()))["checkpoint_bytes"] / 1e6
-    ax.axvline(checkpoint, color="black", linestyle="--", linewidth=1,
-               label="PyTorch model.safetensors")
+    ax.axvline(
+        checkpoint, color="black", linestyle="--", linewidth=1, label="PyTorch model.safetensors"
+    )
     ax.set_yticks([y + width / 2 for y in range(len(layouts))], layouts)
     ax.invert_yaxis()
     ax.set_xlabel("MB on disk (opus-mt-fr-en shape)")
@@ -108,8 +123,11 @@ def _chart_runtime(generate: dict, img: Path) -> str | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keys = [("rss_after_load_mb", "memory after load (MB)"),
-            ("greedy_time", "greedy, 32 tokens (s)"), ("beam4_time", "4 beams, 32 tokens (s)")]
+    keys = [
+        ("rss_after_load_mb", "memory after load (MB)"),
+        ("greedy_time", "greedy, 32 tokens (s)"),
+        ("beam4_time", "4 beams, 32 tokens (s)"),
+    ]
     fig, axes = plt.subplots(1, len(keys), figsize=(9, 2.8))
     for ax, (key, title) in zip(axes, keys, strict=True):
         values = [generate["optimum"][key], generate["ours"][key]]
@@ -140,26 +158,30 @@ def _processor(environment: dict) -> str:
 
 def _ctranslate2_section(data: dict) -> list[str]:
     s = data["setting"]
-    lines = ["## Generation against CTranslate2", "",
-             f"{data['model']}, {s['threads']} threads, exactly {s['new_tokens']} new tokens; "
-             f"batch 1 has {s['batch1_source_tokens']} source ids, batch 8 has lengths "
-             f"{', '.join(map(str, s['batch8_source_lengths']))}. CTranslate2 converts the same "
-             "PyTorch folder (`TransformersConverter`, float32 and int8). Our files: "
-             f"{data['int8_ours']}. Times are seconds ({s['statistic']}); ratios are "
-             "onnxmerge / CTranslate2, below 1 is better; agreement is the share of positions "
-             "with the same token (the last, a forced eos on our side, left out). Both sides run "
-             "in the same run, but CTranslate2's float32 path slows down far more than "
-             "onnxruntime on an oversubscribed machine: from a loaded machine, the float32 "
-             "ratios are lower than on a quiet one and are not a result. Load average of this "
-             f"run: {_load_averages(data['environment'])}; processor: "
-             f"{_processor(data['environment'])}. `load_s` is import and load together, "
-             "`import_s` the import alone (onnxruntime and numpy on our side), "
-             "`load_without_import_s` the rest; `rss_after_load_mb` is the whole process, "
-             "`rss_added_by_load_mb` what opening the model adds to the import. The range is the "
-             f"lowest and highest ratio of the {s['rounds']} rounds.", "",
-             "| precision | measure | CTranslate2 | onnxmerge | ratio | range | target "
-             "| token agreement |",
-             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "## Generation against CTranslate2",
+        "",
+        f"{data['model']}, {s['threads']} threads, exactly {s['new_tokens']} new tokens; "
+        f"batch 1 has {s['batch1_source_tokens']} source ids, batch 8 has lengths "
+        f"{', '.join(map(str, s['batch8_source_lengths']))}. CTranslate2 converts the same "
+        "PyTorch folder (`TransformersConverter`, float32 and int8). Our files: "
+        f"{data['int8_ours']}. Times are seconds ({s['statistic']}); ratios are "
+        "onnxmerge / CTranslate2, below 1 is better; agreement is the share of positions "
+        "with the same token (the last, a forced eos on our side, left out). Both sides run "
+        "in the same run, but CTranslate2's float32 path slows down far more than "
+        "onnxruntime on an oversubscribed machine: from a loaded machine, the float32 "
+        "ratios are lower than on a quiet one and are not a result. Load average of this "
+        f"run: {_load_averages(data['environment'])}; processor: "
+        f"{_processor(data['environment'])}. `load_s` is import and load together, "
+        "`import_s` the import alone (onnxruntime and numpy on our side), "
+        "`load_without_import_s` the rest; `rss_after_load_mb` is the whole process, "
+        "`rss_added_by_load_mb` what opening the model adds to the import. The range is the "
+        f"lowest and highest ratio of the {s['rounds']} rounds.",
+        "",
+        "| precision | measure | CTranslate2 | onnxmerge | ratio | range | target "
+        "| token agreement |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for precision, p in data["precisions"].items():
         for case, ratio in p["ratios"].items():
             if case in p["ours"]["cases"]:
@@ -170,79 +192,110 @@ def _ctranslate2_section(data: dict) -> list[str]:
             target = p["targets"].get(case)
             spread = p.get("ratio_ranges", {}).get(case)  # results written before ranges: none
             spread = f"{spread[0]:.2f}–{spread[1]:.2f}" if spread else ""
-            lines.append(f"| {precision} | {case} | {theirs:.3f} | {ours:.3f} | **{ratio:.2f}x** "
-                         f"| {spread} | {'' if target is None else f'<= {target}x'} | {agree} |")
+            lines.append(
+                f"| {precision} | {case} | {theirs:.3f} | {ours:.3f} | **{ratio:.2f}x** "
+                f"| {spread} | {'' if target is None else f'<= {target}x'} | {agree} |"
+            )
     versus = {
         v: p["vs_onnxruntime"] for v, p in data["precisions"].items() if "vs_onnxruntime" in p
     }
     if versus:
-        lines += ["", "The `openvino` rows run the plain files' steps in OpenVINO "
-                  f"{data['environment'].get('openvino')} (CPU, float32 arithmetic) under the same "
-                  "search; against onnxruntime on the same file (ratios OpenVINO / onnxruntime, "
-                  "below 1 is better):", "",
-                  "| variant | measure | ratio | range | token agreement |",
-                  "|---|---|---:|---:|---:|"]
+        lines += [
+            "",
+            "The `openvino` rows run the plain files' steps in OpenVINO "
+            f"{data['environment'].get('openvino')} (CPU, float32 arithmetic) under the same "
+            "search; against onnxruntime on the same file (ratios OpenVINO / onnxruntime, "
+            "below 1 is better):",
+            "",
+            "| variant | measure | ratio | range | token agreement |",
+            "|---|---|---:|---:|---:|",
+        ]
         for variant, d in versus.items():
             for case, ratio in d["ratios"].items():
                 low, high = d["ratio_ranges"][case]
                 agree = d["token_agreement"].get(case)
-                lines.append(f"| {variant} | {case} | **{ratio:.2f}x** | {low:.2f}–{high:.2f} | "
-                             f"{'' if agree is None else f'{agree:.2f}'} |")
+                lines.append(
+                    f"| {variant} | {case} | **{ratio:.2f}x** | {low:.2f}–{high:.2f} | "
+                    f"{'' if agree is None else f'{agree:.2f}'} |"
+                )
     return [*lines, ""]
 
 
 def _threads_section(data: dict) -> list[str]:
     memory = data["memory"]
-    lines = ["## One model shared by threads", "",
-             f"{data['model']}, greedy, {data['new_tokens']} new tokens, onnxruntime with "
-             f"{data['onnxruntime_threads']} threads; every call's tokens checked against a "
-             "serial call (`benchmarks/bench_threads.py`).", "",
-             "| caller threads | calls | tokens/s | same tokens as serial |",
-             "|---:|---:|---:|---|"]
+    lines = [
+        "## One model shared by threads",
+        "",
+        f"{data['model']}, greedy, {data['new_tokens']} new tokens, onnxruntime with "
+        f"{data['onnxruntime_threads']} threads; every call's tokens checked against a "
+        "serial call (`benchmarks/bench_threads.py`).",
+        "",
+        "| caller threads | calls | tokens/s | same tokens as serial |",
+        "|---:|---:|---:|---|",
+    ]
     for row in data["throughput"]:
-        lines.append(f"| {row['caller_threads']} | {row['calls']} | {row['tokens_per_s']:.1f} | "
-                     f"{row['same_tokens_as_serial']} |")
+        lines.append(
+            f"| {row['caller_threads']} | {row['calls']} | {row['tokens_per_s']:.1f} | "
+            f"{row['same_tokens_as_serial']} |"
+        )
     first, last = memory["samples"][0], memory["samples"][-1]
-    lines += ["", f"Resident memory over {memory['calls']} calls (greedy and 2 beams in turn): "
-              f"{first['rss_mb']:.1f} MB after {first['calls']} calls, {last['rss_mb']:.1f} MB "
-              f"after {last['calls']} ({memory['growth_after_first_tenth_mb']:+.1f} MB).", ""]
+    lines += [
+        "",
+        f"Resident memory over {memory['calls']} calls (greedy and 2 beams in turn): "
+        f"{first['rss_mb']:.1f} MB after {first['calls']} calls, {last['rss_mb']:.1f} MB "
+        f"after {last['calls']} ({memory['growth_after_first_tenth_mb']:+.1f} MB).",
+        "",
+    ]
     return lines
 
 
 def _profile_section(data: dict) -> list[str]:
-    lines = ["## Where the time of a token goes", "",
-             f"{data['model']}, batch 1, {data['new_tokens']} new tokens, {data['threads']} "
-             "threads (`benchmarks/profile_generate.py`; run with `--only profile`). Per-step "
-             "times wrap `InferenceSession.run`; the operator split is onnxruntime's profiler "
-             "over one `generate()`. Absolute times follow the machine's load; read the "
-             "shares and the ratios.", "",
-             "| search | per token ms | first step ms | cached step ms | Python outside run | "
-             "operators | outside operators (in run) | top operators (share of operator time) |",
-             "|---|---:|---:|---:|---:|---:|---:|---|"]
+    lines = [
+        "## Where the time of a token goes",
+        "",
+        f"{data['model']}, batch 1, {data['new_tokens']} new tokens, {data['threads']} "
+        "threads (`benchmarks/profile_generate.py`; run with `--only profile`). Per-step "
+        "times wrap `InferenceSession.run`; the operator split is onnxruntime's profiler "
+        "over one `generate()`. Absolute times follow the machine's load; read the "
+        "shares and the ratios.",
+        "",
+        "| search | per token ms | first step ms | cached step ms | Python outside run | "
+        "operators | outside operators (in run) | top operators (share of operator time) |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
     for search, d in data["searches"].items():
         st, prof = d["steps"], d["onnxruntime_profile"]
         ops = prof["operators_ms"]
         top = list(prof["top_operators_ms"].items())[:6]
         top = ", ".join(f"{k} {v / ops:.0%}" for k, v in top)
-        lines.append(f"| {search} | {st['per_token_ms']:.1f} | {st['first_step_s'] * 1e3:.1f} | "
-                     f"{st['cached_step_s'] * 1e3:.1f} | "
-                     f"{st['outside_run_s'] / st['wall_s']:.0%} | "
-                     f"{ops / prof['model_run_ms']:.0%} | "
-                     f"{prof['outside_operators_ms'] / prof['model_run_ms']:.0%} | {top} |")
+        lines.append(
+            f"| {search} | {st['per_token_ms']:.1f} | {st['first_step_s'] * 1e3:.1f} | "
+            f"{st['cached_step_s'] * 1e3:.1f} | "
+            f"{st['outside_run_s'] / st['wall_s']:.0%} | "
+            f"{ops / prof['model_run_ms']:.0%} | "
+            f"{prof['outside_operators_ms'] / prof['model_run_ms']:.0%} | {top} |"
+        )
     unfolded = data.get("without_reshape_folding")
     if unfolded:
         folded = data["merge_rewrites"]["reshape_targets_folded"]
-        lines += ["", f"The merge folds {folded} `Reshape` targets of the export's shape "
-                  "arithmetic into constants (`onnxmerge/reshape_targets.py`). The same export "
-                  "merged without that pass, in the same run:", "",
-                  "| search | operators per cached step | without folding | cached step ms | "
-                  "without folding | time with / without |", "|---|---:|---:|---:|---:|---:|"]
+        lines += [
+            "",
+            f"The merge folds {folded} `Reshape` targets of the export's shape "
+            "arithmetic into constants (`onnxmerge/reshape_targets.py`). The same export "
+            "merged without that pass, in the same run:",
+            "",
+            "| search | operators per cached step | without folding | cached step ms | "
+            "without folding | time with / without |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
         for search, d in data["searches"].items():
             u = unfolded[search]
             ops, ops_u = (x["onnxruntime_profile"]["operators_per_cached_step"] for x in (d, u))
             step, step_u = (x["steps"]["cached_step_s"] for x in (d, u))
-            lines.append(f"| {search} | {ops:.0f} | {ops_u:.0f} | {step * 1e3:.1f} | "
-                         f"{step_u * 1e3:.1f} | {step / step_u:.2f}x |")
+            lines.append(
+                f"| {search} | {ops:.0f} | {ops_u:.0f} | {step * 1e3:.1f} | "
+                f"{step_u * 1e3:.1f} | {step / step_u:.2f}x |"
+            )
     return [*lines, ""]
 
 
@@ -250,28 +303,35 @@ def _large_section(large: dict) -> list[str]:
     ours, theirs = large["onnxmerge"], large.get("optimum_merge_decoders", {})
     result = ours["result"]
     failed = theirs.get("result", {}).get("error")
-    lines = ["## Past 2 GB (facebook/mbart-large-50 shape)", "",
-             f"{large['export_input_bytes'] / 2**30:.2f} GiB of export files (optimum's own "
-             "post-processing fails on this model and leaves the three files). Written by "
-             "`benchmarks/bench_large.py` (run separately: its export takes about 10 "
-             "minutes).",
-             "", "| step | outcome | wall s | peak private GiB |", "|---|---|---:|---:|",
-             f"| onnxmerge merge | {result['output_bytes'] / 2**30:.2f} GiB as model.onnx + "
-             f"model.onnx_data; {result['shared']} tensors shared ({result['transposed']} "
-             f"transposed) | {ours['wall_s']:.0f} | "
-             f"{ours['peak_private_bytes'] / 2**30:.2f} |",
-             "| check_model(full_check=True) | "
-             f"{'passes' if large['checker']['result']['ok'] else 'fails'} "
-             f"| {large['checker']['wall_s']:.1f} | "
-             f"{large['checker']['peak_private_bytes'] / 2**30:.2f} |",
-             f"| both branches against the export (onnxruntime) | max abs diff "
-             f"{large['verify']['result']['max_abs_diff']:.1e} | "
-             f"{large['verify']['wall_s']:.0f} | "
-             f"{large['verify']['peak_private_bytes'] / 2**30:.2f} |"]
+    lines = [
+        "## Past 2 GB (facebook/mbart-large-50 shape)",
+        "",
+        f"{large['export_input_bytes'] / 2**30:.2f} GiB of export files (optimum's own "
+        "post-processing fails on this model and leaves the three files). Written by "
+        "`benchmarks/bench_large.py` (run separately: its export takes about 10 "
+        "minutes).",
+        "",
+        "| step | outcome | wall s | peak private GiB |",
+        "|---|---|---:|---:|",
+        f"| onnxmerge merge | {result['output_bytes'] / 2**30:.2f} GiB as model.onnx + "
+        f"model.onnx_data; {result['shared']} tensors shared ({result['transposed']} "
+        f"transposed) | {ours['wall_s']:.0f} | "
+        f"{ours['peak_private_bytes'] / 2**30:.2f} |",
+        "| check_model(full_check=True) | "
+        f"{'passes' if large['checker']['result']['ok'] else 'fails'} "
+        f"| {large['checker']['wall_s']:.1f} | "
+        f"{large['checker']['peak_private_bytes'] / 2**30:.2f} |",
+        f"| both branches against the export (onnxruntime) | max abs diff "
+        f"{large['verify']['result']['max_abs_diff']:.1e} | "
+        f"{large['verify']['wall_s']:.0f} | "
+        f"{large['verify']['peak_private_bytes'] / 2**30:.2f} |",
+    ]
     if theirs:
         outcome = "fails: " + failed if failed else "succeeds"
-        lines.append(f"| optimum merge_decoders | {outcome} "
-                     f"| {theirs['wall_s']:.0f} | {theirs['peak_private_bytes'] / 2**30:.2f} |")
+        lines.append(
+            f"| optimum merge_decoders | {outcome} "
+            f"| {theirs['wall_s']:.0f} | {theirs['peak_private_bytes'] / 2**30:.2f} |"
+        )
     lines.append("")
     return lines
 
@@ -300,79 +360,112 @@ def render(out: Path, docs: Path) -> Path:
         if chart := _chart_sizes(merge, img):
             lines += [f"![bytes on disk per layout](img/{chart})", ""]
         variants = merge["variants"]
-        lines += ["| layout | " + " | ".join(f"export with LM head {v}" for v in variants) + " |",
-                  "|---|" + "---:|" * len(variants)]
+        lines += [
+            "| layout | " + " | ".join(f"export with LM head {v}" for v in variants) + " |",
+            "|---|" + "---:|" * len(variants),
+        ]
         for name in next(iter(variants.values()))["layouts"]:
-            cells = [f"{_mb(d['layouts'][name]['bytes'])} "
-                     f"({d['layouts'][name]['ratio_to_safetensors']:.3f}x)"
-                     for d in variants.values()]
+            cells = [
+                f"{_mb(d['layouts'][name]['bytes'])} "
+                f"({d['layouts'][name]['ratio_to_safetensors']:.3f}x)"
+                for d in variants.values()
+            ]
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
         checkpoint = next(iter(variants.values()))["checkpoint_bytes"]
-        lines += ["| model.safetensors | " + " | ".join(_mb(checkpoint) for _ in variants) + " |",
-                  "", "## Merge time and memory", "",
-                  "onnxmerge merges encoder + decoder + decoder with past; optimum's "
-                  "`merge_decoders` merges only the two decoders (one file less).", "",
-                  "| export | tool | merge s | peak RSS MB | peak private MB |",
-                  "|---|---|---:|---:|---:|"]
+        lines += [
+            "| model.safetensors | " + " | ".join(_mb(checkpoint) for _ in variants) + " |",
+            "",
+            "## Merge time and memory",
+            "",
+            "onnxmerge merges encoder + decoder + decoder with past; optimum's "
+            "`merge_decoders` merges only the two decoders (one file less).",
+            "",
+            "| export | tool | merge s | peak RSS MB | peak private MB |",
+            "|---|---|---:|---:|---:|",
+        ]
         for variant, data in variants.items():
             tm = data["merge_time_memory"]
             for tool, stats in tm.items():
                 if "median" not in stats:
                     continue
                 m = stats["median"]
-                lines.append(f"| {variant} | {tool} | {m['call_s']:.1f} | "
-                             f"{m['peak_rss_bytes'] / 2**20:.0f} | "
-                             f"{m['peak_private_bytes'] / 2**20:.0f} |")
+                lines.append(
+                    f"| {variant} | {tool} | {m['call_s']:.1f} | "
+                    f"{m['peak_rss_bytes'] / 2**20:.0f} | "
+                    f"{m['peak_private_bytes'] / 2**20:.0f} |"
+                )
             ratios = tm.get("ratios_ours_over_optimum", {})
             if ratios:
-                lines.append(f"| {variant} | **ratio** | "
-                             f"**{ratios.get('call_s', float('nan')):.2f}x** | "
-                             f"**{ratios.get('peak_rss_bytes', float('nan')):.2f}x** | "
-                             f"**{ratios.get('peak_private_bytes', float('nan')):.2f}x** |")
+                lines.append(
+                    f"| {variant} | **ratio** | "
+                    f"**{ratios.get('call_s', float('nan')):.2f}x** | "
+                    f"**{ratios.get('peak_rss_bytes', float('nan')):.2f}x** | "
+                    f"**{ratios.get('peak_private_bytes', float('nan')):.2f}x** |"
+                )
         lines.append("")
     sizes = _load(out, "sizes")
     if sizes:
-        lines += ["## Weights stored, per architecture", "",
-                  "Tensor bytes of each layout over the tensor bytes of the PyTorch checkpoint "
-                  "(tiny test models; 1.00x = every weight once).", ""]
+        lines += [
+            "## Weights stored, per architecture",
+            "",
+            "Tensor bytes of each layout over the tensor bytes of the PyTorch checkpoint "
+            "(tiny test models; 1.00x = every weight once).",
+            "",
+        ]
         from benchmarks.bench_sizes import markdown
 
         lines += [markdown(sizes["rows"]), ""]
     generate = _load(out, "generate")
     if generate:
         s = generate["setting"]
-        lines += ["## Generation against optimum's ORTModelForSeq2SeqLM", "",
-                  f"opus-mt-fr-en shape, batch {s['batch']}, {s['source_tokens']} source tokens, "
-                  f"{s['new_tokens']} new tokens; optimum runs encoder_model.onnx + "
-                  "decoder_model_merged.onnx.", ""]
+        lines += [
+            "## Generation against optimum's ORTModelForSeq2SeqLM",
+            "",
+            f"opus-mt-fr-en shape, batch {s['batch']}, {s['source_tokens']} source tokens, "
+            f"{s['new_tokens']} new tokens; optimum runs encoder_model.onnx + "
+            "decoder_model_merged.onnx.",
+            "",
+        ]
         if chart := _chart_runtime(generate, img):
             lines += [f"![generation time and memory](img/{chart})", ""]
         lines += ["| measure | optimum | onnxmerge | ratio |", "|---|---:|---:|---:|"]
         for key, ratio in generate["ratios"].items():
-            lines.append(f"| {key} | {generate['optimum'][key]:.3f} | {generate['ours'][key]:.3f} "
-                         f"| **{ratio:.2f}x** |")
+            lines.append(
+                f"| {key} | {generate['optimum'][key]:.3f} | {generate['ours'][key]:.3f} "
+                f"| **{ratio:.2f}x** |"
+            )
         lines += ["", f"Same tokens: {generate.get('same_tokens')}.", ""]
     generator = _load(out, "generator")
     if generator:
-        lines += ["## The decoding loop inside the graph", "",
-                  f"{generator['model']}, greedy, {generator['runs'][0]['max_new_tokens']} new "
-                  "tokens, one `session.run` of the generator against `Seq2SeqModel.generate` "
-                  "on the merged file, taking turns in one process (`benchmarks/"
-                  "bench_generator.py`); CPU is the process's CPU time over all its threads.", "",
-                  "| batch | Python runtime tok/s | in-graph loop tok/s | in-graph / Python "
-                  "time | in-graph / Python CPU | same tokens | file size vs merged |",
-                  "|---:|---:|---:|---:|---:|---|---:|"]
+        lines += [
+            "## The decoding loop inside the graph",
+            "",
+            f"{generator['model']}, greedy, {generator['runs'][0]['max_new_tokens']} new "
+            "tokens, one `session.run` of the generator against `Seq2SeqModel.generate` "
+            "on the merged file, taking turns in one process (`benchmarks/"
+            "bench_generator.py`); CPU is the process's CPU time over all its threads.",
+            "",
+            "| batch | Python runtime tok/s | in-graph loop tok/s | in-graph / Python "
+            "time | in-graph / Python CPU | same tokens | file size vs merged |",
+            "|---:|---:|---:|---:|---:|---|---:|",
+        ]
         for r in generator["runs"]:
             cpu = f"{r['cpu_ratio']:.2f}x" if "cpu_ratio" in r else ""
-            lines.append(f"| {r['batch']} | {r['python_runtime_tokens_per_s']:.1f} | "
-                         f"{r['in_graph_loop_tokens_per_s']:.1f} | {1 / r['speedup']:.2f}x | "
-                         f"{cpu} | {r['identical_tokens']} | +{r['generator_extra_bytes']} B |")
+            lines.append(
+                f"| {r['batch']} | {r['python_runtime_tokens_per_s']:.1f} | "
+                f"{r['in_graph_loop_tokens_per_s']:.1f} | {1 / r['speedup']:.2f}x | "
+                f"{cpu} | {r['identical_tokens']} | +{r['generator_extra_bytes']} B |"
+            )
         lines.append("")
     sections = {
         "web": _markdown_of("bench_web"),
         "whisper": _markdown_of("bench_whisper"),
-        "batch": lambda data: ["## Converting a zoo (`onnxmerge batch`)", "",
-                               *_markdown_of("bench_batch")(data), ""],
+        "batch": lambda data: [
+            "## Converting a zoo (`onnxmerge batch`)",
+            "",
+            *_markdown_of("bench_batch")(data),
+            "",
+        ],
         "ctranslate2": _ctranslate2_section,
         "threads": _threads_section,
         "corpus": _markdown_of("bench_corpus"),
@@ -393,13 +486,32 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny models; checks the pipeline")
     parser.add_argument("--render", action="store_true", help="only render the docs from JSON")
-    parser.add_argument("--only", nargs="+",
-                        choices=["merge", "sizes", "generate", "generator", "web", "whisper",
-                                 "batch", "ctranslate2", "threads", "corpus", "profile", "quantize",
-                                 "large"])
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=[
+            "merge",
+            "sizes",
+            "generate",
+            "generator",
+            "web",
+            "whisper",
+            "batch",
+            "ctranslate2",
+            "threads",
+            "corpus",
+            "profile",
+            "quantize",
+            "large",
+        ],
+    )
     parser.add_argument("--out", type=Path, default=OUT, help="folder for the JSON results")
-    parser.add_argument("--jobs", type=int, default=1,
-                        help="benchmarks run at a time (with --quick; figures need 1)")
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="benchmarks run at a time (with --quick; figures need 1)",
+    )
     parser.add_argument("--docs", type=Path, default=DOCS, help="folder for benchmarks.md")
     args = parser.parse_args(argv)
     if str(REPO_ROOT) not in sys.path:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from onnxmerge._version import __version__
 from onnxmerge.errors import (
     ExportFolderError,
     GenerationError,
@@ -15,8 +16,6 @@ from onnxmerge.errors import (
     RefusedOutputError,
     UnsafeExternalDataError,
 )
-
-__version__ = "0.1.0"
 
 __all__ = [
     "__version__",

@@ -1,10 +1,12 @@
-"""The output check: a merged file is published only if it passes the checker and runs.
+"""The output check that every writer (merge, quantize, the generator, and through them the web
+page and batch) runs on its file before publishing it.
 
-The ONNX checker holds the merged model to what its inputs already pass: operators that the
-source files hold and the checker has no schema for (onnxruntime's own, written by its transformer
+The ONNX checker holds the written model to what its inputs already pass: operators that the
+sources hold and the checker has no schema for (onnxruntime's own, written by its transformer
 optimizer, e.g. ``SimplifiedLayerNormalization``) are not held against it. Then, where onnxruntime
-is installed, both branches run once on tiny inputs, so a model that the runtime refuses (sizes
-that its shapes promise equal but are not, say) is never written.
+is installed, the model runs once on tiny inputs (a merged or quantized file: both branches; a
+generator: two tokens), so a model that the runtime refuses (sizes that its shapes promise equal
+but are not, say) is never written.
 """
 
 from __future__ import annotations
@@ -21,9 +23,11 @@ import onnx
 import onnx_ir as ir
 
 from onnxmerge import contract
-from onnxmerge.errors import MergedModelRunError
+from onnxmerge.errors import InvalidMergedModelError, MergedModelRunError
+from onnxmerge.runtime.ort import ORT_TO_NUMPY, open_session, session_options
 from onnxmerge.samples import sample_encoder_inputs, token_counts, vocabulary
-from onnxmerge.sessions import ORT_TO_NUMPY, open_session, session_options
+
+__all__ = ["check_written_model", "run_once", "unknown_operators"]
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +35,8 @@ logger = logging.getLogger(__name__)
 _UNCHECKED_DOMAIN = "onnxmerge.unchecked"
 # Sizes of the trial run: encoder and decoder lengths differ so that mixed-up sizes show.
 _BATCH, _ENCODER_LENGTH, _DECODER_LENGTH = 2, 7, 3
+# Tokens a generator makes in its trial run: the first step and one turn of its loop.
+_GENERATED = 2
 
 
 def _domain(node: ir.Node) -> str:
@@ -47,31 +53,44 @@ def unknown_operators(models: Iterable[ir.Model]) -> frozenset[tuple[str, str]]:
     return frozenset(key for key in keys - functions if not onnx.defs.has(key[1], key[0]))
 
 
-def check_merged_model(
+def check_written_model(
     path: Path,
+    *,
+    what: str = "merged model",
     tolerated: frozenset[tuple[str, str]] = frozenset(),
     sources: Sequence[Path] = (),
-    *,
     run: bool = True,
 ) -> None:
-    """Validate a written merged model before it is published.
+    """Validate a written model before it is published.
 
-    ``tolerated`` are operators the checker may not know (see :func:`unknown_operators`);
-    ``sources`` the files merged, which onnxruntime must load for the run to be required.
+    ``what`` names it in messages; ``tolerated`` are the operators its sources hold that the
+    checker does not know (see :func:`unknown_operators`); ``sources`` the files it was made
+    from, which onnxruntime must load for the run to be required.
 
     Raises:
         InvalidMergedModelError: the checker refused it.
-        MergedModelRunError: onnxruntime could not run one of its branches.
+        MergedModelRunError: onnxruntime could not load or run it.
     """
     if tolerated:
-        _check_tolerating(path, tolerated)
+        _check_tolerating(path, tolerated, what)
     else:
-        contract.check_written_model(path)
+        _checker(path, what)
     if run:
-        run_both_branches(path, sources)
+        run_once(path, sources)
 
 
-def _check_tolerating(path: Path, tolerated: frozenset[tuple[str, str]]) -> None:
+def _checker(path: Path, what: str) -> None:
+    """The ONNX checker with full shape inference, on the written file."""
+    try:
+        onnx.checker.check_model(os.fspath(path), full_check=True)
+    except Exception as e:  # the checker raises several types
+        raise InvalidMergedModelError(
+            f"the {what} failed the ONNX checker ({e}); nothing was written. Please report this "
+            "with the export folder's config.json"
+        ) from e
+
+
+def _check_tolerating(path: Path, tolerated: frozenset[tuple[str, str]], what: str) -> None:
     # Weights are still in the data file here: this reads the graph only.
     proto = onnx.load(os.fspath(path), load_external_data=False)
 
@@ -91,20 +110,22 @@ def _check_tolerating(path: Path, tolerated: frozenset[tuple[str, str]]) -> None
     relabelled = path.with_name(f"{path.stem}.relabelled.onnx")
     onnx.save(proto, os.fspath(relabelled))
     try:
-        contract.check_written_model(relabelled)
+        _checker(relabelled, what)
     finally:
         relabelled.unlink()
 
 
-def run_both_branches(path: Path, sources: Sequence[Path] = ()) -> None:
-    """Run the first and a cached step once on tiny inputs; skipped without onnxruntime.
+def run_once(path: Path, sources: Sequence[Path] = ()) -> None:
+    """Run the model once on tiny inputs; skipped without onnxruntime.
+
+    A merged or quantized file runs its first and a cached step; a generator generates two tokens.
 
     A model that onnxruntime cannot load here is refused unless one of ``sources`` cannot be
     loaded either (operators of another execution provider, say): then it is held to no more.
 
     Raises:
         MergedModelRunError: onnxruntime failed to load the model or to run a step; the message
-            says which step (branch) and gives onnxruntime's reason.
+            says which step (branch, or the generator's loop) and gives onnxruntime's reason.
     """
     if importlib.util.find_spec("onnxruntime") is None:
         return
@@ -139,6 +160,13 @@ def run_both_branches(path: Path, sources: Sequence[Path] = ()) -> None:
         rng=rng,
         vocab=vocabulary(counts, config, "input_ids"),
     )
+    if contract.META_GENERATOR in meta:
+        feeds[contract.MAX_NEW_TOKENS] = np.array(_GENERATED, np.int64)
+        try:
+            session.run(None, feeds)
+        except Exception as e:
+            raise MergedModelRunError("generate", _reason(e)) from e
+        return
     vocab = vocabulary(counts, config, contract.DECODER_INPUT_IDS)
     ids = rng.integers(0, vocab, (_BATCH, _DECODER_LENGTH)).astype(np.int64)
     first = dict(feeds, **{contract.DECODER_INPUT_IDS: ids})
@@ -165,7 +193,7 @@ def run_both_branches(path: Path, sources: Sequence[Path] = ()) -> None:
     cached[contract.USE_CACHE_BRANCH] = np.array([True])
     for name, value in outputs.items():
         if contract.is_present_name(name):
-            cached[contract.past_name(*contract.parse_cache_name(name)[1:])] = value
+            cached[contract.past_name_of(name)] = value
     try:
         session.run(None, cached)
     except Exception as e:

@@ -29,6 +29,8 @@ from onnxmerge.errors import (
 class ExitCode(enum.IntEnum):
     """The exit codes and what they mean: the one source of docs/cli.md's table and of --help."""
 
+    meaning: str
+
     def __new__(cls, value: int, meaning: str):
         member = int.__new__(cls, value)
         member._value_ = value
@@ -42,19 +44,6 @@ class ExitCode(enum.IntEnum):
     MISSING_DEPENDENCY = 4, "an optional dependency is missing: the message says what to install"
     INTERNAL = 5, "an unexpected error, a bug: rerun with -v and report the traceback"
     INTERRUPTED = 130, "interrupted (Ctrl-C)"
-
-
-EXIT_OK = ExitCode.OK
-EXIT_MISMATCH = ExitCode.MISMATCH
-EXIT_USAGE = ExitCode.USAGE
-EXIT_ERROR = ExitCode.ERROR
-EXIT_MISSING_DEPENDENCY = ExitCode.MISSING_DEPENDENCY
-EXIT_INTERNAL = ExitCode.INTERNAL
-EXIT_INTERRUPTED = ExitCode.INTERRUPTED
-
-
-class _Missing(Exception):
-    """An optional dependency is not installed."""
 
 
 def _human(n: int | float | None) -> str:
@@ -134,7 +123,7 @@ def _with_checkpoint(result, source: Path):
     """The result, with the checkpoint of the model folder it was exported from when known."""
     import dataclasses
 
-    from onnxmerge.merge import find_checkpoint
+    from onnxmerge.merge.load import find_checkpoint
 
     if result.checkpoint_bytes is not None or not source.is_dir():
         return result
@@ -210,6 +199,7 @@ def _dtype_line(result) -> str:
 def _result_json(result) -> dict:
     data = _jsonable(result)
     data.update(
+        constants_lifted=result.constants_lifted,
         input_bytes=result.input_bytes,
         bytes_saved=result.bytes_saved,
         checkpoint_ratio=result.checkpoint_ratio,
@@ -280,7 +270,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
             f"{args.generation} search inside the graph, {given}, token ids out"
         )
     _emit(args, data, lambda: summary)
-    return EXIT_OK
+    return ExitCode.OK
 
 
 def _merge_every_dtype(args: argparse.Namespace) -> int:
@@ -299,7 +289,7 @@ def _merge_every_dtype(args: argparse.Namespace) -> int:
         [_result_json(r) for r in results],
         lambda: "\n\n".join(_merge_summary(r) for r in results),
     )
-    return EXIT_OK
+    return ExitCode.OK
 
 
 def _refuse_existing_generator(merged: Path, overwrite: bool) -> None:
@@ -341,7 +331,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         steps(f"storing the weights as {args.weights}")
         result = _quantize(args.file, args.output, args)
     _emit(args, _jsonable(result), lambda: _quantize_summary(result))
-    return EXIT_OK
+    return ExitCode.OK
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -374,7 +364,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         )
 
     _emit(args, dict(_jsonable(report), ok=report.ok, max_abs_diff=report.max_abs_diff), text)
-    return EXIT_OK if report.ok else EXIT_MISMATCH
+    return ExitCode.OK if report.ok else ExitCode.MISMATCH
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -408,7 +398,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         )
 
     _emit(args, _jsonable(found), text)
-    return EXIT_OK
+    return ExitCode.OK
 
 
 def _shape(dims) -> str:
@@ -447,13 +437,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
             {"inputs": args.text, "outputs": texts},
             lambda: "\n".join(f"{s}\n  -> {t}" for s, t in zip(args.text, texts, strict=True)),
         )
-        return EXIT_OK
+        return ExitCode.OK
     _emit(
         args,
         {"sequences": sequences.tolist()},
         lambda: "\n".join(" ".join(map(str, row)) for row in sequences.tolist()),
     )
-    return EXIT_OK
+    return ExitCode.OK
 
 
 class _LineProgress:
@@ -636,8 +626,8 @@ def cmd_translate(args: argparse.Namespace) -> int:
             file=sys.stderr,
             flush=True,
         )
-        return EXIT_ERROR
-    return EXIT_OK
+        return ExitCode.ERROR
+    return ExitCode.OK
 
 
 def _tokenizers_only() -> None:
@@ -680,7 +670,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         result = merge_seq2seq_with_report(output, overwrite=True, progress=steps)
         result = _with_checkpoint(result, Path(args.model))
     _emit(args, _result_json(result), lambda: _merge_summary(result))
-    return EXIT_OK
+    return ExitCode.OK
 
 
 def _copy_tokenizer(source: Path, export_dir: Path) -> None:
@@ -744,7 +734,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         )
 
     _emit(args, payload, text)
-    return EXIT_OK
+    return ExitCode.OK
 
 
 def cmd_features(args: argparse.Namespace) -> int:
@@ -764,7 +754,7 @@ def cmd_features(args: argparse.Namespace) -> int:
             f"in, {spec.n_mels} mel bins x {spec.frames} frames out"
         ),
     )
-    return EXIT_OK
+    return ExitCode.OK
 
 
 def cmd_web(args: argparse.Namespace) -> int:
@@ -795,7 +785,7 @@ def cmd_web(args: argparse.Namespace) -> int:
         )
 
     _emit(args, {"site": site, "files": files}, text)
-    return EXIT_OK
+    return ExitCode.OK
 
 
 class _Progress:
@@ -870,14 +860,16 @@ def cmd_batch(args: argparse.Namespace) -> int:
         )
 
     _emit(args, [r.to_json() for r in results], text)
-    return EXIT_ERROR if any(r.status == FAILED for r in results) else EXIT_OK
+    return ExitCode.ERROR if any(r.status == FAILED for r in results) else ExitCode.OK
 
 
 def _need(module: str, extra: str) -> None:
     import importlib.util
 
     if importlib.util.find_spec(module.split(".")[0]) is None:
-        raise _Missing(f"this command needs {module}: pip install 'onnxmerge[{extra}]'")
+        raise MissingDependencyError(
+            f"this command needs {module}: pip install 'onnxmerge[{extra}]'"
+        )
 
 
 def _emit(args: argparse.Namespace, data, text: Callable[[], str]) -> None:
@@ -1184,11 +1176,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.handler(args)
     except KeyboardInterrupt:
         print("onnxmerge: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return ExitCode.INTERRUPTED
     except BrokenPipeError:
         # The reader left early (`onnxmerge inspect m.onnx --json | head`): not a failure.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return EXIT_OK
+        return ExitCode.OK
     except Exception as e:
         code, message = _failure(e)
         if args.verbose:
@@ -1201,14 +1193,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _failure(e: Exception) -> tuple[int, str]:
     """The exit code and the one-line message for an exception that ends a command."""
-    if isinstance(e, (_Missing, MissingDependencyError)):
-        return EXIT_MISSING_DEPENDENCY, str(e)
+    if isinstance(e, MissingDependencyError):
+        return ExitCode.MISSING_DEPENDENCY, str(e)
     if isinstance(e, OnnxMergeError):
-        return EXIT_ERROR, str(e)
+        return ExitCode.ERROR, str(e)
     if isinstance(e, FileNotFoundError):
-        return EXIT_ERROR, f"{e.filename or e}: no such file"
+        return ExitCode.ERROR, f"{e.filename or e}: no such file"
     # Anything else is a bug; it must not exit 1, which means "verify found a mismatch".
-    return EXIT_INTERNAL, f"{type(e).__name__}: {e} (rerun with -v for the traceback and report it)"
+    return (
+        ExitCode.INTERNAL,
+        f"{type(e).__name__}: {e} (rerun with -v for the traceback and report it)",
+    )
 
 
 if __name__ == "__main__":

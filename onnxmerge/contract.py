@@ -24,6 +24,7 @@ META_CONFIG = "onnxmerge.config"
 META_GENERATION_CONFIG = "onnxmerge.generation_config"
 META_ENCODER_INPUTS = "onnxmerge.encoder_inputs"
 META_GENERATOR = "onnxmerge.generator"  # a generator model (docs/generator.md), not a merged one
+MAX_NEW_TOKENS = "max_new_tokens"  # the generator's input besides the encoder's
 META_PRECISION = "onnxmerge.precision"  # versions 2, 3: precision per part (docs/format.md)
 # Version 3, only where a first step of several tokens differs from the decoder without past:
 # "1", the prompt is fed one token per step.
@@ -69,6 +70,14 @@ def parse_cache_name(name: str) -> tuple[str, int, str, str] | None:
         return None
     prefix, layer, part, kind = match.groups()
     return prefix, int(layer), part, kind
+
+
+def past_name_of(present: str) -> str:
+    """The past input that the next step feeds ``present`` (a ``present.*`` output) back into."""
+    parsed = parse_cache_name(present)
+    if parsed is None:
+        raise ValueError(f"{present!r} is not a past/present name")
+    return past_name(*parsed[1:])
 
 
 def past_names(num_layers: int, part: str) -> list[str]:
@@ -182,24 +191,3 @@ def read_contract(
         precision=precision,
         prompt_tokens_per_step=prompt_tokens_per_step,
     )
-
-
-def check_written_model(path, what: str = "merged model") -> None:
-    """Run the ONNX checker with full shape inference on a written file, before it is published.
-
-    Raises:
-        InvalidMergedModelError: the checker refused it; the message says nothing was written.
-    """
-    import os
-
-    import onnx
-
-    from onnxmerge.errors import InvalidMergedModelError
-
-    try:
-        onnx.checker.check_model(os.fspath(path), full_check=True)
-    except Exception as e:  # the checker raises several types
-        raise InvalidMergedModelError(
-            f"the {what} failed the ONNX checker ({e}); nothing was written. Please report this "
-            "with the export folder's config.json"
-        ) from e

@@ -57,10 +57,11 @@ class InvalidMergedModelError(OnnxMergeError):
 
 
 class MergedModelRunError(InvalidMergedModelError):
-    """onnxruntime cannot run a merged model the merge produced; nothing was written.
+    """onnxruntime cannot run a model that onnxmerge wrote; nothing was published.
 
     ``step`` says where it failed: ``"load"``, ``"first"`` (``use_cache_branch = false``: encoder
-    and decoder without past) or ``"cached"`` (``use_cache_branch = true``: decoder with past).
+    and decoder without past), ``"cached"`` (``use_cache_branch = true``: decoder with past) or
+    ``"generate"`` (a generator's run).
     """
 
     STEPS = {
@@ -71,20 +72,22 @@ class MergedModelRunError(InvalidMergedModelError):
         "first-one-decoder": "the first step (use_cache_branch = false: encoder, its "
         "cross-attention keys and values, and the decoder with past)",
         "cached-one-decoder": "a cached step (use_cache_branch = true: decoder with past)",
+        "generate": "a generation of two tokens (the generator's loop)",
     }
 
     def __init__(self, step: str, reason: str):
         self.step = step.removesuffix("-one-decoder")
         self.reason = reason
         super().__init__(
-            f"onnxruntime failed on the merged model in {self.STEPS[step]}: {reason}. Nothing "
+            f"onnxruntime failed on the written model in {self.STEPS[step]}: {reason}. Nothing "
             "was written. Check that the source files run in onnxruntime; if they do, please "
             "report this with the export folder's config.json"
         )
 
 
 class MissingDependencyError(OnnxMergeError, ImportError):
-    """An optional package that was asked for is not installed; the message says what to install."""
+    """An optional dependency is not installed, or its import fails; the message says what to
+    install (the CLI exits 4)."""
 
 
 class GenerationError(OnnxMergeError, ValueError):

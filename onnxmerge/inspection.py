@@ -33,7 +33,7 @@ class Inspection:
 
 def _info(value: ir.Value) -> TensorInfo:
     dims = tuple(d if isinstance(d, int) else str(d) for d in value.shape) if value.shape else ()
-    return TensorInfo(value.name, str(value.dtype).removeprefix("DataType."), dims)
+    return TensorInfo(value.name or "", str(value.dtype).removeprefix("DataType."), dims)
 
 
 def _part_of(value: ir.Value, logits_producers: set[ir.Node], encoder_nodes: set[ir.Node]) -> str:

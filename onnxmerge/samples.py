@@ -11,7 +11,7 @@ import onnx
 
 from onnxmerge import contract
 from onnxmerge.errors import InvalidMergedModelError
-from onnxmerge.sessions import ORT_TO_NUMPY
+from onnxmerge.runtime.ort import ORT_TO_NUMPY
 
 # Where neither the model nor a config says how many tokens there are: ids below this are valid
 # for any vocabulary a real model has.
@@ -119,7 +119,7 @@ def sample_encoder_inputs(
             dims = [batch, int(config.get("num_mel_bins", 80)), frames]
             feeds[info.name] = rng.standard_normal(dims).astype(dtype)
         elif info.name == contract.ATTENTION_MASK:
-            mask = np.ones((batch, length), dtype)
+            mask: np.ndarray = np.ones((batch, length), dtype)
             mask[1:, length - 2 :] = 0  # padding on every row but the first
             feeds[info.name] = mask
         elif np.issubdtype(dtype, np.integer):

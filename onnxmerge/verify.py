@@ -12,9 +12,9 @@ import numpy as np
 
 from onnxmerge import contract
 from onnxmerge.errors import ExportFolderError, InvalidMergedModelError
-from onnxmerge.roles import Role
+from onnxmerge.merge.roles import Role
+from onnxmerge.runtime.ort import ORT_TO_NUMPY, open_session, session_options
 from onnxmerge.samples import sample_encoder_inputs, token_counts, vocabulary
-from onnxmerge.sessions import ORT_TO_NUMPY, open_session, session_options
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ def verify(
     the merged file records it was made from, else fp32.
     """
     from onnxmerge import export_layout
-    from onnxmerge.merge import load_export
+    from onnxmerge.merge.load import load_export
 
     merged, export_dir = Path(merged), Path(export_dir)
     if not merged.is_file():
@@ -141,9 +141,7 @@ def verify(
     diffs = [_diff("first", n, first[n], ref) for n, ref in first_ref.items() if n in first]
     if has_past:
         past = {
-            contract.past_name(*contract.parse_cache_name(n)[1:]): v
-            for n, v in first_ref.items()
-            if contract.is_present_name(n)
+            contract.past_name_of(n): v for n, v in first_ref.items() if contract.is_present_name(n)
         }
         next_ids = rng.integers(2, max(3, vocab - 2), (batch, 1)).astype(np.int64)
         cached_ref = _run_decoder(chosen, optimized, next_ids, mask, None, past=past)

@@ -152,9 +152,11 @@ def train(
     optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
-        lambda step: min(1.0, (step + 1) / warmup_steps)
-        * 0.5
-        * (1.0 + math.cos(math.pi * min(1.0, step / total_steps))),
+        lambda step: (
+            min(1.0, (step + 1) / warmup_steps)
+            * 0.5
+            * (1.0 + math.cos(math.pi * min(1.0, step / total_steps)))
+        ),
     )
     order = random.Random(seed)
     indices = list(range(len(numbers)))

@@ -18,7 +18,7 @@ from onnxmerge.batch import manifest as manifest_module
 from onnxmerge.batch.runners import WORKER_DIED, run_pool
 from onnxmerge.batch.sources import EXPORT, UNKNOWN, Job, unique_names
 from onnxmerge.batch.task import MODEL_FILE, ModelResult, Options, finished
-from onnxmerge.cli import EXIT_ERROR, main
+from onnxmerge.cli import ExitCode, main
 
 GOOD = ("marian", "t5", "bart")
 
@@ -143,7 +143,7 @@ def test_ray_converts_the_zoo_reports_the_broken_model_and_resumes(zoo, tmp_path
 def test_pool_converts_the_zoo_from_the_command_line_and_resumes(zoo, tmp_path, capsys):
     out = tmp_path / "out"
     code = main(["batch", str(zoo / "models.txt"), "-o", str(out), "--jobs", "2"])
-    assert code == EXIT_ERROR  # one model failed
+    assert code == ExitCode.ERROR  # one model failed
     printed = capsys.readouterr().out
     assert "3 converted, 1 failed" in printed or "1 failed, 3 converted" in printed
     lines = (out / "results.jsonl").read_text().splitlines()

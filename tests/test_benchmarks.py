@@ -19,13 +19,34 @@ pytest.importorskip("matplotlib")
 
 def test_run_all_quick_writes_results_and_docs(tmp_path):
     result = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "benchmarks" / "run_all.py"), "--quick", "--jobs", "2",
-         "--out", str(tmp_path / "out"), "--docs", str(tmp_path / "docs")],
-        capture_output=True, text=True, timeout=900, cwd=REPO_ROOT,
+        [
+            sys.executable,
+            str(REPO_ROOT / "benchmarks" / "run_all.py"),
+            "--quick",
+            "--jobs",
+            "2",
+            "--out",
+            str(tmp_path / "out"),
+            "--docs",
+            str(tmp_path / "docs"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=REPO_ROOT,
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    for name in ("merge", "sizes", "generate", "generator", "batch", "ctranslate2", "threads",
-                 "quantize", "corpus"):
+    for name in (
+        "merge",
+        "sizes",
+        "generate",
+        "generator",
+        "batch",
+        "ctranslate2",
+        "threads",
+        "quantize",
+        "corpus",
+    ):
         assert json.loads((tmp_path / "out" / f"{name}.json").read_text())
     merge = json.loads((tmp_path / "out" / "merge.json").read_text())
     for variant in merge["variants"].values():
@@ -56,9 +77,13 @@ def test_run_all_quick_writes_results_and_docs(tmp_path):
     # file does.
     variants = ctranslate2["precisions"]
     for case in ("greedy_b1", "beam4_b1"):
-        for plain, other in (("float32", "float32 optimized"), ("float32", "float32 external data"),
-                             ("int8", "int8 external data"), ("float32", "float32 session cache"),
-                             ("int8", "int8 session cache")):
+        for plain, other in (
+            ("float32", "float32 optimized"),
+            ("float32", "float32 external data"),
+            ("int8", "int8 external data"),
+            ("float32", "float32 session cache"),
+            ("int8", "int8 session cache"),
+        ):
             tokens = variants[plain]["ours"]["cases"][case]["tokens"]
             assert variants[other]["ours"]["cases"][case]["tokens"] == tokens
     for variant in variants.values():  # one round in the quick run: each range is its ratio

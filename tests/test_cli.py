@@ -26,7 +26,10 @@ SOURCE_IDS = ["5", "17", "42", "9", "2"]  # ordinary tokens of the tiny Marian, 
 def run(*args: object, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "onnxmerge", *map(str, args)],
-        capture_output=True, text=True, cwd=cwd, timeout=600,
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=600,
     )
 
 
@@ -240,8 +243,12 @@ def test_verify_compares_both_steps_and_says_ok(merged_model) -> None:
     lines = result.stdout.splitlines()
     assert lines[0].split() == ["step", "output", "shape", "max", "|diff|"]
     steps = {(line.split()[0], line.split()[1]) for line in lines[2:] if line.strip()}
-    assert {("first", "logits"), ("cached", "logits"), ("first", "present.1.encoder.value"),
-            ("cached", "present.1.decoder.value")} <= steps
+    assert {
+        ("first", "logits"),
+        ("cached", "logits"),
+        ("first", "present.1.encoder.value"),
+        ("cached", "present.1.decoder.value"),
+    } <= steps
     assert lines[-1].startswith("OK: max |diff| ")
     assert lines[-1].endswith(f"against {merged_model.parent}")
 
@@ -295,10 +302,17 @@ def test_inspect_shows_the_contract_metadata_and_sizes(merged_model) -> None:
     out = result.stdout
     assert out.splitlines()[0].startswith(f"{merged_model}: merged seq2seq model, ")
     rows = {tuple(line.split()[:2]) for line in out.splitlines() if line.strip()}
-    for row in (("input", "input_ids"), ("input", "attention_mask"), ("input", "decoder_input_ids"),
-                ("input", "past_key_values.0.encoder.key"), ("input", "use_cache_branch"),
-                ("output", "logits"), ("output", "present.0.decoder.value"),
-                ("onnxmerge.format_version", "1"), ("onnxmerge.layout", "with_past")):
+    for row in (
+        ("input", "input_ids"),
+        ("input", "attention_mask"),
+        ("input", "decoder_input_ids"),
+        ("input", "past_key_values.0.encoder.key"),
+        ("input", "use_cache_branch"),
+        ("output", "logits"),
+        ("output", "present.0.decoder.value"),
+        ("onnxmerge.format_version", "1"),
+        ("onnxmerge.layout", "with_past"),
+    ):
         assert row in rows, row
     assert "past_key_values.1.decoder.key" not in out  # later layers fold into one line
     assert "more cache tensors (--all shows them)" in out
@@ -346,9 +360,11 @@ def test_generate_ids_gives_the_runtime_tokens(merged_model) -> None:
     from onnxmerge.runtime import Seq2SeqModel
 
     ids = np.array([[int(i) for i in SOURCE_IDS]], dtype=np.int64)
-    expected = Seq2SeqModel(merged_model).generate(
-        input_ids=ids, attention_mask=np.ones_like(ids), max_new_tokens=6
-    ).tolist()
+    expected = (
+        Seq2SeqModel(merged_model)
+        .generate(input_ids=ids, attention_mask=np.ones_like(ids), max_new_tokens=6)
+        .tolist()
+    )
     text = run("generate", merged_model, "--ids", *SOURCE_IDS, "--max-new-tokens", "6")
     assert text.returncode == EXIT_OK, text.stderr
     assert [[int(t) for t in line.split()] for line in text.stdout.splitlines()] == expected
@@ -416,8 +432,40 @@ def test_generate_text_translates_with_the_demo_model(demo_model) -> None:
     result = run("generate", demo_model, "--text", *sources, "--json")
     assert result.returncode == EXIT_OK, result.stderr
     assert json.loads(result.stdout) == {
-        "inputs": sources, "outputs": [english_number(n) for n in numbers]
+        "inputs": sources,
+        "outputs": [english_number(n) for n in numbers],
     }
+
+
+# A transformers that is installed but fails on import (a broken or blocked install).
+BROKEN_TRANSFORMERS = """
+import importlib.abc, importlib.util, sys
+
+class Broken(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, name, path=None, target=None):
+        if name == "transformers" or name.startswith("transformers."):
+            return importlib.util.spec_from_loader(name, self)
+    def create_module(self, spec):
+        return None
+    def exec_module(self, module):
+        raise ImportError("transformers is broken here")
+
+sys.meta_path.insert(0, Broken())
+from onnxmerge.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_generate_text_with_a_broken_transformers_says_what_to_install(demo_model) -> None:
+    """The module is found but its import raises: that is a dependency to install, exit 4, not a
+    bug (it used to exit 5)."""
+    result = subprocess.run(
+        [sys.executable, "-c", BROKEN_TRANSFORMERS, "generate", str(demo_model), "--text", "un"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert_one_line_error(result, EXIT_MISSING, "pip install 'onnxmerge[text]'", "broken")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -428,8 +476,12 @@ def test_export_writes_the_onnx_files_and_the_merged_model(marian, tmp_path) -> 
     output = tmp_path / "marian-onnx"
     result = run("export", marian.pytorch_dir, "-o", output, "--json")
     assert result.returncode == EXIT_OK, result.stderr
-    for name in ("encoder_model.onnx", "decoder_model.onnx", "decoder_with_past_model.onnx",
-                 "model.onnx"):
+    for name in (
+        "encoder_model.onnx",
+        "decoder_model.onnx",
+        "decoder_with_past_model.onnx",
+        "model.onnx",
+    ):
         assert (output / name).is_file(), name
     report = json.loads(result.stdout)
     assert Path(report["path"]) == output / "model.onnx"
@@ -463,7 +515,7 @@ def test_demo_exports_merges_and_translates(tmp_path) -> None:
     assert len(rows) == len(DEMO_SENTENCES)
     for source, row in zip(DEMO_SENTENCES, rows, strict=True):
         assert row.startswith(source)
-        assert row[len(source):].strip() == english[source]
+        assert row[len(source) :].strip() == english[source]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -507,7 +559,9 @@ def run_without(module: str, *args: object) -> subprocess.CompletedProcess[str]:
     )
     return subprocess.run(
         [sys.executable, "-c", code, *map(os.fspath, args)],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
 
 

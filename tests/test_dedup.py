@@ -8,7 +8,9 @@ import onnx.numpy_helper
 import onnx_ir as ir
 import pytest
 
-from onnxmerge import dedup, merge_seq2seq, merge_seq2seq_with_report, passes
+from onnxmerge import merge_seq2seq, merge_seq2seq_with_report, passes
+from onnxmerge.passes import dedup
+from onnxmerge.testing.checks import find_duplicates
 from tests import textmodels as tm
 
 RNG = np.random.default_rng(7)
@@ -41,8 +43,7 @@ def _saved_tensor_bytes(path, min_bytes: int = 0) -> int:
     return sum(size for size in sizes if size >= min_bytes)
 
 
-def _if_model(then_body: str, else_body: str, out_type: str, inputs: str = "float[2, 16] x"
-              ) -> str:
+def _if_model(then_body: str, else_body: str, out_type: str, inputs: str = "float[2, 16] x") -> str:
     return f"""
 <ir_version: 8, opset_import: ["" : 17]>
 g (bool[1] c, {inputs}) => ({out_type} y) {{
@@ -58,8 +59,11 @@ def _outputs(model: ir.Model, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
     """The model's outputs; with an ``If`` on input ``c``, those of both branches."""
     if "c" not in {v.name for v in model.graph.inputs}:
         return tm.run_model(model, feeds)
-    return [out for flag in (True, False)
-            for out in tm.run_model(model, {**feeds, "c": np.array([flag])})]
+    return [
+        out
+        for flag in (True, False)
+        for out in tm.run_model(model, {**feeds, "c": np.array([flag])})
+    ]
 
 
 def _store_once(model: ir.Model):
@@ -82,8 +86,9 @@ def _rewrite_keeping_outputs(model: ir.Model, feeds: dict[str, np.ndarray], rewr
 def _transposes(model: ir.Model) -> tuple[list[ir.Node], list[ir.Node]]:
     """Transpose nodes in the main graph and in subgraphs."""
     main = [n for n in model.graph if n.op_type == "Transpose"]
-    inner = [n for n in tm.all_nodes(model)
-             if n.op_type == "Transpose" and n.graph is not model.graph]
+    inner = [
+        n for n in tm.all_nodes(model) if n.op_type == "Transpose" and n.graph is not model.graph
+    ]
     return main, inner
 
 
@@ -182,9 +187,7 @@ g (bool[1] c, float[2, 16] x, int64[2] ids) => (float[2, 96] y, float[2, 16] emb
   >
 }
 """
-    model = tm.ir_from_text(
-        text, {"embedding": embedding, "head": head, "head_again": head.copy()}
-    )
+    model = tm.ir_from_text(text, {"embedding": embedding, "head": head, "head_again": head.copy()})
     feeds = {"x": _matrix(2, 16), "ids": np.array([3, 5], np.int64)}
 
     results = _rewrite_keeping_outputs(model, feeds)
@@ -196,7 +199,8 @@ g (bool[1] c, float[2, 16] x, int64[2] ids) => (float[2, 96] y, float[2, 16] emb
     # The second copy equals the first, the first is the embedding transposed: both are
     # reported against the tensor actually kept.
     assert sorted((s.removed, s.kept, s.transposed) for s in passes.records(results)) == [
-        ("head", "embedding", True), ("head_again", "embedding", True)
+        ("head", "embedding", True),
+        ("head_again", "embedding", True),
     ]
 
 
@@ -294,8 +298,10 @@ def test_transpose_of_a_shared_weight_in_both_branches_is_hoisted_once():
 @pytest.mark.parametrize(
     ("then_body", "else_body"),
     [
-        ("s = Add(x, x)\n ty = MatMul(s, embedding)",
-         "s2 = Mul(x, x)\n ey = MatMul(s2, embedding)"),
+        (
+            "s = Add(x, x)\n ty = MatMul(s, embedding)",
+            "s2 = Mul(x, x)\n ey = MatMul(s2, embedding)",
+        ),
         ("r = RandomUniformLike(embedding)\n ty = MatMul(x, r)", "ey = MatMul(x, embedding)"),
     ],
     ids=["reading graph inputs", "impure"],
@@ -353,8 +359,9 @@ def _unique_source_bytes(folder, min_bytes: int = 0) -> int:
 @pytest.mark.parametrize("head", ["copy", "tied"])
 @pytest.mark.parametrize("out_proj_as_constant", [False, True])
 def test_merged_file_holds_each_tensor_once(tmp_path, head, out_proj_as_constant):
-    folder = tm.write_export(tmp_path / "export", head=head,
-                             out_proj_as_constant=out_proj_as_constant)
+    folder = tm.write_export(
+        tmp_path / "export", head=head, out_proj_as_constant=out_proj_as_constant
+    )
     sources = sum(_saved_tensor_bytes(p) for p in folder.glob("*.onnx"))
     result = merge_seq2seq_with_report(folder)
 
@@ -397,10 +404,10 @@ def test_lm_head_is_one_transpose_in_the_main_graph(tmp_path, head):
 
 def test_find_duplicates_sees_none_in_a_merged_model(tmp_path):
     source = ir.load(tm.write_export(tmp_path / "export") / tm.DECODER)
-    found = dedup.find_duplicates(source.graph)
+    found = find_duplicates(source.graph)
     # The decoder file alone holds the embedding and its transposed copy as the LM head.
     assert [({s.kept, s.removed}, s.transposed) for s in found] == [
         ({tm.EMBEDDING, tm.LM_HEAD}, True)
     ]
     merged = ir.load(merge_seq2seq(tmp_path / "export"))
-    assert dedup.find_duplicates(merged.graph) == []
+    assert find_duplicates(merged.graph) == []

@@ -6,8 +6,9 @@ from pathlib import Path
 
 import onnx_ir as ir
 
-from onnxmerge import dims, splice
-from onnxmerge.roles import Role
+from onnxmerge.merge import parts, splice
+from onnxmerge.merge.roles import Role
+from onnxmerge.passes import dims
 
 # Both graphs name a size they computed ``unk__0``, as onnxruntime's shape inference does in
 # every file it processes; here it means 2*N in one and N+1 in the other.
@@ -35,10 +36,10 @@ decoder (float[batch_size, seq] input_ids, float[batch_size, seq_twice] encoder_
 """
 
 
-def _file(text: str, role: Role) -> tuple[Path, ir.Model, splice.Part]:
+def _file(text: str, role: Role) -> tuple[Path, ir.Model, parts.Part]:
     path = Path(f"{role.value}.onnx")
     model = ir.from_onnx_text(text)
-    return path, model, splice.parts_of_file(model, role, path)[0]
+    return path, model, parts.parts_of_file(model, role, path)[0]
 
 
 def _dims(values) -> dict[str, list]:
@@ -52,7 +53,7 @@ def _dims(values) -> dict[str, list]:
 def test_interior_dims_an_earlier_part_uses_get_the_part_tag():
     encoder_path, encoder_model, encoder = _file(ENCODER, Role.ENCODER)
     decoder_path, decoder_model, decoder = _file(DECODER, Role.DECODER)
-    separate = dims.SeparateSymbolicDims([encoder, decoder])
+    separate = dims.SeparateSymbolicDims(parts.dim_sources([encoder, decoder]))
     model = splice.splice(
         [encoder, decoder], {encoder_path: encoder_model, decoder_path: decoder_model}
     )
@@ -75,7 +76,7 @@ def test_parts_without_clashes_are_left_alone():
     _, model, encoder = _file(ENCODER, Role.ENCODER)
     before = _dims(v for n in model.graph for v in n.outputs)
 
-    result = dims.SeparateSymbolicDims([encoder])(model)
+    result = dims.SeparateSymbolicDims(parts.dim_sources([encoder]))(model)
 
     assert (result.count, result.modified) == (0, False)
     assert _dims(v for n in model.graph for v in n.outputs) == before
@@ -83,12 +84,12 @@ def test_parts_without_clashes_are_left_alone():
 
 def test_an_untouched_export_keeps_every_name(tiny_export):
     """Optimum's own files name only interface sizes: the merged bytes stay what they were."""
-    from onnxmerge.merge import load_export
+    from onnxmerge.merge.load import load_export
 
     folder = tiny_export("t5").onnx_dir
     chosen, models, _ = load_export(folder, folder / "model.onnx")
-    parts = [
-        p for role, path in chosen.items() for p in splice.parts_of_file(models[path], role, path)
+    found = [
+        p for role, path in chosen.items() for p in parts.parts_of_file(models[path], role, path)
     ]
-    separate = dims.SeparateSymbolicDims(parts)
-    assert separate(splice.splice(parts, models)).count == 0
+    separate = dims.SeparateSymbolicDims(parts.dim_sources(found))
+    assert separate(splice.splice(found, models)).count == 0

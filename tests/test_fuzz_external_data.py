@@ -35,8 +35,12 @@ from hypothesis import strategies as st
 from onnxmerge import _wire, model_io
 from onnxmerge.errors import OnnxMergeError, UnsafeExternalDataError
 
-_BOUNDED = {"deadline": None, "derandomize": True, "phases": (Phase.explicit, Phase.generate),
-            "suppress_health_check": [HealthCheck.too_slow, HealthCheck.function_scoped_fixture]}
+_BOUNDED = {
+    "deadline": None,
+    "derandomize": True,
+    "phases": (Phase.explicit, Phase.generate),
+    "suppress_health_check": [HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+}
 
 WEIGHT = (np.arange(64, dtype=np.float32).reshape(8, 8) - 20) / 3.0
 NBYTES = WEIGHT.nbytes  # 256
@@ -102,8 +106,9 @@ def make_sandbox(root: Path, hf_snapshot: bool) -> Sandbox:
         (folder / "blob_link").symlink_to(Path("..") / ".." / "blobs" / "blob1")
         (folder / "blob_link_abs").symlink_to(blobs / "blob1")
         # A link that leaves the repo through the blob store's parent.
-        (folder / "repo_escape").symlink_to(Path("..") / ".." / ".." / ".." / ".." / "secret"
-                                            / "secret.bin")
+        (folder / "repo_escape").symlink_to(
+            Path("..") / ".." / ".." / ".." / ".." / "secret" / "secret.bin"
+        )
         allowed = (folder.resolve(), blobs.resolve())
     else:
         folder = root / "export"
@@ -132,29 +137,109 @@ def make_sandbox(root: Path, hf_snapshot: bool) -> Sandbox:
     return Sandbox(root, folder, allowed, secret)
 
 
-GOOD_LOCATIONS = ["weights.bin", "./weights.bin", "sub/weights.bin", "sub/./weights.bin",
-                  "link_in", "link_chain", "sub/link_up"]
+GOOD_LOCATIONS = [
+    "weights.bin",
+    "./weights.bin",
+    "sub/weights.bin",
+    "sub/./weights.bin",
+    "link_in",
+    "link_chain",
+    "sub/link_up",
+]
 BAD_LOCATIONS = [
-    "", ".", "..", "sub/../weights.bin", "../secret/secret.bin", "../../secret/secret.bin",
+    "",
+    ".",
+    "..",
+    "sub/../weights.bin",
+    "../secret/secret.bin",
+    "../../secret/secret.bin",
     "sub/../../secret/secret.bin",
-    "link_out", "link_out_rel", "link_chain_out", "link_dir", "link_dir_out",
+    "link_out",
+    "link_out_rel",
+    "link_chain_out",
+    "link_dir",
+    "link_dir_out",
     "link_dir_out/secret.bin",
-    "link_dangling", "link_loop", "link_loop_a", "link_self_dir", "link_self_dir/weights.bin",
-    "hard_out", "hard_in", "adir", "sub", "missing.bin", "repo_escape",
-    "/etc/passwd", "//etc/passwd", "\\etc\\passwd", "..\\secret\\secret.bin",
-    "sub\\..\\..\\secret\\secret.bin", "C:\\Windows\\win.ini", "C:weights.bin", "c:/x",
-    "\\\\server\\share\\x", "weights.bin\x00", "\x00", "weights.bin/", "weights.bin/.",
-    "a" * 300, "d/" * 3000 + "x", "🙂.bin", "wéights.bin", "weights.bin\n", " weights.bin",
-    "file:weights.bin", "%2e%2e/secret/secret.bin", "~/secret.bin", "$HOME/x",
+    "link_dangling",
+    "link_loop",
+    "link_loop_a",
+    "link_self_dir",
+    "link_self_dir/weights.bin",
+    "hard_out",
+    "hard_in",
+    "adir",
+    "sub",
+    "missing.bin",
+    "repo_escape",
+    "/etc/passwd",
+    "//etc/passwd",
+    "\\etc\\passwd",
+    "..\\secret\\secret.bin",
+    "sub\\..\\..\\secret\\secret.bin",
+    "C:\\Windows\\win.ini",
+    "C:weights.bin",
+    "c:/x",
+    "\\\\server\\share\\x",
+    "weights.bin\x00",
+    "\x00",
+    "weights.bin/",
+    "weights.bin/.",
+    "a" * 300,
+    "d/" * 3000 + "x",
+    "🙂.bin",
+    "wéights.bin",
+    "weights.bin\n",
+    " weights.bin",
+    "file:weights.bin",
+    "%2e%2e/secret/secret.bin",
+    "~/secret.bin",
+    "$HOME/x",
 ]
 HF_LOCATIONS = ["blob_link", "blob_link_abs"]
-KNOWN_ESCAPE_LOCATIONS = {"link_loop", "link_loop_a", "weights.bin\x00", "\x00", "a" * 300,
-                          "d/" * 3000 + "x"}
-OFFSETS = ["0", str(NBYTES), "-1", "-256", "1e15", "1000000000000000", str(2**63), str(2**64 + 1),
-           "0x10", " 0", "0 ", "+0", "١٢", "", "nan", "256.0", "-0", str(len(GOOD_DATA)),
-           str(len(GOOD_DATA) - 1)]
-LENGTHS = [str(NBYTES), "0", "1", str(NBYTES - 4), str(NBYTES + 4), "-256", "1e15",
-           "1000000000000000", str(2**63), "", "x", str(len(GOOD_DATA)), str(-2**63)]
+KNOWN_ESCAPE_LOCATIONS = {
+    "link_loop",
+    "link_loop_a",
+    "weights.bin\x00",
+    "\x00",
+    "a" * 300,
+    "d/" * 3000 + "x",
+}
+OFFSETS = [
+    "0",
+    str(NBYTES),
+    "-1",
+    "-256",
+    "1e15",
+    "1000000000000000",
+    str(2**63),
+    str(2**64 + 1),
+    "0x10",
+    " 0",
+    "0 ",
+    "+0",
+    "١٢",
+    "",
+    "nan",
+    "256.0",
+    "-0",
+    str(len(GOOD_DATA)),
+    str(len(GOOD_DATA) - 1),
+]
+LENGTHS = [
+    str(NBYTES),
+    "0",
+    "1",
+    str(NBYTES - 4),
+    str(NBYTES + 4),
+    "-256",
+    "1e15",
+    "1000000000000000",
+    str(2**63),
+    "",
+    "x",
+    str(len(GOOD_DATA)),
+    str(-(2**63)),
+]
 
 
 @st.composite
@@ -181,20 +266,44 @@ def crafted_reference(draw, hf: bool) -> dict:
     location = draw(st.one_of(st.sampled_from(pool), st.sampled_from(pool), text))
     ref = {"location": location}
     if draw(st.booleans()):
-        ref["offset"] = draw(st.one_of(st.sampled_from(OFFSETS[:2]), st.sampled_from(OFFSETS),
-                                       st.integers(-2**70, 2**70).map(str)))
+        ref["offset"] = draw(
+            st.one_of(
+                st.sampled_from(OFFSETS[:2]),
+                st.sampled_from(OFFSETS),
+                st.integers(-(2**70), 2**70).map(str),
+            )
+        )
     if draw(st.booleans()):
-        ref["length"] = draw(st.one_of(st.just(str(NBYTES)), st.sampled_from(LENGTHS),
-                                       st.integers(-2**70, 2**70).map(str)))
-    dims = draw(st.sampled_from([[8, 8], [8, 8], [64], [4, 4], [9, 8], [0], [-1, 8],
-                                 [2**40, 2**40]]))
-    return {"entries": ref, "dims": dims,
-            "extra": draw(st.sampled_from([None, None, ("checksum", "abc"), ("location", "x.bin"),
-                                           ("basepath", "/")]))}
+        ref["length"] = draw(
+            st.one_of(
+                st.just(str(NBYTES)),
+                st.sampled_from(LENGTHS),
+                st.integers(-(2**70), 2**70).map(str),
+            )
+        )
+    dims = draw(
+        st.sampled_from([[8, 8], [8, 8], [64], [4, 4], [9, 8], [0], [-1, 8], [2**40, 2**40]])
+    )
+    return {
+        "entries": ref,
+        "dims": dims,
+        "extra": draw(
+            st.sampled_from(
+                [None, None, ("checksum", "abc"), ("location", "x.bin"), ("basepath", "/")]
+            )
+        ),
+    }
 
 
-CARRIERS = ("initializer", "sparse_values", "sparse_indices", "constant_main", "constant_then",
-            "constant_nested", "constant_sparse")
+CARRIERS = (
+    "initializer",
+    "sparse_values",
+    "sparse_indices",
+    "constant_main",
+    "constant_then",
+    "constant_nested",
+    "constant_sparse",
+)
 
 
 def _external(ref: dict, dtype: int = onnx.TensorProto.FLOAT, name: str = "") -> onnx.TensorProto:
@@ -245,31 +354,57 @@ def build_model(refs: list[tuple[str, dict]], *, inline_weight: bool) -> onnx.Mo
             sparse.values.name = name
             sparse_initializers.append(sparse)
         else:
-            kwargs = ({"sparse_value": _sparse(ref, carrier)} if carrier == "constant_sparse"
-                      else {"value": _external(ref)})
+            kwargs = (
+                {"sparse_value": _sparse(ref, carrier)}
+                if carrier == "constant_sparse"
+                else {"value": _external(ref)}
+            )
             node = onnx.helper.make_node("Constant", [], [name], name=f"/c{index}", **kwargs)
-            {"constant_main": main_nodes, "constant_then": then_nodes,
-             "constant_sparse": then_nodes, "constant_nested": nested_nodes}[carrier].append(node)
+            {
+                "constant_main": main_nodes,
+                "constant_then": then_nodes,
+                "constant_sparse": then_nodes,
+                "constant_nested": nested_nodes,
+            }[carrier].append(node)
     nested = onnx.helper.make_graph(
-        [*nested_nodes, onnx.helper.make_node("Identity", ["w"], ["n_out"])], "nested", [],
-        [out_info("n_out", onnx.TensorProto.FLOAT, [8, 8])])
+        [*nested_nodes, onnx.helper.make_node("Identity", ["w"], ["n_out"])],
+        "nested",
+        [],
+        [out_info("n_out", onnx.TensorProto.FLOAT, [8, 8])],
+    )
     plain = onnx.helper.make_graph(
-        [onnx.helper.make_node("Identity", ["w"], ["p_out"])], "plain", [],
-        [out_info("p_out", onnx.TensorProto.FLOAT, [8, 8])])
+        [onnx.helper.make_node("Identity", ["w"], ["p_out"])],
+        "plain",
+        [],
+        [out_info("p_out", onnx.TensorProto.FLOAT, [8, 8])],
+    )
     then_branch = onnx.helper.make_graph(
-        [*then_nodes, onnx.helper.make_node("If", ["c"], ["t_out"], then_branch=nested,
-                                            else_branch=plain)],
-        "then", [], [out_info("t_out", onnx.TensorProto.FLOAT, [8, 8])])
+        [
+            *then_nodes,
+            onnx.helper.make_node("If", ["c"], ["t_out"], then_branch=nested, else_branch=plain),
+        ],
+        "then",
+        [],
+        [out_info("t_out", onnx.TensorProto.FLOAT, [8, 8])],
+    )
     else_branch = onnx.helper.make_graph(
-        [onnx.helper.make_node("Identity", ["w"], ["e_out"])], "else", [],
-        [out_info("e_out", onnx.TensorProto.FLOAT, [8, 8])])
-    main_nodes.append(onnx.helper.make_node("If", ["c"], ["y"], then_branch=then_branch,
-                                            else_branch=else_branch))
+        [onnx.helper.make_node("Identity", ["w"], ["e_out"])],
+        "else",
+        [],
+        [out_info("e_out", onnx.TensorProto.FLOAT, [8, 8])],
+    )
+    main_nodes.append(
+        onnx.helper.make_node("If", ["c"], ["y"], then_branch=then_branch, else_branch=else_branch)
+    )
     initializers.append(onnx.numpy_helper.from_array(WEIGHT, "w"))
     graph = onnx.helper.make_graph(
-        main_nodes, "fuzz", [out_info("c", onnx.TensorProto.BOOL, [1])],
-        [out_info("y", onnx.TensorProto.FLOAT, [8, 8])], initializer=initializers,
-        sparse_initializer=sparse_initializers)
+        main_nodes,
+        "fuzz",
+        [out_info("c", onnx.TensorProto.BOOL, [1])],
+        [out_info("y", onnx.TensorProto.FLOAT, [8, 8])],
+        initializer=initializers,
+        sparse_initializer=sparse_initializers,
+    )
     return onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
 
 
@@ -313,14 +448,15 @@ def check_load(sandbox: Sandbox, model_path: Path) -> tuple[str, str]:
                     # Accepted but unreadable; each case has its own test below.
                     outcome = ("loaded", f"unreadable: {type(e).__name__}")
                     continue
-                assert data == stored[offset:offset + length], tensor.name
+                assert data == stored[offset : offset + length], tensor.name
                 tensor.release()
         opened_paths = list(opened)
     for name in opened_paths:
         resolved = Path(name).resolve() if name else Path(name)
         if resolved.is_relative_to(sandbox.root):
             assert _inside(resolved, (*sandbox.allowed, model_path.resolve())), (
-                f"opened {name} outside the folder")
+                f"opened {name} outside the folder"
+            )
         assert not resolved.is_relative_to(sandbox.secret.parent), f"opened {name}"
     return outcome
 
@@ -329,11 +465,14 @@ def _is_good(carrier: str, ref: dict, hf: bool) -> bool:
     """A reference the policy must accept (for main-graph initializers, the simple case)."""
     entries = ref["entries"]
     good_locations = GOOD_LOCATIONS + (HF_LOCATIONS if hf else [])
-    return (entries["location"] in good_locations and ref["dims"] == [8, 8]
-            and entries.get("offset", "0") in ("0", str(NBYTES))
-            and entries.get("length", str(NBYTES)) == str(NBYTES)
-            and ref["extra"] in (None, ("checksum", "abc")) and carrier in (
-                "initializer", "constant_main", "constant_then", "constant_nested"))
+    return (
+        entries["location"] in good_locations
+        and ref["dims"] == [8, 8]
+        and entries.get("offset", "0") in ("0", str(NBYTES))
+        and entries.get("length", str(NBYTES)) == str(NBYTES)
+        and ref["extra"] in (None, ("checksum", "abc"))
+        and carrier in ("initializer", "constant_main", "constant_then", "constant_nested")
+    )
 
 
 def _is_refused_for_sure(ref: dict) -> bool:
@@ -341,7 +480,12 @@ def _is_refused_for_sure(ref: dict) -> bool:
     entries = ref["entries"]
     return entries["location"] in BAD_LOCATIONS and entries["location"] not in (
         # Accepted forms of a good file (the trailing slash and "." are dropped by pathlib).
-        "weights.bin/", "weights.bin/.", "sub", "adir", "link_self_dir/weights.bin")
+        "weights.bin/",
+        "weights.bin/.",
+        "sub",
+        "adir",
+        "link_self_dir/weights.bin",
+    )
 
 
 # ---------------------------------------------------------------- the properties
@@ -353,8 +497,9 @@ FUZZED_CARRIERS = tuple(c for c in CARRIERS if c != "constant_sparse")
 
 
 def _refs(hf: bool):
-    return st.lists(st.tuples(st.sampled_from(FUZZED_CARRIERS), references(hf)), min_size=1,
-                    max_size=3)
+    return st.lists(
+        st.tuples(st.sampled_from(FUZZED_CARRIERS), references(hf)), min_size=1, max_size=3
+    )
 
 
 @settings(max_examples=150, **_BOUNDED)
@@ -379,8 +524,10 @@ def test_load_model_reads_only_inside_the_folder_or_refuses(hf, refs, inline_wei
 # Locations whose check once raised something other than UnsafeExternalDataError (found by the
 # fuzz above); each stays as a regression case.
 ESCAPES = {
-    "symlink loop": ("link_loop", "RuntimeError from pathlib.Path.resolve() on a link loop "
-                                  "(model_io._resolve_location)"),
+    "symlink loop": (
+        "link_loop",
+        "RuntimeError from pathlib.Path.resolve() on a link loop (model_io._resolve_location)",
+    ),
     "two-link loop": ("link_loop_a", "RuntimeError from pathlib.Path.resolve() on a link loop"),
     "NUL in location": ("weights.bin\x00", "ValueError 'embedded null byte' from resolve()"),
     "name too long": ("a" * 300, "OSError ENAMETOOLONG from resolve()/stat()"),
@@ -388,10 +535,7 @@ ESCAPES = {
 }
 
 
-@pytest.mark.parametrize("case", [
-    case
-    for case, (_, reason) in sorted(ESCAPES.items())
-])
+@pytest.mark.parametrize("case", [case for case, (_, reason) in sorted(ESCAPES.items())])
 def test_crafted_locations_raise_unsafe_external_data_error(tmp_path, case):
     location, _ = ESCAPES[case]
     sandbox = make_sandbox(tmp_path, hf_snapshot=False)
@@ -424,9 +568,13 @@ def test_sparse_initializers_are_refused_with_a_clear_error(tmp_path, external):
     ref = {"entries": {"location": "weights.bin"}, "dims": [4], "extra": None}
     model = build_model([("sparse_values", ref)] if external else [], inline_weight=False)
     if not external:
-        model.graph.sparse_initializer.append(onnx.helper.make_sparse_tensor(
-            onnx.numpy_helper.from_array(np.ones(4, np.float32), "ext0"),
-            onnx.numpy_helper.from_array(np.array([0, 9, 18, 27], np.int64), "idx"), [8, 8]))
+        model.graph.sparse_initializer.append(
+            onnx.helper.make_sparse_tensor(
+                onnx.numpy_helper.from_array(np.ones(4, np.float32), "ext0"),
+                onnx.numpy_helper.from_array(np.array([0, 9, 18, 27], np.int64), "idx"),
+                [8, 8],
+            )
+        )
     assert len(model.graph.sparse_initializer) == 1
     path = sandbox.folder / "model.onnx"
     onnx.save(model, os.fspath(path))
@@ -435,11 +583,14 @@ def test_sparse_initializers_are_refused_with_a_clear_error(tmp_path, external):
     assert str(path) in str(refused.value)
 
 
-@pytest.mark.parametrize("data_type", [
-    onnx.TensorProto.UNDEFINED,
-    999,
-    onnx.TensorProto.STRING,
-])
+@pytest.mark.parametrize(
+    "data_type",
+    [
+        onnx.TensorProto.UNDEFINED,
+        999,
+        onnx.TensorProto.STRING,
+    ],
+)
 def test_external_tensor_of_odd_type_is_refused(tmp_path, data_type):
     sandbox = make_sandbox(tmp_path, hf_snapshot=False)
     ref = {"entries": {"location": "weights.bin"}, "dims": [8, 8], "extra": None}
@@ -512,17 +663,23 @@ def test_empty_external_tensor_is_read_or_refused(tmp_path, carrier):
     model, _ = model_io.load_model(path)
     empty = [v.const_value for v in model.graph.initializers.values() if v.const_value.size == 0]
     for node in ir.traversal.RecursiveGraphIterator(model.graph):
-        empty += [a.value for a in node.attributes.values()
-                  if a.type == ir.AttributeType.TENSOR and a.value.size == 0]
+        empty += [
+            a.value
+            for a in node.attributes.values()
+            if a.type == ir.AttributeType.TENSOR and a.value.size == 0
+        ]
     # An empty tensor needs no bytes from any file: it is read as empty.
     assert [t.tobytes() for t in empty] == [b""]
 
 
-@pytest.mark.parametrize("carrier", [
-    "initializer",
-    "constant_main",
-    "constant_nested",
-])
+@pytest.mark.parametrize(
+    "carrier",
+    [
+        "initializer",
+        "constant_main",
+        "constant_nested",
+    ],
+)
 def test_tensors_are_read_from_the_approved_file(tmp_path, carrier):
     sandbox = make_sandbox(tmp_path, hf_snapshot=False)
     ref = {"entries": {"location": "weights.bin/"}, "dims": [8, 8], "extra": None}
@@ -545,7 +702,8 @@ def test_impossible_dims_are_refused(tmp_path, dims):
 def _valid_model_bytes() -> bytes:
     model = build_model([], inline_weight=True)
     model.graph.initializer.append(
-        onnx.numpy_helper.from_array(np.arange(300, dtype=np.int64), "ints"))
+        onnx.numpy_helper.from_array(np.arange(300, dtype=np.int64), "ints")
+    )
     return model.SerializeToString()
 
 
@@ -569,7 +727,7 @@ def mutated_bytes(draw) -> bytes:
         elif kind == "insert":
             data[at:at] = draw(st.binary(min_size=1, max_size=12))
         else:
-            del data[at:at + draw(st.integers(1, 16))]
+            del data[at : at + draw(st.integers(1, 16))]
     return bytes(data)
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from onnxmerge.sessions import open_session, session_options
+from onnxmerge.runtime.ort import open_session, session_options
 from onnxmerge.testing import zoo as tiny_zoo
 from onnxmerge.testing.zoo import ARCHITECTURES
 
@@ -145,8 +145,9 @@ def test_loop_stops_when_every_row_has_ended(zoo):
     assert sequences.shape[1] == max(ends) + 1
     short = int(np.argmin(ends))
     assert (sequences[short, ends[short] + 1 :] == pad).all()
-    np.testing.assert_array_equal(sequences[:, : max(ends) + 1][0, : ends[0] + 1],
-                                  baseline[0, : ends[0] + 1])
+    np.testing.assert_array_equal(
+        sequences[:, : max(ends) + 1][0, : ends[0] + 1], baseline[0, : ends[0] + 1]
+    )
 
 
 @pytest.mark.slow
@@ -162,8 +163,13 @@ def test_beam_matches_transformers(zoo, arch, case):
         inputs = zoo.inputs(arch, seed)
         sequences, scores = _run(session, inputs, max_new_tokens)
         expected = _transformers(
-            pt_model, inputs, max_new_tokens=max_new_tokens, num_beams=3,
-            return_dict_in_generate=True, output_scores=True, **config,
+            pt_model,
+            inputs,
+            max_new_tokens=max_new_tokens,
+            num_beams=3,
+            return_dict_in_generate=True,
+            output_scores=True,
+            **config,
         )
         np.testing.assert_array_equal(sequences, expected.sequences.numpy())
         np.testing.assert_allclose(scores, expected.sequences_scores.numpy(), rtol=1e-4, atol=1e-5)
@@ -242,7 +248,8 @@ def test_file_is_valid_standard_and_stores_weights_once(zoo, search):
     def weights(model):
         return {
             t.name: onnx.numpy_helper.to_array(t).tobytes()
-            for t in model.graph.initializer if np.prod(t.dims) > 0
+            for t in model.graph.initializer
+            if np.prod(t.dims) > 0
         }
 
     # The same tensors, byte for byte, stored once: none copied into the loop body.
@@ -287,7 +294,8 @@ def test_refusals(zoo, tiny_export, tmp_path):
         )
     with pytest.raises(GenerationError, match="encoder_repetition_penalty=1.5 is given in gen"):
         build_generator(
-            zoo.merged("marian"), tmp_path / "g.onnx",
+            zoo.merged("marian"),
+            tmp_path / "g.onnx",
             generation_config={"encoder_repetition_penalty": 1.5},
         )
     assert not (tmp_path / "g.onnx").exists()
@@ -304,11 +312,13 @@ def test_node_runtime_generates_the_same_tokens(zoo, tmp_path):
     for seed, max_new_tokens in ((9, 12), (10, 3)):
         inputs = zoo.inputs("marian", seed)
         sequences, _ = _run(session, inputs, max_new_tokens)
-        cases.append({
-            "inputs": {k: v.tolist() for k, v in inputs.items()},
-            "max_new_tokens": max_new_tokens,
-            "expected": sequences.tolist(),
-        })
+        cases.append(
+            {
+                "inputs": {k: v.tolist() for k, v in inputs.items()},
+                "max_new_tokens": max_new_tokens,
+                "expected": sequences.tolist(),
+            }
+        )
     cases_file = tmp_path / "cases.json"
     cases_file.write_text(json.dumps(cases))
     env = {
@@ -317,8 +327,12 @@ def test_node_runtime_generates_the_same_tokens(zoo, tmp_path):
         "ONNXMERGE_GENERATOR_CASES": str(cases_file),
     }
     done = subprocess.run(
-        [node, "--test", "generate.test.mjs"], cwd=JS_DIR, env=env, capture_output=True,
-        text=True, timeout=120,
+        [node, "--test", "generate.test.mjs"],
+        cwd=JS_DIR,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "# pass 1" in done.stdout, done.stdout

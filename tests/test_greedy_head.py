@@ -18,9 +18,10 @@ ort = pytest.importorskip("onnxruntime")
 
 from onnxmerge import Seq2SeqModel, merge_seq2seq, quantize  # noqa: E402
 from onnxmerge.errors import GenerationError  # noqa: E402
-from onnxmerge.greedy_head import GreedySource, find_head, row_tables  # noqa: E402
 from onnxmerge.model_io import load_model  # noqa: E402
+from onnxmerge.passes import NoMatch  # noqa: E402
 from onnxmerge.runtime.greedy_head import TABLES, GreedyHead  # noqa: E402
+from onnxmerge.runtime.greedy_source import GreedySource, find_head, row_tables  # noqa: E402
 from onnxmerge.runtime.processors import (  # noqa: E402
     ForcedBOS,
     MinLength,
@@ -175,10 +176,11 @@ def int8(tied, tmp_path_factory) -> Path:
 
 def test_the_head_is_found_where_it_reads_the_embeddings_rows(tied, int8):
     head = find_head(load_model(tied)[0])
-    assert not isinstance(head, str), head
+    assert not isinstance(head, NoMatch), head
     assert head.weight.shape == (tm.VOCAB, tm.D_MODEL) and head.bias is not None
     # An int8 file's head is already int8: nothing to add, and the reason says why.
-    assert find_head(load_model(int8)[0]) == "the head is not a Gemm without bias"
+    reason = NoMatch("the head is not a Gemm without bias")
+    assert find_head(load_model(int8)[0]) == reason
 
 
 def _generate(model: Seq2SeqModel, **settings) -> np.ndarray:
@@ -222,7 +224,7 @@ def test_greedy_search_through_the_cache_entry_gives_the_float_heads_tokens(
 def test_a_head_without_a_bias_gives_the_float_heads_tokens(tmp_path_factory, tmp_path):
     unbiased = _merged(tmp_path_factory, "tied-no-bias")
     head = find_head(load_model(unbiased)[0])
-    assert not isinstance(head, str), head
+    assert not isinstance(head, NoMatch), head
     assert head.bias is None
     cached = Seq2SeqModel(unbiased, session_cache=tmp_path / "cache")
     assert cached._session.greedy_head is not None and cached._session.greedy_head.bias is None
@@ -290,7 +292,7 @@ def test_the_rewrite_runs_in_a_process_that_imported_nothing_else(tied, tmp_path
     code = (
         "import sys\n"
         "from pathlib import Path\n"
-        "from onnxmerge.greedy_head import write_greedy_source\n"
+        "from onnxmerge.runtime.greedy_source import write_greedy_source\n"
         "print(write_greedy_source(Path(sys.argv[1]), Path(sys.argv[2])) is not None)\n"
     )
     done = subprocess.run(

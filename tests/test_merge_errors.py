@@ -16,13 +16,12 @@ from onnxmerge import (
     InvalidMergedModelError,
     OnnxMergeError,
     RefusedOutputError,
-    compat,
-    dedup,
     merge_seq2seq,
     passes,
-    splice,
 )
-from onnxmerge import contract as contract_module
+from onnxmerge import check as check_module
+from onnxmerge.merge import compat, splice
+from onnxmerge.passes import dedup
 from tests import textmodels as tm
 
 
@@ -52,11 +51,14 @@ def test_folder_without_models(tmp_path):
         merge_seq2seq(tmp_path)
 
 
-@pytest.mark.parametrize(("removed", "named"), [
-    ([tm.DECODER, tm.DECODER_WITH_PAST], "decoder_model.onnx"),
-    ([tm.ENCODER], "encoder_model.onnx"),
-    ([tm.DECODER], "decoder"),
-])
+@pytest.mark.parametrize(
+    ("removed", "named"),
+    [
+        ([tm.DECODER, tm.DECODER_WITH_PAST], "decoder_model.onnx"),
+        ([tm.ENCODER], "encoder_model.onnx"),
+        ([tm.DECODER], "decoder"),
+    ],
+)
 def test_missing_files_are_named(tmp_path, removed, named):
     folder = tm.write_export(tmp_path / "export")
     for name in removed:
@@ -157,8 +159,10 @@ def test_mismatch_in_a_second_opset_domain_is_found(tmp_path):
     # optimum compared only the first opset entry of each file.
     folder = tm.write_export(tmp_path / "export")
     for name, version in ((tm.DECODER, 3), (tm.DECODER_WITH_PAST, 4)):
-        _edit(folder / name, lambda m, v=version: m.opset_import.append(
-            onnx.helper.make_opsetid("ai.onnx.ml", v)))
+        _edit(
+            folder / name,
+            lambda m, v=version: m.opset_import.append(onnx.helper.make_opsetid("ai.onnx.ml", v)),
+        )
     with pytest.raises(IncompatibleModelsError, match="ai.onnx.ml"):
         merge_seq2seq(folder)
 
@@ -198,9 +202,14 @@ def test_decoder_with_past_lacking_a_present_output(tmp_path):
 # ------------------------------------------------------------------ the output path
 
 
-@pytest.mark.parametrize("output", [
-    tm.ENCODER, tm.DECODER, tm.DECODER_WITH_PAST,
-])
+@pytest.mark.parametrize(
+    "output",
+    [
+        tm.ENCODER,
+        tm.DECODER,
+        tm.DECODER_WITH_PAST,
+    ],
+)
 def test_an_input_model_is_never_the_output(tmp_path, output):
     folder = tm.write_export(tmp_path / "export")
     before = tm.folder_digest(folder)
@@ -249,11 +258,11 @@ def test_failed_validation_leaves_no_output_and_no_temporary_files(tmp_path, mon
     folder = tm.write_export(tmp_path / "export")
     before = tm.folder_digest(folder)
 
-    def refuse(path: Path) -> None:
+    def refuse(path: Path, **_) -> None:
         assert path.exists()  # the file is checked where it was written, before it is published
         raise InvalidMergedModelError("refused by the test")
 
-    monkeypatch.setattr(contract_module, "check_written_model", refuse)
+    monkeypatch.setattr(check_module, "check_written_model", refuse)
     with pytest.raises(InvalidMergedModelError, match="refused by the test"):
         merge_seq2seq(folder)
     _assert_untouched(folder, before)
@@ -263,10 +272,10 @@ def test_failed_validation_keeps_the_previous_output(tmp_path, monkeypatch):
     folder = tm.write_export(tmp_path / "export")
     previous = merge_seq2seq(folder).read_bytes()
 
-    def refuse(path: Path) -> None:
+    def refuse(path: Path, **_) -> None:
         raise InvalidMergedModelError("refused by the test")
 
-    monkeypatch.setattr(contract_module, "check_written_model", refuse)
+    monkeypatch.setattr(check_module, "check_written_model", refuse)
     with pytest.raises(InvalidMergedModelError):
         merge_seq2seq(folder, overwrite=True)
     assert (folder / "model.onnx").read_bytes() == previous
@@ -283,7 +292,13 @@ def test_successful_merge_changes_no_input(tmp_path):
 
 @pytest.mark.parametrize("layout", ["with_past", "no_past", "merged_only"])
 def test_merged_file_passes_the_full_checker(tmp_path, layout):
-    path = merge_seq2seq(tm.write_export(tmp_path / "export", layout=layout, head="tied",
-                                         out_proj_as_constant=layout != "merged_only"))
+    path = merge_seq2seq(
+        tm.write_export(
+            tmp_path / "export",
+            layout=layout,
+            head="tied",
+            out_proj_as_constant=layout != "merged_only",
+        )
+    )
     onnx.checker.check_model(os.fspath(path), full_check=True)
     assert np.isfinite(tm.run_merged(path, tm.sample_inputs(), use_cache=False)["logits"]).all()

@@ -10,7 +10,7 @@ import onnx_ir as ir
 import pytest
 
 from onnxmerge import contract, merge_seq2seq_with_report
-from onnxmerge.dedup import find_duplicates
+from onnxmerge.testing.checks import find_duplicates
 from onnxmerge.testing.zoo import ARCHITECTURES, TIED_HEAD_ARCHITECTURES
 from onnxmerge.verify import verify
 
@@ -63,8 +63,12 @@ def test_merged_model_interface_follows_the_contract(tiny_export, arch, tmp_path
     assert not any(n in inputs for n in ("encoder_hidden_states", "encoder_attention_mask"))
     layers = {contract.parse_cache_name(n)[1] for n in inputs if contract.is_past_name(n)}
     assert layers == set(range(len(layers))) and layers
-    assert {contract.present_name(i, p, k) for i in layers for p in ("decoder", "encoder")
-            for k in ("key", "value")} == {n for n in outputs if contract.is_present_name(n)}
+    assert {
+        contract.present_name(i, p, k)
+        for i in layers
+        for p in ("decoder", "encoder")
+        for k in ("key", "value")
+    } == {n for n in outputs if contract.is_present_name(n)}
     assert meta[contract.META_FORMAT_VERSION] == contract.FORMAT_VERSION
     assert "model_type" in meta[contract.META_CONFIG]
     assert contract.META_GENERATION_CONFIG in meta
@@ -81,8 +85,10 @@ def test_merged_decoder_alone_gives_the_same_model(tiny_export, arch, tmp_path):
     assert {f.role for f in alone.inputs} == {"encoder", "merged_decoder"}
     assert verify(alone.path, merged_only.onnx_dir, tolerance=PARITY).ok
     # Same tensors either way: the merged decoder already shared the two decoders' weights.
-    sizes = [sum(v.const_value.nbytes for v in ir.load(r.path).graph.initializers.values())
-             for r in (separate, alone)]
+    sizes = [
+        sum(v.const_value.nbytes for v in ir.load(r.path).graph.initializers.values())
+        for r in (separate, alone)
+    ]
     assert sizes[0] == sizes[1]
 
 
@@ -114,7 +120,9 @@ def test_tied_head_forms_end_equally_small(tiny_export, arch, tmp_path):
         model = ir.load(result.path)
         # A tied head is one Transpose in the main graph, never one per branch.
         branch_transposes_of_weights = [
-            n for g in model.graph.subgraphs() for n in g
+            n
+            for g in model.graph.subgraphs()
+            for n in g
             if n.op_type == "Transpose" and n.inputs[0].is_initializer()
         ]
         assert branch_transposes_of_weights == []
@@ -164,9 +172,10 @@ def test_numbers_of_a_merge_add_up(tiny_export, tmp_path):
         (export.onnx_dir / f.path.name).stat().st_size for f in result.inputs
     )
     assert result.output_bytes == result.path.stat().st_size
-    assert result.tensors_out == result.tensors_in - len(result.shared) - sum(
-        1 for _ in ()
-    ) or result.tensors_out < result.tensors_in
+    assert (
+        result.tensors_out == result.tensors_in - len(result.shared) - sum(1 for _ in ())
+        or result.tensors_out < result.tensors_in
+    )
     assert result.checkpoint_bytes is None or result.checkpoint_bytes > 0
     assert np.isclose(result.bytes_saved, result.input_bytes - result.output_bytes)
 

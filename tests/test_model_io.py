@@ -30,8 +30,14 @@ g (float[2, 16] x) => (float[2, 16] y) { y = MatMul(x, w) }
 """
 
 
-def _external_model(folder: Path, location: str, *, offset: int | None = None,
-                     length: int | None = None, write_data: bool = True) -> Path:
+def _external_model(
+    folder: Path,
+    location: str,
+    *,
+    offset: int | None = None,
+    length: int | None = None,
+    write_data: bool = True,
+) -> Path:
     """A model whose only weight ``w`` is external data at ``location`` (relative to folder)."""
     folder.mkdir(parents=True, exist_ok=True)
     model = tm.proto_from_text(TEXT, {"w": WEIGHT})
@@ -72,8 +78,9 @@ def test_external_data_is_memory_mapped(tmp_path):
     assert isinstance(tensor.raw, mmap.mmap)
 
 
-@pytest.mark.parametrize("location", ["weights.bin", "sub/weights.bin", "./weights.bin",
-                                      "model.onnx.data"])
+@pytest.mark.parametrize(
+    "location", ["weights.bin", "sub/weights.bin", "./weights.bin", "model.onnx.data"]
+)
 def test_relative_locations_inside_the_folder_load(tmp_path, location):
     path = _external_model(tmp_path / "m", location)
     model, _ = model_io.load_model(path)
@@ -147,13 +154,16 @@ def test_links_into_blobs_are_accepted_only_inside_a_cache_repo(tmp_path):
         model_io.load_model(path)
 
 
-@pytest.mark.parametrize(("offset", "length", "match"), [
-    (0, 2 * WEIGHT.nbytes, "truncated"),
-    (512, WEIGHT.nbytes, "truncated"),
-    (-4, WEIGHT.nbytes, "truncated"),
-    (0, WEIGHT.nbytes // 2, "need"),
-    (None, None, None),  # no offset, no length: fine when the file holds the tensor
-])
+@pytest.mark.parametrize(
+    ("offset", "length", "match"),
+    [
+        (0, 2 * WEIGHT.nbytes, "truncated"),
+        (512, WEIGHT.nbytes, "truncated"),
+        (-4, WEIGHT.nbytes, "truncated"),
+        (0, WEIGHT.nbytes // 2, "need"),
+        (None, None, None),  # no offset, no length: fine when the file holds the tensor
+    ],
+)
 def test_offset_and_length_must_fit(tmp_path, offset, length, match):
     path = _external_model(tmp_path / "m", "weights.bin", offset=offset, length=length)
     if match is None:
@@ -197,17 +207,25 @@ def test_external_data_inside_a_subgraph_constant_is_checked(tmp_path):
     entry = tensor.external_data.add()
     entry.key, entry.value = "location", "../outside.bin"
     then_branch = onnx.helper.make_graph(
-        [onnx.helper.make_node("Constant", [], ["t"], value=tensor)], "t", [],
+        [onnx.helper.make_node("Constant", [], ["t"], value=tensor)],
+        "t",
+        [],
         [onnx.helper.make_tensor_value_info("t", onnx.TensorProto.FLOAT, [16, 16])],
     )
     else_branch = onnx.helper.make_graph(
-        [onnx.helper.make_node("Identity", ["w"], ["e"])], "e", [],
+        [onnx.helper.make_node("Identity", ["w"], ["e"])],
+        "e",
+        [],
         [onnx.helper.make_tensor_value_info("e", onnx.TensorProto.FLOAT, [16, 16])],
     )
     graph = onnx.helper.make_graph(
-        [onnx.helper.make_node("If", ["c"], ["y"], then_branch=then_branch,
-                               else_branch=else_branch)],
-        "g", [onnx.helper.make_tensor_value_info("c", onnx.TensorProto.BOOL, [1])],
+        [
+            onnx.helper.make_node(
+                "If", ["c"], ["y"], then_branch=then_branch, else_branch=else_branch
+            )
+        ],
+        "g",
+        [onnx.helper.make_tensor_value_info("c", onnx.TensorProto.BOOL, [1])],
         [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [16, 16])],
         initializer=[onnx.numpy_helper.from_array(WEIGHT, "w")],
     )
@@ -247,8 +265,9 @@ def test_external_data_is_written_when_asked(tmp_path):
     assert result.output_bytes == output.stat().st_size + data.stat().st_size
     loaded = onnx.load(os.fspath(output))  # reads the data file
     embedding = next(t for t in loaded.graph.initializer if t.name == tm.EMBEDDING)
-    np.testing.assert_array_equal(onnx.numpy_helper.to_array(embedding),
-                                  tm.make_weights(0)[tm.EMBEDDING])
+    np.testing.assert_array_equal(
+        onnx.numpy_helper.to_array(embedding), tm.make_weights(0)[tm.EMBEDDING]
+    )
     inputs = tm.sample_inputs()
     first, cached = tm.run_sources(folder, inputs)
     assert tm.max_abs_diff(first, tm.run_merged(output, inputs, use_cache=False)) <= 1e-6

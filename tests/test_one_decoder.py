@@ -16,8 +16,9 @@ import onnx.numpy_helper
 import pytest
 
 from onnxmerge import contract, merge_seq2seq, merge_seq2seq_with_report
-from onnxmerge.cross_attention import NoMatch, find_cross_attention
 from onnxmerge.errors import IncompatibleModelsError
+from onnxmerge.merge.cross_attention import find_cross_attention
+from onnxmerge.passes.base import NoMatch
 from tests import textmodels as tm
 
 _HEADER = '<ir_version: 8, opset_import: ["" : 17]>'

@@ -2,12 +2,46 @@
 
 from __future__ import annotations
 
+import importlib
+import re
+
+import pytest
+
 import onnxmerge
+from onnxmerge.errors import OnnxMergeError
+
+# The import paths the documentation gives; a module that moves keeps a re-export here.
+DOCUMENTED = [
+    ("onnxmerge.runtime", "Seq2SeqModel"),
+    ("onnxmerge.generator", "build_generator"),
+    ("onnxmerge.web", "build_site"),
+    ("onnxmerge.batch", "convert_many"),
+    ("onnxmerge.contract", "read_contract"),
+    ("onnxmerge.settings", "GENERATE_KEYWORDS"),
+    ("onnxmerge.runtime.processors", "build_processors"),
+    ("onnxmerge.merge", "merge_seq2seq"),
+    ("onnxmerge.quantization", "quantize"),
+]
 
 
 def test_every_public_name_resolves():
+    """Each name is onnxmerge's own object of that name (an error: one of the hierarchy)."""
     for name in onnxmerge.__all__:
-        assert getattr(onnxmerge, name) is not None, name
+        value = getattr(onnxmerge, name)
+        if name == "__version__":
+            assert re.fullmatch(r"\d+\.\d+\.\d+\S*", value), value
+            continue
+        assert value.__name__ == name, name
+        assert value.__module__.startswith("onnxmerge."), (name, value.__module__)
+        if name.endswith("Error"):
+            assert issubclass(value, OnnxMergeError), name
+    assert sorted(onnxmerge.__all__) == sorted(set(onnxmerge.__all__))
+
+
+@pytest.mark.parametrize(("module", "name"), DOCUMENTED, ids=[m for m, _ in DOCUMENTED])
+def test_documented_import_paths_resolve(module, name):
+    value = getattr(importlib.import_module(module), name)  # AttributeError where it moved
+    assert getattr(value, "__module__", module).startswith("onnxmerge."), value
 
 
 def test_build_generator_at_the_top_level():

@@ -7,14 +7,9 @@ import onnx
 import onnx_ir as ir
 import pytest
 
-from onnxmerge import (
-    dedup,
-    merge,
-    merge_seq2seq_with_report,
-    passes,
-    quant_rewrite,
-    tied_head,
-)
+from onnxmerge import merge, merge_seq2seq_with_report, passes
+from onnxmerge.passes import dedup, tied_head
+from onnxmerge.quantization import rewrite as quant_rewrite
 from tests import textmodels as tm
 
 RNG = np.random.default_rng(11)

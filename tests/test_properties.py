@@ -33,15 +33,21 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from onnxmerge import dedup, merge, merge_seq2seq, model_io, passes
+from onnxmerge import merge, merge_seq2seq, model_io, passes
+from onnxmerge.passes import dedup
+from onnxmerge.testing.checks import find_duplicates
 from tests import textmodels as tm
 
 OPSET = 17
 TOLERANCE = 1e-6
 # Derandomised so every run checks the same cases; no shrinking, so a failure stays quick to
 # report (each case runs onnxruntime several times).
-_BOUNDED = {"deadline": None, "derandomize": True, "phases": (Phase.explicit, Phase.generate),
-            "suppress_health_check": [HealthCheck.too_slow]}
+_BOUNDED = {
+    "deadline": None,
+    "derandomize": True,
+    "phases": (Phase.explicit, Phase.generate),
+    "suppress_health_check": [HealthCheck.too_slow],
+}
 SETTINGS = settings(max_examples=40, **_BOUNDED)
 EXPORT_SETTINGS = settings(max_examples=8, **_BOUNDED)
 
@@ -55,8 +61,10 @@ MATRIX_SHAPES = {
 VECTOR_LENGTHS = [4, 127, 128, 129, 255, 256, 257]  # int64: 32 1016 1024 1032 ...; float32: ...
 # The integer type with the same width: its bytes are the float's, its values are not.
 SAME_WIDTH_INT = {np.float32: np.int32, np.float16: np.int16, np.float64: np.int64}
-ONNX_TYPE = {np.dtype(t): onnx.helper.np_dtype_to_tensor_dtype(np.dtype(t))
-             for t in (np.float32, np.float16, np.float64, np.int32, np.int16, np.int64)}
+ONNX_TYPE = {
+    np.dtype(t): onnx.helper.np_dtype_to_tensor_dtype(np.dtype(t))
+    for t in (np.float32, np.float16, np.float64, np.int32, np.int16, np.int64)
+}
 
 # Scopes of the generated graph: the main graph, the branches of an outer If and, inside its
 # then-branch, the branches of an inner If. A scope's values are visible in the scopes nested in it.
@@ -106,8 +114,11 @@ def graph_specs(draw) -> GraphSpec:
         kinds = ("gather",)
         if is_matrix_float:
             kinds = USE_KINDS_FLOAT16 if array.dtype == np.float16 else USE_KINDS_2D_FLOAT
-        uses = draw(st.lists(st.tuples(st.sampled_from(kinds), st.sampled_from(visible)),
-                             min_size=1, max_size=3))
+        uses = draw(
+            st.lists(
+                st.tuples(st.sampled_from(kinds), st.sampled_from(visible)), min_size=1, max_size=3
+            )
+        )
         tensors.append(TensorSpec(f"t{index}.{array.dtype.name}", array, home, uses))
 
     for _ in range(draw(st.integers(1, 4))):
@@ -119,8 +130,9 @@ def graph_specs(draw) -> GraphSpec:
             if shape[0] == shape[1] and draw(st.booleans()):
                 base = ((base + base.T) / 2).astype(dtype)  # symmetric: its transpose is itself
             add(base, True)
-            copies = draw(st.lists(st.sampled_from(["exact", "transposed", "same_bytes_int"]),
-                                   max_size=3))
+            copies = draw(
+                st.lists(st.sampled_from(["exact", "transposed", "same_bytes_int"]), max_size=3)
+            )
             for copy in copies:
                 if copy == "exact":
                     add(base.copy(), True)
@@ -164,28 +176,34 @@ class _Builder:
 
     def node(self, scope: str, op: str, inputs: list[str], name: str | None = None, **attrs) -> str:
         out = self.fresh(op.lower())
-        self.nodes[scope].append(onnx.helper.make_node(
-            op, inputs, [out], name=name or self.fresh(f"/{scope}/{op}"), **attrs))
+        self.nodes[scope].append(
+            onnx.helper.make_node(
+                op, inputs, [out], name=name or self.fresh(f"/{scope}/{op}"), **attrs
+            )
+        )
         return out
 
     def x(self, length: int, dtype: np.dtype, rng: np.random.Generator) -> str:
         name = f"x_{length}_{dtype.name}"
         if name not in self.inputs:
-            self.inputs[name] = onnx.helper.make_tensor_value_info(name, ONNX_TYPE[dtype],
-                                                                   [2, length])
+            self.inputs[name] = onnx.helper.make_tensor_value_info(
+                name, ONNX_TYPE[dtype], [2, length]
+            )
             self.feeds[name] = rng.standard_normal((2, length)).astype(dtype)
         return name
 
     def indices(self, upper: int) -> str:
         name = f"rows_below_{upper}"
         if name not in self.inputs:
-            self.inputs[name] = onnx.helper.make_tensor_value_info(name, onnx.TensorProto.INT64,
-                                                                   [3])
+            self.inputs[name] = onnx.helper.make_tensor_value_info(
+                name, onnx.TensorProto.INT64, [3]
+            )
             self.feeds[name] = np.array([0, upper - 1, upper // 2], np.int64)
         return name
 
-    def use(self, tensor: TensorSpec, source: str, kind: str, scope: str,
-            rng: np.random.Generator) -> None:
+    def use(
+        self, tensor: TensorSpec, source: str, kind: str, scope: str, rng: np.random.Generator
+    ) -> None:
         array = tensor.array
         if kind == "matmul":
             out = self.node(scope, "MatMul", [self.x(array.shape[0], array.dtype, rng), source])
@@ -197,8 +215,9 @@ class _Builder:
                 # same name in nested graphs.
                 self.named_heads.add(scope)
                 name = "/lm_head/MatMul"
-            out = self.node(scope, "MatMul", [self.x(array.shape[1], array.dtype, rng),
-                                              transposed], name=name)
+            out = self.node(
+                scope, "MatMul", [self.x(array.shape[1], array.dtype, rng), transposed], name=name
+            )
         else:
             out = self.node(scope, "Gather", [source, self.indices(array.shape[0])], axis=0)
         as_float = self.node(scope, "Cast", [out], to=onnx.TensorProto.FLOAT)
@@ -207,9 +226,15 @@ class _Builder:
     def concat(self, scope: str, marker: float) -> str:
         """One float vector of everything the scope computed, with a marker of the scope."""
         const = self.fresh(f"marker_{scope}")
-        self.nodes[scope].append(onnx.helper.make_node(
-            "Constant", [], [const], name=self.fresh("/marker"),
-            value=onnx.numpy_helper.from_array(np.array([marker], np.float32))))
+        self.nodes[scope].append(
+            onnx.helper.make_node(
+                "Constant",
+                [],
+                [const],
+                name=self.fresh("/marker"),
+                value=onnx.numpy_helper.from_array(np.array([marker], np.float32)),
+            )
+        )
         return self.node(scope, "Concat", [*self.pieces[scope], const], axis=0)
 
 
@@ -220,9 +245,15 @@ def build(spec: GraphSpec, seed: int) -> tuple[onnx.ModelProto, dict[str, np.nda
         if tensor.home == "main":
             b.initializers.append(onnx.numpy_helper.from_array(tensor.array, tensor.name))
         else:
-            b.nodes[tensor.home].append(onnx.helper.make_node(
-                "Constant", [], [tensor.name], name=f"/const/{tensor.name}",
-                value=onnx.numpy_helper.from_array(tensor.array)))
+            b.nodes[tensor.home].append(
+                onnx.helper.make_node(
+                    "Constant",
+                    [],
+                    [tensor.name],
+                    name=f"/const/{tensor.name}",
+                    value=onnx.numpy_helper.from_array(tensor.array),
+                )
+            )
         for kind, scope in tensor.uses:
             b.use(tensor, tensor.name, kind, scope, rng)
 
@@ -235,24 +266,44 @@ def build(spec: GraphSpec, seed: int) -> tuple[onnx.ModelProto, dict[str, np.nda
         return onnx.helper.make_graph(b.nodes[scope], scope, [], [vector(out)])
 
     inner_out = b.fresh("inner")
-    b.nodes["outer_then"].append(onnx.helper.make_node(
-        "If", ["c_inner"], [inner_out], name="/inner_if",
-        then_branch=branch("inner_then", 3.0), else_branch=branch("inner_else", 4.0)))
+    b.nodes["outer_then"].append(
+        onnx.helper.make_node(
+            "If",
+            ["c_inner"],
+            [inner_out],
+            name="/inner_if",
+            then_branch=branch("inner_then", 3.0),
+            else_branch=branch("inner_else", 4.0),
+        )
+    )
     outer_then = branch("outer_then", 1.0, [inner_out])
     outer_else = branch("outer_else", 2.0)
-    b.nodes["main"].append(onnx.helper.make_node(
-        "If", ["c_outer"], ["y_if"], name="/outer_if", then_branch=outer_then,
-        else_branch=outer_else))
+    b.nodes["main"].append(
+        onnx.helper.make_node(
+            "If",
+            ["c_outer"],
+            ["y_if"],
+            name="/outer_if",
+            then_branch=outer_then,
+            else_branch=outer_else,
+        )
+    )
     y_main = b.concat("main", 0.0)
-    b.nodes["main"].append(onnx.helper.make_node("Identity", [y_main], ["y_main"],
-                                                 name="/y_main"))
-    conditions = [onnx.helper.make_tensor_value_info(c, onnx.TensorProto.BOOL, [1])
-                  for c in ("c_outer", "c_inner")]
+    b.nodes["main"].append(onnx.helper.make_node("Identity", [y_main], ["y_main"], name="/y_main"))
+    conditions = [
+        onnx.helper.make_tensor_value_info(c, onnx.TensorProto.BOOL, [1])
+        for c in ("c_outer", "c_inner")
+    ]
     graph = onnx.helper.make_graph(
-        b.nodes["main"], "random", [*conditions, *b.inputs.values()],
-        [vector("y_main"), vector("y_if")], initializer=b.initializers)
-    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", OPSET)],
-                                   ir_version=8)
+        b.nodes["main"],
+        "random",
+        [*conditions, *b.inputs.values()],
+        [vector("y_main"), vector("y_if")],
+        initializer=b.initializers,
+    )
+    model = onnx.helper.make_model(
+        graph, opset_imports=[onnx.helper.make_opsetid("", OPSET)], ir_version=8
+    )
     return model, b.feeds
 
 
@@ -290,7 +341,7 @@ def test_store_once_keeps_outputs_removes_duplicates_and_passes_the_checker(spec
     # (c) the checker, with full shape inference, on the serialised bytes
     onnx.checker.check_model(onnx.load_from_string(result.SerializeToString()), full_check=True)
     # (b) nothing of 1 KiB or more is stored twice, plainly or transposed
-    assert dedup.find_duplicates(model.graph) == []
+    assert find_duplicates(model.graph) == []
     # tensors whose bytes match under another dtype are different tensors
     dtypes = {t.name: t.array.dtype for t in spec.tensors}
     for shared in shared_tensors:
@@ -318,7 +369,8 @@ def test_store_once_stores_no_more_bytes_than_before(spec, seed):
         if not any(k in distinct for k in keys):
             distinct[keys[0]] = array.nbytes
     large_after = sum(
-        v.const_value.nbytes for v in model.graph.initializers.values()
+        v.const_value.nbytes
+        for v in model.graph.initializers.values()
         if v.const_value is not None and v.const_value.nbytes >= dedup.MIN_SHARED_BYTES
     )
     assert large_after == sum(distinct.values())
@@ -365,8 +417,7 @@ def test_merged_folder_matches_its_sources_and_stores_everything_once(options, i
         # The reference: the separate files of the same checkpoint (merged_only has none).
         reference = folder
         if layout == "merged_only":
-            reference = tm.write_export(tmp / "reference",
-                                        **{**options, "layout": "with_past"})
+            reference = tm.write_export(tmp / "reference", **{**options, "layout": "with_past"})
         merged = merge_seq2seq(folder, tmp / "out" / "model.onnx")
         inputs = tm.sample_inputs(input_seed)
         first, cached = tm.run_sources(reference, inputs)
@@ -375,7 +426,7 @@ def test_merged_folder_matches_its_sources_and_stores_everything_once(options, i
             assert cached is not None
             cached_merged = tm.run_merged(merged, inputs, use_cache=True)
             assert tm.max_abs_diff(cached, cached_merged) <= TOLERANCE
-        assert dedup.find_duplicates(_loaded_ir(merged).graph) == []
+        assert find_duplicates(_loaded_ir(merged).graph) == []
         onnx.checker.check_model(os.fspath(merged), full_check=True)
 
 
@@ -408,8 +459,7 @@ def test_merging_twice_writes_the_same_bytes(options):
 @pytest.mark.parametrize("head", ["copy", "tied"])
 def test_merge_of_an_export_below_opset_15_with_a_tied_head(tmp_path, opset, head):
     files = (tm.ENCODER, tm.DECODER, tm.DECODER_WITH_PAST)
-    folder = tm.write_export(tmp_path / "export", head=head,
-                             opsets={name: opset for name in files})
+    folder = tm.write_export(tmp_path / "export", head=head, opsets={name: opset for name in files})
     merged = merge_seq2seq(folder)
     inputs = tm.sample_inputs()
     first, cached = tm.run_sources(folder, inputs)

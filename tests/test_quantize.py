@@ -12,11 +12,13 @@ import onnx
 import onnx_ir as ir
 import pytest
 
-from onnxmerge import contract, model_io, quant_math, quant_rewrite
-from onnxmerge.dedup import find_duplicates
+from onnxmerge import contract, model_io
 from onnxmerge.errors import QuantizationError, RefusedOutputError
-from onnxmerge.sessions import open_session, session_options
+from onnxmerge.quantization import codes as quant_math
+from onnxmerge.quantization import rewrite as quant_rewrite
+from onnxmerge.runtime.ort import open_session, session_options
 from onnxmerge.testing import quality
+from onnxmerge.testing.checks import dequantize, expand, find_duplicates
 from onnxmerge.testing.zoo import ARCHITECTURES
 from tests import textmodels as tm
 
@@ -48,15 +50,15 @@ def test_codes_restore_the_weight_within_half_a_step(precision, axis):
     weight = np.random.default_rng(0).standard_normal((70, 130)).astype(np.float32)
     weight[3] = 0.0  # an all-zero channel must not divide by zero
     q = quant_math.quantize(weight, precision, axis)
-    restored = quant_math.dequantize(q)
+    restored = dequantize(q)
     assert restored.shape == weight.shape
-    step = quant_math._expand(q.scale, q, weight.shape)
+    step = expand(q.scale, q, weight.shape)
     assert np.all(np.abs(restored - weight) <= step / 2 + 1e-6)
 
 
 def test_uint8_zero_is_exact():
     weight = np.array([[0.0, 1.0, -3.0], [0.5, 0.0, 2.0]], np.float32)
-    restored = quant_math.dequantize(quant_math.quantize(weight, "uint8", 0))
+    restored = dequantize(quant_math.quantize(weight, "uint8", 0))
     assert restored[0, 0] == 0.0 and restored[1, 1] == 0.0
 
 

@@ -14,7 +14,7 @@ from onnxmerge import (
     merge_seq2seq,
     merge_seq2seq_with_report,
 )
-from onnxmerge.roles import Judgement, Role, assign_roles, judge
+from onnxmerge.merge.roles import Judgement, Role, assign_roles, judge
 from tests import textmodels as tm
 
 
@@ -27,12 +27,15 @@ def export_all(tmp_path_factory) -> Path:
     return tm.write_export(tmp_path_factory.mktemp("roles") / "export", layout="all")
 
 
-@pytest.mark.parametrize(("file", "role"), [
-    (tm.ENCODER, Role.ENCODER),
-    (tm.DECODER, Role.DECODER),
-    (tm.DECODER_WITH_PAST, Role.DECODER_WITH_PAST),
-    (tm.MERGED_DECODER, Role.MERGED_DECODER),
-])
+@pytest.mark.parametrize(
+    ("file", "role"),
+    [
+        (tm.ENCODER, Role.ENCODER),
+        (tm.DECODER, Role.DECODER),
+        (tm.DECODER_WITH_PAST, Role.DECODER_WITH_PAST),
+        (tm.MERGED_DECODER, Role.MERGED_DECODER),
+    ],
+)
 def test_each_file_of_an_export_is_recognised(export_all, file, role):
     assert _judge_file(export_all / file).role == role
 
@@ -84,11 +87,14 @@ def test_assign_roles_refuses_two_candidates_without_the_usual_name(tmp_path):
 def test_files_with_odd_names_still_merge(tmp_path):
     reference = merge_seq2seq(tm.write_export(tmp_path / "reference"))
     # Names swapped on purpose: the "encoder" file is the decoder with past, and so on.
-    folder = tm.write_export(tmp_path / "odd", names={
-        tm.ENCODER: "decoder_with_past_model.onnx",
-        tm.DECODER: "encoder_model.onnx",
-        tm.DECODER_WITH_PAST: "weights v2 (final).onnx",
-    })
+    folder = tm.write_export(
+        tmp_path / "odd",
+        names={
+            tm.ENCODER: "decoder_with_past_model.onnx",
+            tm.DECODER: "encoder_model.onnx",
+            tm.DECODER_WITH_PAST: "weights v2 (final).onnx",
+        },
+    )
     result = merge_seq2seq_with_report(folder)
     roles = {f.path.name: f.role for f in result.inputs}
     assert roles == {

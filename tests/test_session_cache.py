@@ -14,7 +14,7 @@ from tests import textmodels as tm
 ort = pytest.importorskip("onnxruntime")
 
 from onnxmerge import Seq2SeqModel, merge_seq2seq  # noqa: E402
-from onnxmerge.runtime.session import default_session_options  # noqa: E402
+from onnxmerge.runtime.ort import session_options  # noqa: E402
 from onnxmerge.runtime.session_cache import ENTRY_DATA, ENTRY_MODEL  # noqa: E402
 
 
@@ -84,7 +84,7 @@ def test_a_changed_file_beside_the_model_is_not_read_from_an_old_entry(merged, t
 
 def test_other_session_settings_get_their_own_entry(merged, tmp_path):
     cache = tmp_path / "cache"
-    basic = default_session_options()
+    basic = session_options()
     basic.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     Seq2SeqModel(merged, session_cache=cache)
     model = Seq2SeqModel(merged, session_options=basic, session_cache=cache)
@@ -139,7 +139,7 @@ def test_a_cache_that_cannot_be_written_leaves_the_load_as_without_it(merged, tm
 
 
 def test_the_callers_session_options_are_left_as_given(merged, tmp_path):
-    options = default_session_options()
+    options = session_options()
     own = "session.optimized_model_external_initializers_min_size_in_bytes"
     options.add_session_config_entry(own, "4096")
     level = options.graph_optimization_level

@@ -48,8 +48,12 @@ def _assert_parity(path: Path, reference: Path, inputs: dict[str, np.ndarray]) -
         encoder_presents = [n for n in got if n.startswith("present.") and ".encoder." in n]
         assert len(encoder_presents) == 2 * tm.LAYERS
         version = contract.read_contract(
-            {p.key: p.value for p in onnx.load(os.fspath(path), load_external_data=False)
-             .metadata_props}, ["decoder_input_ids"], ["logits"]
+            {
+                p.key: p.value
+                for p in onnx.load(os.fspath(path), load_external_data=False).metadata_props
+            },
+            ["decoder_input_ids"],
+            ["logits"],
         ).format_version
         for name in encoder_presents:
             if version == contract.ONE_DECODER_FORMAT_VERSION:  # the past, passed through
@@ -99,14 +103,23 @@ def test_with_past_layout_follows_the_contract(tmp_path, format, version):
     onnx.checker.check_model(os.fspath(path), full_check=True)
     proto = onnx.load(os.fspath(path))
 
-    expected_inputs = ["input_ids", "attention_mask", "decoder_input_ids", *tm.past_names(),
-                       "use_cache_branch"]
+    expected_inputs = [
+        "input_ids",
+        "attention_mask",
+        "decoder_input_ids",
+        *tm.past_names(),
+        "use_cache_branch",
+    ]
     assert [i.name for i in proto.graph.input] == expected_inputs
     use_cache = proto.graph.input[-1].type.tensor_type
     assert use_cache.elem_type == onnx.TensorProto.BOOL
     assert [d.dim_value for d in use_cache.shape.dim] == [1]
-    presents = [f"present.{layer}.{part}.{kind}" for layer in range(tm.LAYERS)
-                for part in ("decoder", "encoder") for kind in ("key", "value")]
+    presents = [
+        f"present.{layer}.{part}.{kind}"
+        for layer in range(tm.LAYERS)
+        for part in ("decoder", "encoder")
+        for kind in ("key", "value")
+    ]
     assert sorted(o.name for o in proto.graph.output) == sorted(["logits", *presents])
     assert proto.graph.output[0].name == "logits"
     assert [n.op_type for n in proto.graph.node if n.op_type == "If"] == ["If"]
@@ -126,8 +139,11 @@ def test_no_past_layout_has_no_if_and_no_cache(tmp_path):
     proto = onnx.load(os.fspath(result.path))
 
     assert result.layout == contract.LAYOUT_WITHOUT_PAST
-    assert [i.name for i in proto.graph.input] == ["input_ids", "attention_mask",
-                                                   "decoder_input_ids"]
+    assert [i.name for i in proto.graph.input] == [
+        "input_ids",
+        "attention_mask",
+        "decoder_input_ids",
+    ]
     assert [o.name for o in proto.graph.output] == ["logits"]
     assert not any(n.op_type == "If" for n in proto.graph.node)
     meta = {p.key: p.value for p in proto.metadata_props}
@@ -172,9 +188,7 @@ def test_folder_with_all_four_files_uses_the_separate_decoders(tmp_path):
     three = merge_seq2seq(tm.write_export(tmp_path / "three"))
     four_result = merge_seq2seq_with_report(tm.write_export(tmp_path / "four", layout="all"))
     assert three.read_bytes() == four_result.path.read_bytes()
-    assert sorted(f.role for f in four_result.inputs) == [
-        "decoder", "decoder_with_past", "encoder"
-    ]
+    assert sorted(f.role for f in four_result.inputs) == ["decoder", "decoder_with_past", "encoder"]
 
 
 def test_external_data_sources_merge_into_one_self_contained_file(tmp_path):
@@ -219,8 +233,7 @@ def test_outer_scope_references_follow_renamed_initializers(tmp_path, layout):
     path = merge_seq2seq(folder)
     onnx.checker.check_model(os.fspath(path), full_check=True)
     proto = onnx.load(os.fspath(path))
-    projections = [t.name for t in proto.graph.initializer
-                   if t.name.endswith(tm.OUT_PROJ)]
+    projections = [t.name for t in proto.graph.initializer if t.name.endswith(tm.OUT_PROJ)]
     assert len(projections) == 2
     _assert_parity(path, tm.write_export(tmp_path / "reference"), tm.sample_inputs())
 
@@ -228,8 +241,12 @@ def test_outer_scope_references_follow_renamed_initializers(tmp_path, layout):
 def test_intermediate_names_that_clash_with_the_contract_are_renamed(tmp_path):
     folder = tm.write_export(tmp_path / "export")
     encoder = onnx.load(os.fspath(folder / tm.ENCODER))
-    for old, new in (("projected", "logits"), ("embedded", "decoder_input_ids"),
-                     ("mask_float", "use_cache_branch"), ("mask_3d", "present.0.decoder.key")):
+    for old, new in (
+        ("projected", "logits"),
+        ("embedded", "decoder_input_ids"),
+        ("mask_float", "use_cache_branch"),
+        ("mask_3d", "present.0.decoder.key"),
+    ):
         _rename_everywhere(encoder, old, new)
     tm.save(encoder, folder / tm.ENCODER)
 
@@ -237,7 +254,9 @@ def test_intermediate_names_that_clash_with_the_contract_are_renamed(tmp_path):
     onnx.checker.check_model(os.fspath(path), full_check=True)
     proto = onnx.load(os.fspath(path))
     assert [o.name for o in proto.graph.output][:3] == [
-        "logits", "present.0.decoder.key", "present.0.decoder.value"
+        "logits",
+        "present.0.decoder.key",
+        "present.0.decoder.value",
     ]
     _assert_parity(path, tm.write_export(tmp_path / "reference"), tm.sample_inputs())
 
@@ -279,8 +298,9 @@ def test_one_decoder_form_reads_every_decoder_weight_in_the_main_graph(tmp_path)
     assert tm.EMBEDDING in main_reads and tm.EMBEDDING in else_reads
     assert main_reads | else_reads == weights
     assert all(len(g.initializer) == 0 for g in branches.values())
-    assert sorted(if_node.output) == sorted(n.replace("past_key_values", "present")
-                                     for n in tm.past_names() if ".encoder." in n)
+    assert sorted(if_node.output) == sorted(
+        n.replace("past_key_values", "present") for n in tm.past_names() if ".encoder." in n
+    )
 
 
 # ------------------------------------------------------------------ determinism
@@ -295,13 +315,16 @@ def test_output_is_byte_identical_across_runs_and_hash_seeds(tmp_path):
     folder = tm.write_export(tmp_path / "export", head="tied", out_proj_as_constant=True)
     in_process = _sha(merge_seq2seq(folder, tmp_path / "a.onnx"))
     assert _sha(merge_seq2seq(folder, tmp_path / "b.onnx")) == in_process
-    code = ("import sys; from onnxmerge import merge_seq2seq; "
-            "merge_seq2seq(sys.argv[1], sys.argv[2])")
+    code = (
+        "import sys; from onnxmerge import merge_seq2seq; merge_seq2seq(sys.argv[1], sys.argv[2])"
+    )
     for seed in ("0", "123"):
         out = tmp_path / f"seed{seed}.onnx"
         subprocess.run(
             [sys.executable, "-c", code, os.fspath(folder), os.fspath(out)],
-            env={**os.environ, "PYTHONHASHSEED": seed}, check=True, capture_output=True,
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            check=True,
+            capture_output=True,
         )
         assert _sha(out) == in_process, f"PYTHONHASHSEED={seed} changed the output"
 
@@ -327,7 +350,7 @@ def test_merged_model_loads_in_onnx_ir_and_round_trips(tmp_path):
 
 
 def test_splice_called_directly_follows_the_contract():
-    from onnxmerge.splice import splice
+    from onnxmerge.merge.splice import splice
 
     parts, models = tm.export_parts()
     model = splice(parts, models)
@@ -349,7 +372,7 @@ def test_splice_called_directly_follows_the_contract():
 
 
 def test_main_inputs_rename_optimum_names_and_report_dtype_clashes():
-    from onnxmerge.splice import _main_inputs
+    from onnxmerge.merge.splice import _main_inputs
 
     parts, _ = tm.export_parts()
     encoder, decoder, with_past = parts
@@ -366,7 +389,7 @@ def test_main_inputs_rename_optimum_names_and_report_dtype_clashes():
 
 
 def test_output_names_drop_presents_without_a_cached_branch():
-    from onnxmerge.splice import _output_names
+    from onnxmerge.merge.splice import _output_names
 
     parts, _ = tm.export_parts()
     decoder = parts[1]
@@ -375,7 +398,7 @@ def test_output_names_drop_presents_without_a_cached_branch():
 
 
 def test_hidden_state_problems_name_the_files():
-    from onnxmerge.splice import _hidden_state_problems
+    from onnxmerge.merge.splice import _hidden_state_problems
 
     parts, _ = tm.export_parts()
     encoder, decoder, with_past = parts
@@ -389,7 +412,7 @@ def test_hidden_state_problems_name_the_files():
 
 def test_two_files_defining_one_local_function_are_refused():
     from onnxmerge.errors import IncompatibleModelsError
-    from onnxmerge.splice import _local_functions
+    from onnxmerge.merge.splice import _local_functions
 
     text = """
 <ir_version: 8, opset_import: ["" : 17, "local" : 1]>

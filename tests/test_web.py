@@ -127,7 +127,7 @@ def demo_site(demo_export, tmp_path_factory) -> Path:
     site = tmp_path_factory.mktemp("sites") / "fp32"
     code = cli.main(["web", os.fspath(demo_export), "-o", os.fspath(site), "--json",
                      "--example", "deux cent quarante-trois"])  # fmt: skip
-    assert code == cli.EXIT_OK
+    assert code == cli.ExitCode.OK
     return site
 
 

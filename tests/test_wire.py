@@ -16,8 +16,9 @@ from onnxmerge.errors import OnnxMergeError
 def _model(tmp_path, arrays: dict[str, np.ndarray]):
     inits = [numpy_helper.from_array(a, name) for name, a in arrays.items()]
     nodes = [helper.make_node("Identity", [name], [f"{name}_out"]) for name in arrays]
-    outputs = [helper.make_tensor_value_info(f"{n}_out", onnx.TensorProto.UNDEFINED, None)
-               for n in arrays]
+    outputs = [
+        helper.make_tensor_value_info(f"{n}_out", onnx.TensorProto.UNDEFINED, None) for n in arrays
+    ]
     graph = helper.make_graph(nodes, "g", [], outputs, initializer=inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     path = tmp_path / "m.onnx"
@@ -47,10 +48,16 @@ def test_skeleton_points_large_tensors_into_the_file(tmp_path):
 def test_inline_restores_a_single_file(tmp_path):
     path = _model(tmp_path, ARRAYS)
     model = onnx.load(os.fspath(path))
-    onnx.save(model, os.fspath(tmp_path / "ext.onnx"), save_as_external_data=True,
-              location="ext.onnx_data", size_threshold=0)
-    _wire.inline_external_data(tmp_path / "ext.onnx", tmp_path / "ext.onnx_data",
-                               tmp_path / "one.onnx")
+    onnx.save(
+        model,
+        os.fspath(tmp_path / "ext.onnx"),
+        save_as_external_data=True,
+        location="ext.onnx_data",
+        size_threshold=0,
+    )
+    _wire.inline_external_data(
+        tmp_path / "ext.onnx", tmp_path / "ext.onnx_data", tmp_path / "one.onnx"
+    )
     restored = onnx.load(os.fspath(tmp_path / "one.onnx"), load_external_data=False)
     assert all(t.data_location != onnx.TensorProto.EXTERNAL for t in restored.graph.initializer)
     for tensor in restored.graph.initializer:

@@ -58,8 +58,10 @@ def q(name: str) -> str:
 def layer_weight(layer: int, kind: str) -> str:
     """Names like optimum's: ``model.decoder.layers.0.self_attn.k_proj.weight``."""
     attn, proj = {
-        "k": ("self_attn", "k_proj"), "v": ("self_attn", "v_proj"),
-        "ek": ("encoder_attn", "k_proj"), "ev": ("encoder_attn", "v_proj"),
+        "k": ("self_attn", "k_proj"),
+        "v": ("self_attn", "v_proj"),
+        "ek": ("encoder_attn", "k_proj"),
+        "ev": ("encoder_attn", "v_proj"),
     }[kind]
     return f"model.decoder.layers.{layer}.{attn}.{proj}.weight"
 
@@ -97,9 +99,7 @@ def _header(opset: int, ir_version: int) -> str:
     return f'<ir_version: {ir_version}, opset_import: ["" : {opset}]>'
 
 
-def _finish(
-    text: str, weights: dict[str, np.ndarray], node_prefix: str
-) -> onnx.ModelProto:
+def _finish(text: str, weights: dict[str, np.ndarray], node_prefix: str) -> onnx.ModelProto:
     """Parse, attach the initializers the graph reads, and name nodes as torch's exporter does."""
     model = onnx.parser.parse_model(text)
     read = {name for node in model.graph.node for name in node.input}
@@ -136,10 +136,12 @@ def _kv(source: str, weight: str, out: str, p: str) -> str:
 
 def _decoder_body(*, past: bool, presents: bool, head: str, p: str) -> str:
     """Nodes of a decoder; every value it computes is named with prefix ``p``."""
-    lines = [f"""
+    lines = [
+        f"""
   {q(p + "x")} = Gather({q(EMBEDDING)}, input_ids)
   {q(p + "mask_float")} = Cast<to = 1>(encoder_attention_mask)
-  {q(p + "mask_3d")} = Unsqueeze({q(p + "mask_float")}, {LAST_AXIS})"""]
+  {q(p + "mask_3d")} = Unsqueeze({q(p + "mask_float")}, {LAST_AXIS})"""
+    ]
     for layer in range(LAYERS):
         for kind in ("key", "value"):
             weight = layer_weight(layer, kind[0])
@@ -158,8 +160,9 @@ def _decoder_body(*, past: bool, presents: bool, head: str, p: str) -> str:
             if not past:
                 enc = f"present.{layer}.encoder.{kind}"
                 target = enc if presents else f"cross.{layer}.{kind}"
-                lines.append(_kv("encoder_hidden_states", layer_weight(layer, "e" + kind[0]),
-                                 target, p))
+                lines.append(
+                    _kv("encoder_hidden_states", layer_weight(layer, "e" + kind[0]), target, p)
+                )
     # Context from the encoder side: the hidden states, or the cached cross-attention values.
     if past:
         lines.append(f"""
@@ -214,8 +217,9 @@ def _past_inputs() -> list[str]:
     inputs = []
     for layer in range(LAYERS):
         for part in ("decoder", "encoder"):
-            length = ("past_decoder_sequence_length" if part == "decoder"
-                      else "encoder_sequence_length")
+            length = (
+                "past_decoder_sequence_length" if part == "decoder" else "encoder_sequence_length"
+            )
             for kind in ("key", "value"):
                 inputs.append(_cache_type(layer, part, kind, "past_key_values", length))
     return inputs
@@ -225,8 +229,9 @@ def _logits_type() -> str:
     return f"float[batch, decoder_sequence_length, {VOCAB}] logits"
 
 
-def decoder_text(*, presents: bool = True, head: str = "copy", opset: int = OPSET,
-                 ir_version: int = IR_VERSION) -> str:
+def decoder_text(
+    *, presents: bool = True, head: str = "copy", opset: int = OPSET, ir_version: int = IR_VERSION
+) -> str:
     inputs = [
         "int64[batch, encoder_sequence_length] encoder_attention_mask",
         "int64[batch, decoder_sequence_length] input_ids",
@@ -234,12 +239,15 @@ def decoder_text(*, presents: bool = True, head: str = "copy", opset: int = OPSE
     ]
     outputs = [_logits_type()] + (_present_outputs(True) if presents else [])
     body = _decoder_body(past=False, presents=presents, head=head, p="")
-    return (f"{_header(opset, ir_version)}\ndecoder ({', '.join(inputs)})\n"
-            f"    => ({', '.join(outputs)}) {{{body}\n}}\n")
+    return (
+        f"{_header(opset, ir_version)}\ndecoder ({', '.join(inputs)})\n"
+        f"    => ({', '.join(outputs)}) {{{body}\n}}\n"
+    )
 
 
-def decoder_with_past_text(*, head: str = "copy", opset: int = OPSET,
-                           ir_version: int = IR_VERSION) -> str:
+def decoder_with_past_text(
+    *, head: str = "copy", opset: int = OPSET, ir_version: int = IR_VERSION
+) -> str:
     inputs = [
         "int64[batch, encoder_sequence_length] encoder_attention_mask",
         "int64[batch, 1] input_ids",
@@ -247,26 +255,35 @@ def decoder_with_past_text(*, head: str = "copy", opset: int = OPSET,
     ]
     outputs = [_logits_type()] + _present_outputs(False)
     body = _decoder_body(past=True, presents=True, head=head, p="")
-    return (f"{_header(opset, ir_version)}\ndecoder_with_past ({', '.join(inputs)})\n"
-            f"    => ({', '.join(outputs)}) {{{body}\n}}\n")
+    return (
+        f"{_header(opset, ir_version)}\ndecoder_with_past ({', '.join(inputs)})\n"
+        f"    => ({', '.join(outputs)}) {{{body}\n}}\n"
+    )
 
 
 def make_encoder(weights: dict[str, np.ndarray], **kw) -> onnx.ModelProto:
     return _finish(encoder_text(**kw), weights, "/model/encoder")
 
 
-def make_decoder(weights: dict[str, np.ndarray], *, presents: bool = True, head: str = "copy",
-                 **kw) -> onnx.ModelProto:
+def make_decoder(
+    weights: dict[str, np.ndarray], *, presents: bool = True, head: str = "copy", **kw
+) -> onnx.ModelProto:
     return _finish(decoder_text(presents=presents, head=head, **kw), weights, "/model/decoder")
 
 
-def make_decoder_with_past(weights: dict[str, np.ndarray], *, head: str = "copy",
-                           **kw) -> onnx.ModelProto:
+def make_decoder_with_past(
+    weights: dict[str, np.ndarray], *, head: str = "copy", **kw
+) -> onnx.ModelProto:
     return _finish(decoder_with_past_text(head=head, **kw), weights, "/model/decoder")
 
 
-def make_merged_decoder(weights: dict[str, np.ndarray], *, head: str = "copy",
-                        opset: int = OPSET, ir_version: int = IR_VERSION) -> onnx.ModelProto:
+def make_merged_decoder(
+    weights: dict[str, np.ndarray],
+    *,
+    head: str = "copy",
+    opset: int = OPSET,
+    ir_version: int = IR_VERSION,
+) -> onnx.ModelProto:
     """A decoder_model_merged.onnx as optimum writes it: one ``If`` on ``use_cache_branch``.
 
     ``then_branch`` is the decoder with past, ``else_branch`` the decoder without; the initializers
@@ -276,8 +293,12 @@ def make_merged_decoder(weights: dict[str, np.ndarray], *, head: str = "copy",
     no_past = make_decoder(weights, head=head, opset=opset, ir_version=ir_version)
     with_past = make_decoder_with_past(weights, head=head, opset=opset, ir_version=ir_version)
 
-    def branch(model: onnx.ModelProto, name: str, outputs: list[onnx.ValueInfoProto],
-               extra: Iterable[onnx.NodeProto] = ()) -> onnx.GraphProto:
+    def branch(
+        model: onnx.ModelProto,
+        name: str,
+        outputs: list[onnx.ValueInfoProto],
+        extra: Iterable[onnx.NodeProto] = (),
+    ) -> onnx.GraphProto:
         prefix = "branch/"
         renamed = {o.name: prefix + o.name for o in model.graph.output}
         nodes = []
@@ -303,15 +324,24 @@ def make_merged_decoder(weights: dict[str, np.ndarray], *, head: str = "copy",
             empty = onnx.numpy_helper.from_array(
                 np.zeros((0, HEADS, 0, HEAD_DIM), dtype=np.float32), "empty"
             )
-            empties.append(onnx.helper.make_node(
-                "Constant", [], ["branch/" + output.name], value=empty,
-                name=f"/empty/{output.name}",
-            ))
+            empties.append(
+                onnx.helper.make_node(
+                    "Constant",
+                    [],
+                    ["branch/" + output.name],
+                    value=empty,
+                    name=f"/empty/{output.name}",
+                )
+            )
     then_branch = branch(with_past, "with_past", outputs, empties)
     else_branch = branch(no_past, "no_past", outputs)
     if_node = onnx.helper.make_node(
-        "If", ["use_cache_branch"], [o.name for o in outputs], name="optimum::if",
-        then_branch=then_branch, else_branch=else_branch,
+        "If",
+        ["use_cache_branch"],
+        [o.name for o in outputs],
+        name="optimum::if",
+        then_branch=then_branch,
+        else_branch=else_branch,
     )
     inputs = [i for i in no_past.graph.input]
     inputs += [i for i in with_past.graph.input if i.name.startswith("past_key_values.")]
@@ -347,8 +377,14 @@ def save(model: onnx.ModelProto, path: Path, *, external_data: bool = False) -> 
     """Save as optimum does: with external data, tensors of 1 KiB or more go to ``<name>_data``."""
     path = Path(path)
     if external_data:
-        onnx.save(model, os.fspath(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                  location=path.name + "_data", size_threshold=1024)
+        onnx.save(
+            model,
+            os.fspath(path),
+            save_as_external_data=True,
+            all_tensors_to_one_file=True,
+            location=path.name + "_data",
+            size_threshold=1024,
+        )
     else:
         onnx.save(model, os.fspath(path))
     return path
@@ -411,10 +447,17 @@ def write_export(
     for file, model in models.items():
         save(model, folder / names.get(file, file), external_data=external_data)
     if config:
-        (folder / "config.json").write_text(json.dumps(
-            {"model_type": "fake", "d_model": D_MODEL, "vocab_size": VOCAB,
-             "decoder_layers": LAYERS, "decoder_start_token_id": 2}
-        ))
+        (folder / "config.json").write_text(
+            json.dumps(
+                {
+                    "model_type": "fake",
+                    "d_model": D_MODEL,
+                    "vocab_size": VOCAB,
+                    "decoder_layers": LAYERS,
+                    "decoder_start_token_id": 2,
+                }
+            )
+        )
         (folder / "generation_config.json").write_text(json.dumps({"max_length": 8}))
     return folder
 
@@ -424,13 +467,14 @@ def write_export(
 
 def session(path_or_bytes, *, optimize: bool = False):
     """An onnxruntime CPU session, graph optimisations off unless asked."""
-    from onnxmerge.sessions import open_session, session_options
+    from onnxmerge.runtime.ort import open_session, session_options
 
     return open_session(path_or_bytes, session_options(optimize=optimize))
 
 
-def sample_inputs(seed: int = 1, *, batch: int = 2, encoder_length: int = 5, past_length: int = 3
-                  ) -> dict[str, np.ndarray]:
+def sample_inputs(
+    seed: int = 1, *, batch: int = 2, encoder_length: int = 5, past_length: int = 3
+) -> dict[str, np.ndarray]:
     """Encoder ids and mask (one padded row), a decoder prefix, a cache, the next token."""
     rng = np.random.default_rng(seed)
     input_ids = rng.integers(3, VOCAB, size=(batch, encoder_length), dtype=np.int64)
@@ -452,43 +496,62 @@ def sample_inputs(seed: int = 1, *, batch: int = 2, encoder_length: int = 5, pas
 
 
 def past_names() -> list[str]:
-    return [f"past_key_values.{layer}.{part}.{kind}" for layer in range(LAYERS)
-            for part in ("decoder", "encoder") for kind in ("key", "value")]
+    return [
+        f"past_key_values.{layer}.{part}.{kind}"
+        for layer in range(LAYERS)
+        for part in ("decoder", "encoder")
+        for kind in ("key", "value")
+    ]
 
 
-def run_sources(folder: Path, inputs: dict[str, np.ndarray], *, files: dict[str, str] | None = None
-                ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None]:
+def run_sources(
+    folder: Path, inputs: dict[str, np.ndarray], *, files: dict[str, str] | None = None
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None]:
     """Run encoder + decoder (first step) and decoder with past (cached step) from the folder.
 
     Returns the outputs of each step by name; the cached step is None without that file.
     """
-    files = {ENCODER: ENCODER, DECODER: DECODER, DECODER_WITH_PAST: DECODER_WITH_PAST,
-             **(files or {})}
+    files = {
+        ENCODER: ENCODER,
+        DECODER: DECODER,
+        DECODER_WITH_PAST: DECODER_WITH_PAST,
+        **(files or {}),
+    }
     folder = Path(folder)
     encoder = session(folder / files[ENCODER])
-    hidden = encoder.run(None, {"input_ids": inputs["input_ids"],
-                                "attention_mask": inputs["attention_mask"]})[0]
+    hidden = encoder.run(
+        None, {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"]}
+    )[0]
     decoder = session(folder / files[DECODER])
-    first = dict(zip(
-        [o.name for o in decoder.get_outputs()],
-        decoder.run(None, {"encoder_attention_mask": inputs["attention_mask"],
-                           "input_ids": inputs["decoder_input_ids"],
-                           "encoder_hidden_states": hidden}),
-        strict=True,
-    ))
+    first = dict(
+        zip(
+            [o.name for o in decoder.get_outputs()],
+            decoder.run(
+                None,
+                {
+                    "encoder_attention_mask": inputs["attention_mask"],
+                    "input_ids": inputs["decoder_input_ids"],
+                    "encoder_hidden_states": hidden,
+                },
+            ),
+            strict=True,
+        )
+    )
     with_past_path = folder / files[DECODER_WITH_PAST]
     if not with_past_path.exists():
         return first, None
     with_past = session(with_past_path)
     feed = {"encoder_attention_mask": inputs["attention_mask"], "input_ids": inputs["next_token"]}
     feed.update({name: inputs[name] for name in past_names()})
-    cached = dict(zip([o.name for o in with_past.get_outputs()], with_past.run(None, feed),
-                      strict=True))
+    cached = dict(
+        zip([o.name for o in with_past.get_outputs()], with_past.run(None, feed), strict=True)
+    )
     return first, cached
 
 
-def run_merged(path_or_bytes, inputs: dict[str, np.ndarray], *, use_cache: bool,
-               optimize: bool = False) -> dict[str, np.ndarray]:
+def run_merged(
+    path_or_bytes, inputs: dict[str, np.ndarray], *, use_cache: bool, optimize: bool = False
+) -> dict[str, np.ndarray]:
     """Run a merged model's first step (``use_cache=False``) or cached step."""
     merged = session(path_or_bytes, optimize=optimize)
     names = {i.name for i in merged.get_inputs()}
@@ -525,7 +588,8 @@ def folder_digest(folder: Path) -> dict[str, str]:
     folder = Path(folder)
     return {
         os.fspath(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(folder.rglob("*")) if p.is_file()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
     }
 
 
@@ -569,8 +633,8 @@ def export_parts(*, with_past_seed: int | None = None) -> tuple[list, dict]:
     """
     import onnx_ir as ir
 
-    from onnxmerge.roles import Role
-    from onnxmerge.splice import parts_of_file
+    from onnxmerge.merge.parts import parts_of_file
+    from onnxmerge.merge.roles import Role
 
     weights = make_weights()
     past_weights = make_weights(with_past_seed) if with_past_seed is not None else weights

@@ -12,7 +12,7 @@ import logging
 import multiprocessing
 import os
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
@@ -72,7 +72,7 @@ def _drain(
     out_dir: Path,
     options: Options,
     task: Task,
-) -> Iterator[ModelResult]:
+) -> Generator[ModelResult, None, list[Job]]:
     """Run ``source`` empty on one pool; return the jobs in flight if the pool broke."""
     in_flight: dict[Future, Job] = {}
     pool = ProcessPoolExecutor(max_workers=width, mp_context=multiprocessing.get_context("spawn"))

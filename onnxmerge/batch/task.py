@@ -200,7 +200,8 @@ def _timed(seconds: dict[str, float], stage: str) -> Iterator[None]:
 
 
 def _convert(job: Job, staging: Path, options: Options, seconds: dict[str, float]) -> dict:
-    from onnxmerge.merge import find_checkpoint, merge_seq2seq_with_report
+    from onnxmerge.merge import merge_seq2seq_with_report
+    from onnxmerge.merge.load import find_checkpoint
     from onnxmerge.verify import verify
 
     check_features(options)

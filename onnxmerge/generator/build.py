@@ -21,7 +21,7 @@ import numpy as np
 import onnx_ir as ir
 import onnx_ir.passes.common
 
-from onnxmerge import contract, model_io
+from onnxmerge import check, contract, model_io
 from onnxmerge.errors import (
     GenerationError,
     InvalidMergedModelError,
@@ -31,12 +31,13 @@ from onnxmerge.errors import (
 from onnxmerge.generator import audio as audio_front
 from onnxmerge.generator import processors, search
 from onnxmerge.generator.ops import Names, Ops, typed_input
+from onnxmerge.passes.base import name_of
 from onnxmerge.settings import GenerationSettings, resolve_settings
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_OUTPUT_NAME = "generator.onnx"
-MAX_NEW_TOKENS = "max_new_tokens"
+MAX_NEW_TOKENS = contract.MAX_NEW_TOKENS
 SEQUENCES = "sequences"
 SEQUENCES_SCORES = "sequences_scores"
 META_GENERATOR = contract.META_GENERATOR
@@ -126,9 +127,12 @@ def _build_from_merged(
     if output.exists() and output.resolve() == merged.resolve():
         raise RefusedOutputError(f"the output {output} is the input; choose another output path")
     model, data_files = model_io.load_model(merged)
+    tolerated = check.unknown_operators([model])
     graph = model.graph
     info = contract.read_contract(
-        dict(model.metadata_props), [v.name for v in graph.inputs], [v.name for v in graph.outputs]
+        dict(model.metadata_props),
+        [name_of(v) for v in graph.inputs],
+        [name_of(v) for v in graph.outputs],
     )
     if not info.has_past:
         raise InvalidMergedModelError(
@@ -175,7 +179,9 @@ def _build_from_merged(
     model_io.save_model_atomically(
         model,
         output,
-        validate=lambda p: contract.check_written_model(p, "generator model"),
+        validate=lambda p: check.check_written_model(
+            p, what="generator model", tolerated=tolerated, sources=[merged]
+        ),
         protected=frozenset({merged.resolve(), *data_files}),
     )
     logger.info("wrote the %s generator %s from %s", search_kind, output, merged)
@@ -303,7 +309,7 @@ def _assemble(
 ) -> None:
     graph = model.graph
     branches = _take_branches(graph)
-    inputs = {v.name: v for v in graph.inputs}
+    inputs = {name_of(v): v for v in graph.inputs}
     vocab = _vocab_size(info, branches.first_out[contract.LOGITS])
     names = Names()
     opset = model.opset_imports.get("", 18)
@@ -352,9 +358,7 @@ def _assemble_one_decoder(
     outputs = {v.name: v for v in graph.outputs}
     graph.outputs.clear()
     # What the first part reads from the main graph (a weight's Cast, say) stays before the Loop.
-    before = _producers_of(
-        [v for n in (if_node, *first_nodes) for v in _outer_reads(n)], graph
-    )
+    before = _producers_of([v for n in (if_node, *first_nodes) for v in _outer_reads(n)], graph)
     # So does what reads only stored tensors (an int4 weight's DequantizeLinear): computed once
     # per run, and onnxruntime's 4-bit fusion fails on weights read from inside a Loop.
     constant: set[ir.Value] = set(graph.initializers.values())
@@ -542,7 +546,7 @@ def _take_branches(graph: ir.Graph) -> _Branches:
     if_node = _use_cache_if(graph)
     cached_graph = if_node.attributes["then_branch"].value
     first_graph = if_node.attributes["else_branch"].value
-    out_names = [v.name for v in if_node.outputs]
+    out_names = [name_of(v) for v in if_node.outputs]
     branches = _Branches(
         first_nodes=list(first_graph),
         cached_nodes=list(cached_graph),

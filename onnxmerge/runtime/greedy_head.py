@@ -1,7 +1,7 @@
 """Exact greedy tokens from a session-cache entry's int8 head and the float rows of a few tokens.
 
 A cached step run with ``FLAG`` set returns int8 logits (the embedding's rows quantized to int8,
-see ``onnxmerge/greedy_head.py``) and the head's input ``HIDDEN``. For each token the tables
+see ``runtime/greedy_source.py``) and the head's input ``HIDDEN``. For each token the tables
 bound how far its int8 logit can be from the float one: the rows' quantization error, the
 input's (quantized per tensor to uint8, off by at most half a step) and the rounding of both
 products. After the logits processors, which map each score through a non-decreasing
@@ -132,8 +132,9 @@ class LogitBounds:
         vocab = head.weight.shape[0]
         exact = np.full(self.approximate.shape, -np.inf, dtype=np.float32)
         for row, (hidden, floor) in enumerate(zip(self.hidden, best_lower, strict=True)):
-            tokens = np.flatnonzero(upper[row] >= floor) if np.isfinite(floor) else None
-            if tokens is None or tokens.size > _MOST * vocab:
+            found = np.flatnonzero(upper[row] >= floor) if np.isfinite(floor) else None
+            tokens: np.ndarray | slice = found if found is not None else slice(None)
+            if found is not None and found.size > _MOST * vocab:
                 tokens = slice(None)  # every row, read in place rather than gathered
             logits = head.weight[tokens] @ hidden
             if head.bias is not None:

@@ -15,50 +15,71 @@ from onnxmerge.errors import GenerationError
 from onnxmerge.runtime import corpus
 from onnxmerge.runtime.greedy_head import GreedyHead, LogitBounds
 from onnxmerge.runtime.processors import build_processors
-from onnxmerge.runtime.search import beam_search, greedy_or_sample
+from onnxmerge.runtime.search import GreedyRunner, beam_search, greedy_or_sample
 from onnxmerge.runtime.session import Cache, MergedSession, StepOutput
 from onnxmerge.settings import GENERATE_KEYWORDS, SCHEMA, GenerationSettings, resolve_settings
 
 logger = logging.getLogger(__name__)
 
 
-class _Runner:
-    """Adapts a session and its cache to the search loops' runner interface."""
+class _Steps:
+    """A session and its cache, stepped by the search loops through the runners below."""
 
-    def __init__(
-        self,
-        session: MergedSession,
-        encoder_inputs: dict,
-        prompt: np.ndarray,
-        greedy_head: GreedyHead | None = None,
-    ):
+    def __init__(self, session: MergedSession, encoder_inputs: dict, prompt: np.ndarray):
         self.session = session
         self.encoder_inputs = encoder_inputs
         self.prompt = prompt
-        self.greedy_head = greedy_head
-        self.cache: Cache | None = None
+        self._cache: Cache | None = None
+
+    @property
+    def cache(self) -> Cache:
+        if self._cache is None:
+            raise RuntimeError("the runner has not started")  # the search loops start first
+        return self._cache
 
     def start(self) -> np.ndarray:
         out = self.session.first_step(self.encoder_inputs, self.prompt)
-        self.cache = out.cache
+        self._cache = out.cache
         return out.logits[:, -1, :]
 
-    def advance(self, tokens: np.ndarray) -> np.ndarray | LogitBounds:
+    def _next(self, tokens: np.ndarray, *, greedy: bool) -> StepOutput:
         ids = np.ascontiguousarray(tokens, dtype=np.int64).reshape(-1, 1)
-        out = self.session.next_step(ids, self.cache, greedy=self.greedy_head is not None)
-        self.cache = out.cache
-        if out.hidden is not None:
-            return self.greedy_head.bounds(out.logits[:, -1, :], out.hidden)
-        return out.logits[:, -1, :]
+        out = self.session.next_step(ids, self.cache, greedy=greedy)
+        self._cache = out.cache
+        return out
 
     def expand(self, n: int) -> None:
         if n > 1:
-            self.cache = self.cache.expand(n)
+            self._cache = self.cache.expand(n)
 
     def reorder(self, rows: np.ndarray, *, within_batch: bool = False) -> None:
         if np.array_equal(rows, np.arange(len(rows))):
             return
-        self.cache = self.cache.reorder(rows, encoder=not within_batch)
+        self._cache = self.cache.reorder(rows, encoder=not within_batch)
+
+
+class _Runner(_Steps):
+    """The search loops' ``StepRunner``: every step returns the next-token logits."""
+
+    def advance(self, tokens: np.ndarray) -> np.ndarray:
+        return self._next(tokens, greedy=False).logits[:, -1, :]
+
+
+class _GreedyHeadRunner(_Steps):
+    """A runner for greedy search whose cached steps return the greedy head's bounds
+    (``GreedyRunner``): full logits only where the session gave no hidden state."""
+
+    def __init__(
+        self, session: MergedSession, encoder_inputs: dict, prompt: np.ndarray, head: GreedyHead
+    ):
+        super().__init__(session, encoder_inputs, prompt)
+        self.head = head
+
+    def advance(self, tokens: np.ndarray) -> np.ndarray | LogitBounds:
+        out = self._next(tokens, greedy=True)
+        if out.hidden is not None:
+            return self.head.bounds(out.logits[:, -1, :], out.hidden)
+        return out.logits[:, -1, :]
 
 
 class Seq2SeqModel:
@@ -332,7 +353,11 @@ class Seq2SeqModel:
                 if not settings.do_sample and processors.keeps_bounds
                 else None
             )
-            runner = _Runner(self._session, inputs, prompt, greedy_head)
+            runner: GreedyRunner = (
+                _GreedyHeadRunner(self._session, inputs, prompt, greedy_head)
+                if greedy_head is not None
+                else _Runner(self._session, inputs, prompt)
+            )
             return greedy_or_sample(runner, prompt, settings, processors, rng)
         runner = _Runner(self._session, inputs, prompt)
         return beam_search(runner, prompt, settings, processors, rng)
@@ -526,7 +551,7 @@ def _generate_signature() -> inspect.Signature:
     )
 
 
-Seq2SeqModel.generate.__signature__ = _generate_signature()
+Seq2SeqModel.generate.__signature__ = _generate_signature()  # type: ignore[attr-defined]
 
 
 def _cast(name: str, value: np.ndarray, dtype: type, rank: int) -> np.ndarray:

@@ -20,7 +20,15 @@ from onnxmerge.settings import GenerationSettings
 _NEG = np.float32(-1.0e9)
 
 
+class TokenPicker(Protocol):
+    """What a greedy step may return in place of its logits: it picks each row's token."""
+
+    def argmax(self, processors: ProcessorList, input_ids: np.ndarray) -> np.ndarray: ...
+
+
 class StepRunner(Protocol):
+    """The model as beam search sees it: every step returns the next-token logits."""
+
     def start(self) -> np.ndarray: ...
 
     def advance(self, tokens: np.ndarray) -> np.ndarray: ...
@@ -28,6 +36,15 @@ class StepRunner(Protocol):
     def expand(self, n: int) -> None: ...
 
     def reorder(self, rows: np.ndarray, *, within_batch: bool = False) -> None: ...
+
+
+class GreedyRunner(Protocol):
+    """The model as greedy search and sampling see it: a step after the first may return a
+    ``TokenPicker`` (bounds from a greedy head) in place of its logits."""
+
+    def start(self) -> np.ndarray: ...
+
+    def advance(self, tokens: np.ndarray) -> np.ndarray | TokenPicker: ...
 
 
 def _finished_by_eos(tokens: np.ndarray, eos: np.ndarray | None) -> np.ndarray:
@@ -46,7 +63,7 @@ def sample_tokens(probs: np.ndarray, rng: np.random.Generator) -> np.ndarray:
 
 
 def greedy_or_sample(
-    runner: StepRunner,
+    runner: GreedyRunner,
     prompt: np.ndarray,
     settings: GenerationSettings,
     processors: ProcessorList,
@@ -59,18 +76,18 @@ def greedy_or_sample(
     sequences = np.empty((rows, settings.max_length), dtype=np.int64)
     sequences[:, :cur_len] = prompt
     unfinished = np.ones(rows, dtype=bool)
-    logits = runner.start()
+    logits: np.ndarray | TokenPicker = runner.start()
     while True:
-        if not isinstance(logits, np.ndarray):  # bounds from a greedy head: greedy search only
+        if not isinstance(logits, np.ndarray):  # a greedy head's bounds: greedy search only
             tokens = logits.argmax(processors, sequences[:, :cur_len])
         else:
             scores = processors(sequences[:, :cur_len], np.array(logits, dtype=np.float32))
             if settings.do_sample:
-                tokens = sample_tokens(softmax(scores), rng)
+                tokens = sample_tokens(softmax(scores), rng or np.random.default_rng())
             else:
                 tokens = np.argmax(scores, axis=1)
-        if eos is not None:
-            tokens = np.where(unfinished, tokens, pad)
+        if eos is not None:  # then resolve_settings has set pad (to eos where unset)
+            tokens = np.where(unfinished, tokens, pad if pad is not None else eos[0])
         sequences[:, cur_len] = tokens
         cur_len += 1
         unfinished &= ~_finished_by_eos(tokens, eos)
@@ -289,7 +306,7 @@ def _top_candidates(
         # Sampling without replacement by the Gumbel-top-k trick.
         with np.errstate(divide="ignore"):
             gumbel = np.log(softmax(log_probs).astype(np.float64)) - np.log(
-                -np.log(rng.random(log_probs.shape))
+                -np.log((rng or np.random.default_rng()).random(log_probs.shape))
             )
         topk_indices = _topk_indices(gumbel, cfg.beams_to_keep)
     else:

@@ -19,10 +19,10 @@ import numpy as np
 
 from onnxmerge import contract as c
 from onnxmerge.errors import GenerationError, InvalidMergedModelError, MissingDependencyError
+from onnxmerge.runtime import ort
 from onnxmerge.runtime.greedy_head import FLAG, HIDDEN, GreedyHead
 from onnxmerge.runtime.memory import release_free_heap, release_mapped_weights
 from onnxmerge.runtime.session_cache import open_with_cache
-from onnxmerge.sessions import ORT_TO_NUMPY, open_session
 
 logger = logging.getLogger(__name__)
 
@@ -129,19 +129,6 @@ def _require(backend: str) -> None:
         )
 
 
-def default_session_options() -> Any:
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    # Each step is short and shape-changing: the memory-pattern planner does not pay off.
-    options.enable_mem_pattern = False
-    # onnxruntime warns about names it cannot rewrite inside If branches while optimizing; the
-    # graph is still correct. Errors are still logged.
-    options.log_severity_level = 3
-    return options
-
-
 class MergedSession:
     """An onnxruntime session over a merged model, with the step API.
 
@@ -167,7 +154,7 @@ class MergedSession:
             raise GenerationError(
                 f"session_cache and providers are onnxruntime's; backend={backend!r} takes neither"
             )
-        options = session_options if session_options is not None else default_session_options()
+        options = session_options if session_options is not None else ort.session_options()
         try:
             if backend == "openvino":
                 from onnxmerge.runtime.openvino import OpenVinoSession
@@ -176,7 +163,8 @@ class MergedSession:
                 self.session, self.opened = OpenVinoSession(self.path, threads), self.path
                 self.wrote_cache_entry = False
             elif session_cache is None:
-                self.session, self.opened = open_session(self.path, options, providers), self.path
+                self.session = ort.open_session(self.path, options, providers)
+                self.opened = self.path
                 self.wrote_cache_entry = False
             else:
                 self.session, self.opened, self.wrote_cache_entry = open_with_cache(
@@ -193,7 +181,7 @@ class MergedSession:
             metadata, [i.name for i in inputs], [o.name for o in outputs], self.path
         )
         self.inputs = {
-            i.name: InputSpec(i.name, ORT_TO_NUMPY.get(i.type, np.float32), tuple(i.shape))
+            i.name: InputSpec(i.name, ort.ORT_TO_NUMPY.get(i.type, np.float32), tuple(i.shape))
             for i in inputs
         }
         self.output_names = [o.name for o in outputs]
@@ -273,7 +261,7 @@ class MergedSession:
 
     def placeholders(self, rows: int) -> dict[str, np.ndarray]:
         """Zero-length stand-ins for the encoder inputs a cached step does not read."""
-        result = {}
+        result: dict[str, np.ndarray] = {}
         for name in self.encoder_input_names:
             if name == c.ATTENTION_MASK:
                 continue

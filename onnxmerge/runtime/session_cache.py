@@ -12,7 +12,7 @@ the name, so a changed file gets a new entry, which replaces the old one. An ent
 load is rebuilt; a cache that cannot be used leaves the model opening as without one.
 
 Where a float32 model's head is tied, the graph saved is that of the model with a greedy head
-(``onnxmerge/greedy_head.py``), and the entry holds the tables that go with it.
+(``onnxmerge/runtime/greedy_source.py``), and the entry holds the tables that go with it.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from onnxmerge.sessions import open_session, processor
+from onnxmerge.runtime.ort import open_session, processor
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +75,8 @@ def open_with_cache(
             shutil.rmtree(entry)  # broken, or left half-deleted: it would block the new entry
     except OSError as error:
         return _without_cache(model, options, providers, error)
-    why: Exception | None = None
+    # Every way out of the loop below sets it; the first value only keeps the type honest.
+    why: Exception = RuntimeError("no cache entry was tried")
     for greedy in (True, False):  # a graph with a greedy head that fails: once more without
         try:
             building = Path(tempfile.mkdtemp(prefix=".building-", dir=_made(entry.parent)))
@@ -104,10 +105,12 @@ def open_with_cache(
 
 
 def _greedy_source(model: Path, building: Path) -> Any:
-    """The model with a greedy head (``onnxmerge/greedy_head.py``), written in ``building``;
+    """The model with a greedy head (``runtime/greedy_source.py``), written in ``building``;
     None where its head does not allow one or it cannot be written."""
     try:
-        from onnxmerge.greedy_head import write_greedy_source  # onnx-ir: only when writing
+        from onnxmerge.runtime.greedy_source import (
+            write_greedy_source,  # onnx-ir: only when writing
+        )
 
         return write_greedy_source(model, building / _SOURCE)
     except Exception as error:  # the entry is still worth having without it

@@ -9,16 +9,19 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from onnxmerge.errors import GenerationError
+from onnxmerge.errors import GenerationError, MissingDependencyError
 
 
 class Generates(Protocol):
     """What text generation needs of a model (``Seq2SeqModel`` has it)."""
 
-    path: Path
-    encoder_input_names: Sequence[str]
+    @property
+    def path(self) -> Path: ...
 
-    def generate(self, inputs: dict[str, np.ndarray], **kwargs: Any) -> np.ndarray: ...
+    @property
+    def encoder_input_names(self) -> Sequence[str]: ...
+
+    def generate(self, inputs: dict[str, np.ndarray], /, **kwargs: Any) -> np.ndarray: ...
 
     def generate_many(self, inputs: Iterable[Any], **kwargs: Any) -> Iterator[np.ndarray]: ...
 
@@ -60,8 +63,8 @@ class TextGenerator:
         try:
             from transformers import AutoTokenizer
         except ImportError as error:
-            raise ImportError(
-                "text in, text out needs transformers and tokenizers: "
+            raise MissingDependencyError(
+                f"text in, text out needs transformers and tokenizers ({error}): "
                 "pip install 'onnxmerge[text]', or tokenize yourself and call generate()"
             ) from error
         folder = Path(folder)

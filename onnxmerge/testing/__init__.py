@@ -1,4 +1,5 @@
 """Helpers shared by the test suite and the benchmarks: exported reference models, cached on disk.
 
-Needs the ``export`` extra (torch, transformers, optimum); nothing here is imported by the library.
+The zoo needs the ``export`` extra (torch, transformers, optimum); ``checks`` needs only onnx-ir.
+Nothing here is imported by the library.
 """

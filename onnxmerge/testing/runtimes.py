@@ -62,7 +62,7 @@ NO_LOOP = "does not load: its ONNX front end has no `Loop`"
 TRACT_IF_SYMBOLS = (
     "loads (format 3), but the first step fails: its `If` runs the encoder branch without the "
     "sizes bound to the outer graph's symbols (\"Undetermined symbol in expression: "
-    "encoder_sequence_length\")"
+    'encoder_sequence_length")'
 )
 SUPPORT: dict[str, dict[str, str]] = {
     "onnxruntime": dict.fromkeys(FILE_KINDS, RUNS),

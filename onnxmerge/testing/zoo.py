@@ -203,13 +203,19 @@ def build_config(arch: str) -> Any:
         return tf.T5Config(**_t5_common(), tie_word_embeddings=False, initializer_factor=1.0)
     if arch == "mt5":
         return tf.MT5Config(
-            **_t5_common(), feed_forward_proj="gated-gelu", tie_word_embeddings=False,
+            **_t5_common(),
+            feed_forward_proj="gated-gelu",
+            tie_word_embeddings=False,
             initializer_factor=1.0,
         )
     if arch == "longt5":
         return tf.LongT5Config(
-            **_t5_common(), local_radius=4, global_block_size=4, encoder_attention_type="local",
-            tie_word_embeddings=True, initializer_factor=1.0,
+            **_t5_common(),
+            local_radius=4,
+            global_block_size=4,
+            encoder_attention_type="local",
+            tie_word_embeddings=True,
+            initializer_factor=1.0,
         )
     if arch == "whisper":
         return tf.WhisperConfig(
@@ -293,7 +299,13 @@ def _model_class(arch: str) -> Any:
 
 
 _VERSIONED = (
-    "torch", "transformers", "optimum", "optimum-onnx", "onnx", "onnxruntime", "accelerate"
+    "torch",
+    "transformers",
+    "optimum",
+    "optimum-onnx",
+    "onnx",
+    "onnxruntime",
+    "accelerate",
 )
 
 

@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from onnxmerge import dedup, splice
-from onnxmerge.roles import Role
+from onnxmerge.merge.parts import Part
+from onnxmerge.merge.roles import Role
+from onnxmerge.passes import dedup
+from onnxmerge.passes.base import tensor_of
 
 # A decoder with past from the same checkpoint shares nearly all of its weights with the decoder.
 MIN_SHARED_FRACTION = 0.5
 
 
-def origins(parts: list[splice.Part]) -> dict[int, tuple[Role, ir.Value]]:
+def origins(parts: list[Part]) -> dict[int, tuple[Role, ir.Value]]:
     """Which part brought each initializer (keyed by identity: names change during the splice)."""
     found: dict[int, tuple[Role, ir.Value]] = {}
     for part in parts:
@@ -25,7 +27,7 @@ def origins(parts: list[splice.Part]) -> dict[int, tuple[Role, ir.Value]]:
 
 
 def checkpoint_problems(
-    parts: list[splice.Part],
+    parts: list[Part],
     origin: dict[int, tuple[Role, ir.Value]],
     shared: list[dedup.SharedTensor],
     config: dict | None = None,
@@ -50,7 +52,7 @@ def checkpoint_problems(
 
     merged_decoder = sources.get(Role.DECODER) == sources.get(Role.DECODER_WITH_PAST)
     if Role.DECODER_WITH_PAST in sources and not merged_decoder:
-        total = sum(v.const_value.nbytes for v in large(Role.DECODER_WITH_PAST))
+        total = sum(tensor_of(v).nbytes for v in large(Role.DECODER_WITH_PAST))
         matched = sum(
             s.nbytes
             for s in shared
@@ -72,9 +74,9 @@ def checkpoint_problems(
     )
     separate = (config or {}).get("share_encoder_decoder_embeddings") is False
     if not crossing and not separate:
-        encoder_shapes = {_key(v) for v in large(Role.ENCODER) if len(v.const_value.shape) == 2}
+        encoder_shapes = {_key(v) for v in large(Role.ENCODER) if len(tensor_of(v).shape) == 2}
         decoder_shapes = {
-            _key(v) for role in decoder_roles for v in large(role) if len(v.const_value.shape) == 2
+            _key(v) for role in decoder_roles for v in large(role) if len(tensor_of(v).shape) == 2
         }
         # An embedding-sized matrix in both, yet nothing shared: they were trained apart.
         embeddings = {k for k in encoder_shapes & decoder_shapes if max(k[1]) >= 4 * min(k[1])}
@@ -88,4 +90,5 @@ def checkpoint_problems(
 
 
 def _key(value: ir.Value) -> tuple:
-    return value.const_value.dtype, tuple(value.const_value.shape)
+    tensor = tensor_of(value)
+    return tensor.dtype, tuple(tensor.shape)

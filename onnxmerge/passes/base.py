@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TypeGuard
 
 import numpy as np
 import onnx_ir as ir
@@ -30,9 +31,31 @@ class StepResult(ir.passes.PassResult):
         return cls(model, count > 0, name, count)
 
 
+@dataclass(frozen=True)
+class NoMatch:
+    """What a search for something to rewrite returns where it finds nothing: the reason."""
+
+    reason: str
+
+    def __str__(self) -> str:
+        return self.reason
+
+
 def run(model: ir.Model, steps: Iterable[ir.passes.PassBase]) -> tuple[StepResult, ...]:
-    """Run ``steps`` in order on ``model``, in place, and return each one's result."""
-    return tuple(step(model) for step in steps)
+    """Run ``steps`` in order on ``model``, in place, and return each one's result.
+
+    Raises:
+        TypeError: a step returned a plain ``PassResult``: every pass here says what it did.
+    """
+    results = []
+    for step in steps:
+        result = step(model)
+        if not isinstance(result, StepResult):
+            raise TypeError(
+                f"{type(step).__name__} returned {type(result).__name__}, not a StepResult"
+            )
+        results.append(result)
+    return tuple(results)
 
 
 def counts(results: Iterable[StepResult]) -> dict[str, int]:
@@ -50,7 +73,7 @@ def replace_result(old: ir.Node, new_nodes: list[ir.Node], result: ir.Value) -> 
 
     A graph output keeps its name, so the graph's interface does not change.
     """
-    graph = old.graph
+    graph = graph_of(old)
     graph.insert_before(old, new_nodes)
     output = old.outputs[0]
     result.type, result.shape = output.type, output.shape
@@ -78,7 +101,28 @@ def initializer(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
     return graph.initializers[name]
 
 
-def is_op(node: ir.Node | None, op_type: str) -> bool:
+def tensor_of(value: ir.Value) -> ir.TensorProtocol:
+    """The tensor of an initializer that holds one (the passes read no other)."""
+    if value.const_value is None:
+        raise ValueError(f"{value.name} holds no tensor")
+    return value.const_value
+
+
+def name_of(value: ir.Value) -> str:
+    """The name of a value that has one: initializers and graph inputs and outputs do."""
+    if value.name is None:
+        raise ValueError(f"a value without a name: {value!r}")
+    return value.name
+
+
+def graph_of(node: ir.Node) -> ir.Graph:
+    """The graph or function body ``node`` is in; the passes visit no detached node."""
+    if node.graph is None:
+        raise ValueError(f"{node.name} is in no graph")
+    return node.graph
+
+
+def is_op(node: ir.Node | None, op_type: str) -> TypeGuard[ir.Node]:
     """Whether ``node`` is the standard (``ai.onnx``) operator ``op_type``."""
     return node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx")
 

@@ -15,9 +15,24 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
-from onnxmerge.passes import StepResult, free_name, initializer, is_op, replace_result
+from onnxmerge.passes.base import (
+    StepResult,
+    free_name,
+    graph_of,
+    initializer,
+    is_op,
+    replace_result,
+)
 
 logger = logging.getLogger(__name__)
+
+
+def _producer(value: ir.Value | None) -> ir.Node:
+    """The node computing ``value``, which the search found to be one."""
+    node = value.producer() if value is not None else None
+    if node is None:
+        raise ValueError(f"{value} has no producer")
+    return node
 
 
 def _transposed_initializer(value: ir.Value | None, main: ir.Graph) -> ir.Value | None:
@@ -69,7 +84,12 @@ def gemm_for_transposed_weights(model: ir.Model) -> int:
             continue
         weight = _transposed_initializer(node.inputs[1], main)
         hidden = node.inputs[0]
-        if weight is None or hidden is None or weight.dtype not in _EXACT_DTYPES:
+        if (
+            weight is None
+            or hidden is None
+            or weight.shape is None
+            or weight.dtype not in _EXACT_DTYPES
+        ):
             continue
         out_features, in_features = weight.shape
         # Node names need not be unique; the names of the values made here must be.
@@ -110,10 +130,11 @@ def gemm_for_transposed_weights(model: ir.Model) -> int:
         reshape_out = _node(
             "Reshape", [gemm.outputs[0], concat.outputs[0]], f"{prefix}/reshape_out", result
         )
-        transpose = node.inputs[1].producer()
+        transpose = _producer(node.inputs[1])
         replace_result(node, [reshape_in, gemm, shape, leading, concat, reshape_out], result)
-        if not transpose.outputs[0].uses() and transpose.outputs[0] not in transpose.graph.outputs:
-            transpose.graph.remove(transpose, safe=True)
+        graph = graph_of(transpose)
+        if not transpose.outputs[0].uses() and transpose.outputs[0] not in graph.outputs:
+            graph.remove(transpose, safe=True)
         rewritten += 1
     if rewritten:
         logger.debug("read %d transposed weights through Gemm(transB=1)", rewritten)

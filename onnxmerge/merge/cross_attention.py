@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from onnxmerge.passes import is_op
+from onnxmerge.passes.base import NoMatch, is_op
 
 
 @dataclass(frozen=True)
@@ -34,13 +34,6 @@ class CrossAttention:
     nodes: tuple[ir.Node, ...]
     outputs: tuple[ir.Value, ...]
     batch_reads: tuple[ir.Node, ...]
-
-
-@dataclass(frozen=True)
-class NoMatch:
-    """Why the cross-attention part cannot be taken apart from the decoder."""
-
-    reason: str
 
 
 def find_cross_attention(
@@ -92,6 +85,7 @@ def find_cross_attention(
                 f"{node.name or 'a Shape node'} reads the decoder's own shape for more than "
                 f"the batch size ({problem})"
             )
+
     def position(node: ir.Node) -> int:
         return order[node]
 
@@ -205,4 +199,4 @@ def _constant(value: ir.Value | None) -> np.ndarray | None:
     return None
 
 
-__all__ = ["CrossAttention", "NoMatch", "find_cross_attention"]
+__all__ = ["CrossAttention", "find_cross_attention"]

@@ -12,37 +12,24 @@ merges unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import onnx_ir as ir
 
-from onnxmerge.passes import StepResult, free_name
-from onnxmerge.roles import Role
-from onnxmerge.splice import Part
+from onnxmerge.passes.base import StepResult, free_name
 
-# Short, since a tag is repeated in every shape that uses the name.
-TAGS = {
-    Role.ENCODER: "encoder",
-    Role.DECODER: "decoder",
-    Role.DECODER_WITH_PAST: "with_past",
-}
+__all__ = ["DimSource", "SeparateSymbolicDims"]
 
 
-def _interior_values(part: Part) -> Iterator[ir.Value]:
-    """Values computed inside a part, in its subgraphs too; not its inputs or outputs."""
-    interface = set(part.inputs.values()) | set(part.outputs.values())
-    for node in ir.traversal.RecursiveGraphIterator(part.graph):
-        for attr in node.attributes.values():
-            subgraphs = ()
-            if attr.type == ir.AttributeType.GRAPH:
-                subgraphs = (attr.value,)
-            elif attr.type == ir.AttributeType.GRAPHS:
-                subgraphs = attr.value
-            for sub in subgraphs:
-                yield from sub.inputs
-        for value in node.outputs:
-            if value not in interface:
-                yield value
+class DimSource(NamedTuple):
+    """One source graph's values: ``interface`` (inputs and outputs, whose names mean one size in
+    every source) and ``interior`` (the rest, subgraphs included); ``tag`` prefixes its renamed
+    dims."""
+
+    tag: str
+    interface: Sequence[ir.Value]
+    interior: Sequence[ir.Value]
 
 
 def _names(value: ir.Value) -> set[str]:
@@ -54,28 +41,25 @@ def _names(value: ir.Value) -> set[str]:
 class SeparateSymbolicDims(ir.passes.InPlacePass):
     """Rename interior symbolic dims that an earlier part uses too; count the names renamed.
 
-    As with value names, the first part to use a name keeps it; later ones get their role's tag.
-    Made from the parts before the splice, while each part's nodes are still its own; run on the
-    spliced model, which holds the same values (the splice moves nodes, it does not copy values).
+    As with value names, the first source to use a name keeps it; later ones get their tag.
+    Made from the sources before the splice (``merge.parts.dim_sources``); run on the spliced
+    model, which holds the same values (the splice moves nodes, it does not copy values).
     """
 
-    def __init__(self, parts: list[Part]):
+    def __init__(self, sources: Sequence[DimSource]):
         super().__init__()
         self._interface_names = {
-            name
-            for part in parts
-            for value in (*part.inputs.values(), *part.outputs.values())
-            for name in _names(value)
+            name for source in sources for value in source.interface for name in _names(value)
         }
-        self._parts = [(part.role, list(_interior_values(part))) for part in parts]
+        self._sources = [(source.tag, list(source.interior)) for source in sources]
 
     def call(self, model: ir.Model) -> StepResult:
         taken: set[str] = set()
         renamed = 0
-        for role, values in self._parts:
+        for tag, values in self._sources:
             own = {n for v in values for n in _names(v)} - self._interface_names
             clashing = own & taken
-            new_names = {name: free_name(f"{TAGS[role]}/{name}", taken | own) for name in clashing}
+            new_names = {name: free_name(f"{tag}/{name}", taken | own) for name in clashing}
             taken |= (own - clashing) | set(new_names.values())
             renamed += len(clashing)
             for value in values:

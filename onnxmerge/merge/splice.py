@@ -9,84 +9,23 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, field
+from collections.abc import Collection
 from pathlib import Path
 
 import numpy as np
 import onnx_ir as ir
 
-from onnxmerge import __version__, contract
-from onnxmerge.cross_attention import CrossAttention
+from onnxmerge import contract
+from onnxmerge._version import __version__
 from onnxmerge.errors import ExportFolderError, IncompatibleModelsError
-from onnxmerge.roles import Role
+from onnxmerge.merge.cross_attention import CrossAttention
+from onnxmerge.merge.parts import Part
+from onnxmerge.merge.roles import Role
+from onnxmerge.passes.base import name_of
 
 logger = logging.getLogger(__name__)
 
 GRAPH_NAME = "onnxmerge"
-
-
-@dataclass
-class Part:
-    """The nodes of one role, with the interface they had in their source file."""
-
-    role: Role
-    source: Path
-    graph: ir.Graph
-    inputs: dict[str, ir.Value]
-    outputs: dict[str, ir.Value]
-    # Initializers this part brings; parts taken from one merged decoder share theirs.
-    initializers: list[ir.Value] = field(default_factory=list)
-
-
-def parts_of_file(model: ir.Model, role: Role, source: Path) -> list[Part]:
-    """The part(s) a loaded file contributes: one, or two for an optimum merged decoder."""
-    graph = model.graph
-    initializers = list(graph.initializers.values())
-    if role != Role.MERGED_DECODER:
-        return [
-            Part(
-                role,
-                source,
-                graph,
-                {v.name: v for v in graph.inputs},
-                {v.name: v for v in graph.outputs},
-                initializers,
-            )
-        ]
-    if_nodes = [n for n in graph if n.op_type == "If"]
-    if len(if_nodes) != 1 or len(graph) != 1:
-        raise ExportFolderError(
-            f"{source} takes use_cache_branch but is not one If node over two decoders "
-            f"({len(graph)} top-level nodes); re-export it with optimum, or remove it and keep "
-            "decoder_model.onnx and decoder_with_past_model.onnx"
-        )
-    node = if_nodes[0]
-    inputs = {v.name: v for v in graph.inputs}
-    past_inputs = {v for name, v in inputs.items() if contract.is_past_name(name)}
-    names = [v.name for v in node.outputs]
-    parts: list[Part] = []
-    for attr_name in ("then_branch", "else_branch"):
-        branch = node.attributes[attr_name].value
-        reads_past = any(
-            v in past_inputs for n in ir.traversal.RecursiveGraphIterator(branch) for v in n.inputs
-        )
-        part_role = Role.DECODER_WITH_PAST if reads_past else Role.DECODER
-        outputs = dict(zip(names, branch.outputs, strict=True))
-        if reads_past:
-            # Cached steps return empty encoder presents; the splice makes its own.
-            outputs = {k: v for k, v in outputs.items() if not contract.is_encoder_present(k)}
-        # Other tools may keep initializers inside the branches; they move out like the rest.
-        parts.append(
-            Part(part_role, source, branch, inputs, outputs, list(branch.initializers.values()))
-        )
-    if {p.role for p in parts} != {Role.DECODER, Role.DECODER_WITH_PAST}:
-        raise ExportFolderError(
-            f"{source}: expected one branch with past and one without, found "
-            f"{[p.role.value for p in parts]}"
-        )
-    parts.sort(key=lambda p: p.role != Role.DECODER)
-    parts[0].initializers = initializers + parts[0].initializers
-    return parts
 
 
 class _Names:
@@ -108,7 +47,7 @@ class _Names:
 def _rename_part(part: Part, values: _Names, nodes: _Names) -> None:
     prefix = part.role.value
     for value in part.initializers:
-        value.name = values.claim(value.name, prefix)
+        value.name = values.claim(name_of(value), prefix)
     for node in ir.traversal.RecursiveGraphIterator(part.graph):
         if node.name:
             node.name = nodes.claim(node.name, prefix)
@@ -132,7 +71,7 @@ def _move_initializers(parts: list[Part], main: ir.Graph) -> None:
             if owner is main:
                 continue
             if owner is not None:
-                owner.initializers.pop(value.name)
+                owner.initializers.pop(name_of(value))
             main.register_initializer(value)
 
 
@@ -144,7 +83,7 @@ def _take_nodes(part: Part) -> list[ir.Node]:
     return nodes
 
 
-def _produced_in(value: ir.Value, nodes: list[ir.Node]) -> bool:
+def _produced_in(value: ir.Value, nodes: Collection[ir.Node]) -> bool:
     producer = value.producer()
     return producer is not None and producer in nodes
 
@@ -246,7 +185,7 @@ def splice(
 
     A constructor, not a pass: it builds the model that the passes then rewrite, with the
     contract's metadata (format version, layout, encoder inputs) already set. With ``cross``,
-    the decoder without past's cross-attention part (:mod:`onnxmerge.cross_attention`), it
+    the decoder without past's cross-attention part (:mod:`onnxmerge.merge.cross_attention`), it
     writes format version 3: the decoder with past runs every step and the ``If`` only chooses
     where the cross-attention keys and values come from.
     """

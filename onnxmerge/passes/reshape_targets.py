@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import onnx
 import onnx_ir as ir
 import onnx_ir.passes.common
 
-from onnxmerge.passes import StepResult, is_op
+from onnxmerge.passes.base import NoMatch, StepResult, graph_of, is_op, name_of, tensor_of
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ class FoldReshapeTargets(ir.passes.InPlacePass):
         folded = 0
         for node in list(ir.traversal.RecursiveGraphIterator(model.graph)):
             target = folded_target(node, shapes)
-            if isinstance(target, str):
+            if isinstance(target, NoMatch):
                 if node.op_type == "Reshape":
                     logger.debug("%s: target not folded: %s", node.name, target)
                 continue
@@ -72,22 +73,23 @@ def inferred_shapes(model: ir.Model) -> dict[str, tuple[Dim, ...]]:
         for v in initializers
         if v.const_value is not None and v.const_value.nbytes > _INFERENCE_TENSOR_LIMIT
     ]
-    saved = {v.name: (v.const_value, v.shape, v.dtype) for v in large}
+    saved = {name_of(v): (v.const_value, v.shape, v.dtype) for v in large}
     try:
         for value in large:
-            value.shape = value.shape or value.const_value.shape
-            value.dtype = value.dtype or value.const_value.dtype
-            main.initializers.pop(value.name)
+            tensor = tensor_of(value)
+            value.shape = value.shape or cast(ir.Shape, tensor.shape)
+            value.dtype = value.dtype or tensor.dtype
+            main.initializers.pop(name_of(value))
             value.const_value = None
             main.inputs.append(value)
         proto = ir.serde.serialize_model(model)
     finally:
         del main.inputs[inputs_before:]
         for value in large:
-            value.const_value, value.shape, value.dtype = saved[value.name]
+            value.const_value, value.shape, value.dtype = saved[name_of(value)]
         main.initializers.clear()
         for value in initializers:
-            main.initializers[value.name] = value
+            main.initializers[name_of(value)] = value
     try:
         inferred = onnx.shape_inference.infer_shapes(proto, strict_mode=False, data_prop=True)
     except Exception as error:  # onnx raises its own error types for models it cannot infer
@@ -106,29 +108,31 @@ def inferred_shapes(model: ir.Model) -> dict[str, tuple[Dim, ...]]:
     return shapes
 
 
-def folded_target(node: ir.Node, shapes: dict[str, tuple[Dim, ...]]) -> list[int] | str:
+def folded_target(node: ir.Node, shapes: dict[str, tuple[Dim, ...]]) -> list[int] | NoMatch:
     """The constant target of a ``Reshape`` node, or why it cannot be folded."""
     if not is_op(node, "Reshape"):
-        return "not a Reshape"
+        return NoMatch("not a Reshape")
     allowzero = node.attributes.get("allowzero")
     if allowzero is not None and allowzero.value:
-        return "allowzero=1: 0 would not copy an axis"
+        return NoMatch("allowzero=1: 0 would not copy an axis")
     data, target = node.inputs[0], node.inputs[1]
     if target is None or target.const_value is not None:
-        return "the target is already constant"
+        return NoMatch("the target is already constant")
     concat = target.producer()
     if not is_op(concat, "Concat"):
-        return "the target is not a Concat"
+        return NoMatch("the target is not a Concat")
     elements: list[int | _AxisOf] = []
     for part in concat.inputs:
         read = _constant_ints(part)
-        if read is None:
-            axis = _axis_of(part)
-            if axis is None:
-                return f"{part.name} is neither constant nor one axis of a Shape"
-            read = [axis]
-        elements.extend(read)
-    data_shape = shapes.get(data.name or "")
+        if read is not None:
+            elements.extend(read)
+            continue
+        axis = _axis_of(part)
+        if axis is None:
+            name = part.name if part is not None else None
+            return NoMatch(f"{name} is neither constant nor one axis of a Shape")
+        elements.append(axis)
+    data_shape = shapes.get(data.name or "") if data is not None else None
     folded = []
     for position, element in enumerate(elements):
         if isinstance(element, int):
@@ -136,7 +140,7 @@ def folded_target(node: ir.Node, shapes: dict[str, tuple[Dim, ...]]) -> list[int
             continue
         source = shapes.get(element.value.name or "")
         if source is None or not -len(source) <= element.axis < len(source):
-            return f"the shape of {element.value.name} is not known"
+            return NoMatch(f"the shape of {element.value.name} is not known")
         size = source[element.axis]
         if isinstance(size, int) and size > 0:
             folded.append(size)
@@ -148,9 +152,11 @@ def folded_target(node: ir.Node, shapes: dict[str, tuple[Dim, ...]]) -> list[int
         ):
             folded.append(0)  # Reshape copies the axis, which inference proved the same size
         else:
-            return f"element {position} ({size}) is not proven equal to axis {position} of the data"
+            return NoMatch(
+                f"element {position} ({size}) is not proven equal to axis {position} of the data"
+            )
     if folded.count(-1) > 1:
-        return "more than one -1"
+        return NoMatch("more than one -1")
     return folded
 
 
@@ -162,13 +168,15 @@ def _replace_target(node: ir.Node, target: list[int]) -> None:
         attributes={"value": ir.tensor(np.array(target, dtype=np.int64), name=name)},
         outputs=[ir.Value(name=name)],
     )
-    node.graph.insert_before(node, constant)
+    graph_of(node).insert_before(node, constant)
     node.replace_input_with(1, constant.outputs[0])
 
 
-def _constant(value: ir.Value) -> ir.TensorProtocol | None:
+def _constant(value: ir.Value | None) -> ir.TensorProtocol | None:
     # Not ir.convenience.get_const_tensor: it renames a Constant's tensor after its output, which
     # would change the bytes of every merged file whose targets stay unfolded.
+    if value is None:
+        return None
     producer = value.producer()
     if value.const_value is None and producer is not None and producer.op_type == "Constant":
         attribute = producer.attributes.get("value")
@@ -176,31 +184,32 @@ def _constant(value: ir.Value) -> ir.TensorProtocol | None:
     return value.const_value
 
 
-def _constant_ints(value: ir.Value) -> list[int] | None:
+def _constant_ints(value: ir.Value | None) -> list[int] | None:
     tensor = _constant(value)
     if tensor is None or tensor.dtype not in (ir.DataType.INT64, ir.DataType.INT32):
         return None
     return [int(v) for v in tensor.numpy().reshape(-1)]
 
 
-def _axis_of(value: ir.Value) -> _AxisOf | None:
+def _axis_of(value: ir.Value | None) -> _AxisOf | None:
     """``Unsqueeze(Gather(Shape(x), i), [0])`` as axis ``i`` of ``x``."""
-    unsqueeze = value.producer()
+    unsqueeze = value.producer() if value is not None else None
     if unsqueeze is None or unsqueeze.op_type != "Unsqueeze" or len(unsqueeze.inputs) != 2:
         return None
     if _constant_ints(unsqueeze.inputs[1]) != [0]:
         return None
-    gather = unsqueeze.inputs[0].producer()
+    gather = unsqueeze.inputs[0].producer() if unsqueeze.inputs[0] is not None else None
     if gather is None or gather.op_type != "Gather" or gather.attributes.get_int("axis", 0):
         return None
     index = _constant(gather.inputs[1])
     indices = _constant_ints(gather.inputs[1])
-    if indices is None or index.shape.rank() != 0:  # a scalar index: one element
+    if indices is None or index is None or index.shape.rank() != 0:  # a scalar: one element
         return None
-    shape = gather.inputs[0].producer()
+    shape = gather.inputs[0].producer() if gather.inputs[0] is not None else None
     if shape is None or shape.op_type != "Shape" or shape.attributes:  # start/end: not axis i
         return None
-    return _AxisOf(shape.inputs[0], indices[0])
+    data = shape.inputs[0]
+    return _AxisOf(data, indices[0]) if data is not None else None
 
 
 def _proto_graphs(graph: onnx.GraphProto):

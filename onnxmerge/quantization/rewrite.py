@@ -16,6 +16,7 @@ All operators are standard ``ai.onnx`` ones.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,9 +24,17 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from onnxmerge import quant_math
 from onnxmerge.errors import QuantizationError
-from onnxmerge.passes import StepResult, initializer, is_op, replace_result
+from onnxmerge.passes.base import (
+    StepResult,
+    graph_of,
+    initializer,
+    is_op,
+    name_of,
+    replace_result,
+    tensor_of,
+)
+from onnxmerge.quantization import codes as quant_math
 
 logger = logging.getLogger(__name__)
 
@@ -288,29 +297,32 @@ def quantize_weights(
         precision = precision_of(weight)
         if precision == "fp32":
             continue
-        tensor = weight.const_value
+        tensor = tensor_of(weight)
+        name = name_of(weight)
         array = tensor.numpy()
         before = tensor.nbytes
         if precision == "fp16":
-            stored = rewriter.initializer(weight.name + "_fp16", array.astype(np.float16))
+            stored = rewriter.initializer(name + "_fp16", array.astype(np.float16))
             # One Cast in the main graph, which onnxruntime folds once at load; a Cast in each
             # branch would be folded once per branch, a float copy each (1.77x fp32's memory).
             floats = rewriter.dequantized(
                 model.graph,
-                weight.name,
-                lambda s=stored: rewriter.node("Cast", [s], ["weight"], to=ir.DataType.FLOAT),
+                name,
+                functools.partial(
+                    rewriter.node, "Cast", [stored], ["weight"], to=ir.DataType.FLOAT
+                ),
             )
             for node, index in list(weight.uses()):
                 node.replace_input_with(index, floats)
-            after = stored.const_value.nbytes
+            after = tensor_of(stored).nbytes
         else:
             after = _rewrite_integer(rewriter, weight, array, precision)
         del array
         if isinstance(tensor, ir.ExternalTensor):
             with contextlib.suppress(BufferError):  # unmapped later if a view is still alive
                 tensor.release()
-        model.graph.initializers.pop(weight.name)
-        done.append(QuantizedWeight(weight.name, precision, before, after))
+        model.graph.initializers.pop(name)
+        done.append(QuantizedWeight(name, precision, before, after))
     logger.debug("quantized %d weights", len(done))
     return done
 
@@ -353,9 +365,9 @@ def _rewrite_integer(
             rewriter.integer_matmul(node, rewriter.transposed_codes(codes), scale, zero)
         else:
             floats = rewriter.dequantized(
-                node.graph,
-                weight.name,
+                graph_of(node),
+                name_of(weight),
                 lambda: rewriter.node("DequantizeLinear", inputs, ["weight"], **attrs),
             )
             node.replace_input_with(index, floats)
-    return sum(v.const_value.nbytes for v in inputs)
+    return sum(tensor_of(v).nbytes for v in inputs)

@@ -105,22 +105,3 @@ def quantize(weight: np.ndarray, precision: str, axis: int | None) -> Quantized:
     if precision == "int4":
         return quantize_blocked_int4(weight, 0 if axis is None else axis)
     raise ValueError(f"{precision!r} is not an integer precision")
-
-
-def dequantize(q: Quantized) -> np.ndarray:
-    """The float32 weight the codes stand for (what ``DequantizeLinear`` computes)."""
-    codes = q.codes.astype(np.float32)
-    if q.zero_point is not None:
-        codes = codes - _expand(q.zero_point.astype(np.float32), q, codes.shape)
-    return codes * _expand(q.scale, q, codes.shape)
-
-
-def _expand(values: np.ndarray, q: Quantized, shape: tuple[int, ...]) -> np.ndarray:
-    if q.axis is None:
-        return values
-    if q.block_size is not None:
-        repeated = np.repeat(values, q.block_size, axis=q.axis)
-        return np.take(repeated, np.arange(shape[q.axis]), axis=q.axis)
-    view = [1] * len(shape)
-    view[q.axis] = -1
-    return values.reshape(view)

@@ -26,7 +26,8 @@ import onnx_ir.passes.common
 
 from onnxmerge import contract as c
 from onnxmerge.model_io import load_model
-from onnxmerge.passes import initializer, is_op
+from onnxmerge.passes import NoMatch, initializer, is_op, name_of, tensor_of
+from onnxmerge.quantization import INT8_PEAK
 from onnxmerge.runtime.greedy_head import FLAG, HIDDEN, write_tables
 
 logger = logging.getLogger(__name__)
@@ -37,7 +38,6 @@ _VOCAB = "onnxmerge.greedy_head.vocab"
 # DynamicQuantizeLinear arrived in opset 11.
 _MIN_OPSET = 11
 _CHUNK_ROWS = 4096
-_CODE_MAX = 63
 
 
 @dataclass(frozen=True)
@@ -77,58 +77,58 @@ def row_tables(weight: np.ndarray) -> RowTables:
         part = slice(start, start + _CHUNK_ROWS)
         rows = np.asarray(weight[part], dtype=np.float64)
         amax[part] = np.abs(rows).max(axis=1)
-        scale = (amax[part] / _CODE_MAX).astype(np.float32)
+        scale = (amax[part] / INT8_PEAK).astype(np.float32)
         scale[scale == 0] = 1
         scales[part] = scale
-        codes[part] = np.clip(np.rint(rows / scale[:, None]), -_CODE_MAX, _CODE_MAX)
+        codes[part] = np.clip(np.rint(rows / scale[:, None]), -INT8_PEAK, INT8_PEAK)
         dequantized = codes[part] * scale[:, None].astype(np.float64)
         error[part] = np.abs(rows - dequantized).max(axis=1)
         l1[part] = np.abs(dequantized).sum(axis=1)
     return RowTables(codes, scales, error, l1, amax)
 
 
-def find_head(model: ir.Model) -> Head | str:
+def find_head(model: ir.Model) -> Head | NoMatch:
     """The tied float head of both branches, or why there is none to add a greedy head to."""
     main = model.graph
     if model.opset_imports.get("", 0) < _MIN_OPSET:  # the nodes added are in domain ""
-        return f"default-domain opset below {_MIN_OPSET}"
+        return NoMatch(f"default-domain opset below {_MIN_OPSET}")
     taken = {FLAG, HIDDEN, CODES, SCALES, _VOCAB}
     if any(v.name in taken for v in (*main.inputs, *main.outputs, *main.initializers.values())):
-        return "it already has a greedy head"
+        return NoMatch("it already has a greedy head")
     flag = next((v for v in main.inputs if v.name == c.USE_CACHE_BRANCH), None)
     ids = next((v for v in main.inputs if v.name == c.DECODER_INPUT_IDS), None)
     logits = next((v for v in main.outputs if v.name == c.LOGITS), None)
     if logits is None or ids is None or logits.uses():
-        return f"no {c.LOGITS} output read by nothing else, or no {c.DECODER_INPUT_IDS}"
+        return NoMatch(f"no {c.LOGITS} output read by nothing else, or no {c.DECODER_INPUT_IDS}")
     if not is_op(logits.producer(), "If"):
         # Format version 3: the head is in the main graph, read by every step.
         head = _branch_head(logits, main)
-        if isinstance(head, str):
+        if isinstance(head, NoMatch):
             return head
         gemm, weight, bias = head
         return Head(weight, bias, (gemm,), None, main.outputs.index(logits))
     branches = [n for n in main if is_op(n, "If") and n.inputs[0] is flag] if flag else []
     if len(branches) != 1:
-        return f"no single If on {c.USE_CACHE_BRANCH}"
+        return NoMatch(f"no single If on {c.USE_CACHE_BRANCH}")
     node = branches[0]
     if logits.producer() is not node:
-        return "the logits do not come from the If"
+        return NoMatch("the logits do not come from the If")
     index = list(node.outputs).index(logits)
     found = []
     for branch in ("then_branch", "else_branch"):
         head = _branch_head(node.attributes[branch].as_graph().outputs[index], main)
-        if isinstance(head, str):
-            return f"{branch}: {head}"
+        if isinstance(head, NoMatch):
+            return NoMatch(f"{branch}: {head}")
         found.append(head)
     (gemm, weight, bias), (first_gemm, first_weight, first_bias) = found
     if first_weight is not weight or first_bias is not bias:
-        return "the branches' heads read different weights"
+        return NoMatch("the branches' heads read different weights")
     return Head(weight, bias, (gemm, first_gemm), node, index)
 
 
 def _branch_head(
     logits: ir.Value, main: ir.Graph
-) -> tuple[ir.Node, ir.Value, ir.Value | None] | str:
+) -> tuple[ir.Node, ir.Value, ir.Value | None] | NoMatch:
     node, bias = logits.producer(), None
     if is_op(node, "Add"):
         bias = next(
@@ -141,23 +141,28 @@ def _branch_head(
         )
         other = next((v for v in node.inputs if v is not bias), None)
         if bias is None or bias.const_value is None or other is None:
-            return "the logits add something other than a stored bias"
+            return NoMatch("the logits add something other than a stored bias")
         node = other.producer()
-    if not is_op(node, "Reshape"):
-        return "the head's product is not reshaped into the logits"
+    if not is_op(node, "Reshape") or node.inputs[0] is None:
+        return NoMatch("the head's product is not reshaped into the logits")
     gemm = node.inputs[0].producer()
     if not is_op(gemm, "Gemm") or len([v for v in gemm.inputs if v is not None]) != 2:
-        return "the head is not a Gemm without bias"
+        return NoMatch("the head is not a Gemm without bias")
     attrs = {name: attr.value for name, attr in gemm.attributes.items()}
     if attrs.get("transB") != 1 or attrs.get("transA", 0) != 0 or attrs.get("alpha", 1.0) != 1.0:
-        return "the head's Gemm does not read the weight's rows as stored (transB=1)"
+        return NoMatch("the head's Gemm does not read the weight's rows as stored (transB=1)")
     weight = gemm.inputs[1]
-    if weight.graph is not main or weight.const_value is None or weight.dtype != ir.DataType.FLOAT:
-        return "the head's weight is not a stored float32 tensor of the main graph"
+    if (
+        weight is None
+        or weight.graph is not main
+        or weight.const_value is None
+        or weight.dtype != ir.DataType.FLOAT
+    ):
+        return NoMatch("the head's weight is not a stored float32 tensor of the main graph")
     if weight.shape is None or len(weight.shape) != 2:
-        return "the head's weight is not a matrix"
-    if bias is not None and bias.const_value.size != weight.shape[0]:
-        return "the bias does not match the vocabulary"
+        return NoMatch("the head's weight is not a matrix")
+    if bias is not None and tensor_of(bias).size != weight.shape[0]:
+        return NoMatch("the bias does not match the vocabulary")
     return gemm, weight, bias
 
 
@@ -183,7 +188,7 @@ def add_greedy_head(model: ir.Model, head: Head) -> RowTables:
         after = head.branches
         logits_at = main.outputs.index(hidden)
 
-    tables = row_tables(head.weight.const_value.numpy())
+    tables = row_tables(tensor_of(head.weight).numpy())
     codes = initializer(main, CODES, np.ascontiguousarray(tables.codes.T))
     scales = initializer(main, SCALES, tables.scales)
     columns = initializer(main, _VOCAB, np.array([vocab], np.int64))
@@ -284,15 +289,15 @@ def write_greedy_source(model_path: Path, folder: Path) -> GreedySource | None:
     None (and why, in the log) where its head is not one this applies to."""
     model, _ = load_model(model_path)
     head = find_head(model)
-    if isinstance(head, str):
+    if isinstance(head, NoMatch):
         logger.debug("no greedy head for %s: %s", model_path, head)
         return None
-    weight = head.weight.const_value.numpy()
-    bias = None if head.bias is None else head.bias.const_value.numpy().reshape(-1)
+    weight = tensor_of(head.weight).numpy()
+    bias = None if head.bias is None else tensor_of(head.bias).numpy().reshape(-1)
     tables = add_greedy_head(model, head)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "model.onnx"
     ir.save(model, path, external_data="model.onnx_data", size_threshold_bytes=1024)
     # The codes are in the saved model now; only the tables that bound them stay.
     tables = dataclasses.replace(tables, codes=np.empty((0, 0), np.int8))
-    return GreedySource(path, head.weight.name, weight, bias, tables)
+    return GreedySource(path, name_of(head.weight), weight, bias, tables)

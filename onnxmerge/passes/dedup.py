@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from onnxmerge.passes import StepResult, is_op
+from onnxmerge.passes.base import StepResult, graph_of, is_op, name_of, tensor_of
 
 logger = logging.getLogger(__name__)
 
@@ -74,9 +74,9 @@ def _digest(array: np.ndarray, *, transposed: bool = False) -> bytes:
     hasher = hashlib.sha256()
     if transposed:
         for _, rows in _transposed_slices(array):
-            hasher.update(memoryview(_byte_view(rows)))
+            hasher.update(_byte_view(rows).data)
     else:
-        hasher.update(memoryview(_byte_view(array)))
+        hasher.update(_byte_view(array).data)
     return hasher.digest()
 
 
@@ -123,6 +123,7 @@ class _Mapped:
 
     def __init__(self, tensor: ir.TensorProtocol):
         self._map: mmap.mmap | None = None
+        self.array: np.ndarray
         if isinstance(tensor, ir.ExternalTensor) and tensor.size:
             with open(tensor.path, "rb") as f:
                 self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
@@ -131,7 +132,10 @@ class _Mapped:
                 self._map, dtype=dtype, count=tensor.size, offset=tensor.offset or 0
             ).reshape(tuple(tensor.shape))
         else:
-            self.array = _array(tensor)
+            array = _array(tensor)
+            if array is None:
+                raise ValueError(f"{tensor.name}: a string tensor is not compared by position")
+            self.array = array
 
     def drop(self) -> None:
         if self._map is not None and hasattr(mmap, "MADV_DONTNEED"):
@@ -221,7 +225,7 @@ def lift_large_constants(model: ir.Model, min_bytes: int = MIN_SHARED_BYTES) -> 
         if tensor.nbytes < min_bytes:
             continue
         output = node.outputs[0]
-        graph = node.graph
+        graph = graph_of(node)
         if output in graph.outputs:
             continue
         initializer = ir.Value(
@@ -247,9 +251,10 @@ def deduplicate_initializers(graph: ir.Graph) -> list[SharedTensor]:
     digests: dict[str, bytes] = {}
 
     def digest_of(value: ir.Value) -> bytes:
-        if value.name not in digests:
-            digests[value.name] = _stored_digest(value.const_value)
-        return digests[value.name]
+        name = name_of(value)
+        if name not in digests:
+            digests[name] = _stored_digest(tensor_of(value))
+        return digests[name]
 
     candidates = [
         v
@@ -259,39 +264,37 @@ def deduplicate_initializers(graph: ir.Graph) -> list[SharedTensor]:
     kept: dict[tuple, ir.Value] = {}
     survivors: list[ir.Value] = []
     for value in candidates:
-        tensor = value.const_value
+        tensor = tensor_of(value)
         key = (tensor.dtype, tuple(tensor.shape), digest_of(value))
         first = kept.get(key)
         if (
             first is not None
             and _is_removable(graph, value)
-            and _stored_equal(first.const_value, tensor)
+            and _stored_equal(tensor_of(first), tensor)
         ):
             ir.convenience.replace_all_uses_with(value, first)
-            graph.initializers.pop(value.name)
-            shared.append(SharedTensor(first.name, value.name, tensor.nbytes, False))
+            graph.initializers.pop(name_of(value))
+            shared.append(SharedTensor(name_of(first), name_of(value), tensor.nbytes, False))
             continue
         kept.setdefault(key, value)
         survivors.append(value)
 
     # Transposed copies: only 2-D tensors whose transposed shape also occurs are hashed again.
     def transposable(value: ir.Value) -> bool:
-        tensor = value.const_value
+        tensor = tensor_of(value)
         return (
             len(tensor.shape) == 2
             and tensor.nbytes >= MIN_SHARED_BYTES
             and tensor.dtype.bitwidth in (8, 16, 32, 64)
         )
 
-    shapes = {
-        (v.const_value.dtype, tuple(v.const_value.shape)) for v in survivors if transposable(v)
-    }
+    shapes = {(tensor_of(v).dtype, tuple(tensor_of(v).shape)) for v in survivors if transposable(v)}
     transposed_of: dict[tuple, ir.Value] = {}
     transposes: dict[str, ir.Value] = {}
     for value in survivors:
         if not transposable(value):
             continue
-        tensor = value.const_value
+        tensor = tensor_of(value)
         shape = tuple(tensor.shape)
         flipped = (tensor.dtype, shape[::-1])
         if flipped not in shapes:
@@ -300,13 +303,14 @@ def deduplicate_initializers(graph: ir.Graph) -> list[SharedTensor]:
         if (
             source is not None
             and _is_removable(graph, value)
-            and _equal_transposed(source.const_value, tensor)
+            and _equal_transposed(tensor_of(source), tensor)
         ):
-            if source.name not in transposes:
-                transposes[source.name] = _transpose_node(graph, source)
-            ir.convenience.replace_all_uses_with(value, transposes[source.name])
-            graph.initializers.pop(value.name)
-            shared.append(SharedTensor(source.name, value.name, tensor.nbytes, True))
+            source_name = name_of(source)
+            if source_name not in transposes:
+                transposes[source_name] = _transpose_node(graph, source)
+            ir.convenience.replace_all_uses_with(value, transposes[source_name])
+            graph.initializers.pop(name_of(value))
+            shared.append(SharedTensor(source_name, name_of(value), tensor.nbytes, True))
             continue
         transposed_of.setdefault((*flipped, _frame_hash(tensor, transposed=True)), value)
     shared = _resolve_chains(shared)
@@ -381,7 +385,7 @@ def hoist_constant_nodes(graph: ir.Graph) -> int:
         if any(out.is_graph_output() for out in node.outputs):
             # A branch must compute its outputs itself; leave this one in place.
             continue
-        node.graph.remove(node)
+        graph_of(node).remove(node)
         hoisted.append(node)
         constant.update(node.outputs)
     if hoisted:
@@ -446,7 +450,8 @@ def drop_initializer_aliases(graph: ir.Graph) -> int:
         if source is None or not source.is_initializer() or alias.is_graph_output():
             continue
         if any(
-            use.node.graph is not graph and alias in use.node.graph.outputs for use in alias.uses()
+            use.node.graph is not graph and alias in graph_of(use.node).outputs
+            for use in alias.uses()
         ):
             continue
         ir.convenience.replace_all_uses_with(alias, source)
@@ -506,39 +511,3 @@ def store_once_steps() -> tuple[ir.passes.InPlacePass, ...]:
         DropInitializerAliases(),
         RemoveUnusedInitializers(),
     )
-
-
-def find_duplicates(graph: ir.Graph, min_bytes: int = MIN_SHARED_BYTES) -> list[SharedTensor]:
-    """Pairs of initializers of at least ``min_bytes`` that hold the same data, or transposed data.
-
-    Reads only; a merged model should have none. It keys on plain sha256 of each tensor and of its
-    transpose, independent of the keys :func:`deduplicate_initializers` uses, so it can check them;
-    it holds whole arrays in memory, so it is meant for tests and small models.
-    """
-    large = [
-        v
-        for v in graph.initializers.values()
-        if v.const_value is not None
-        and v.const_value.nbytes >= min_bytes
-        and v.const_value.dtype != ir.DataType.STRING
-    ]
-    seen: dict[tuple, ir.Value] = {}
-    found: list[SharedTensor] = []
-    for value in large:
-        array = _array(value.const_value)
-        keys = [((value.const_value.dtype, array.shape, _digest(array)), False)]
-        if array.ndim == 2:
-            keys.append(
-                (
-                    (value.const_value.dtype, array.shape[::-1], _digest(array, transposed=True)),
-                    True,
-                )
-            )
-        for key, transposed in keys:
-            other = seen.get(key)
-            if other is not None and other is not value:
-                found.append(
-                    SharedTensor(other.name, value.name, value.const_value.nbytes, transposed)
-                )
-        seen.setdefault(keys[0][0], value)
-    return found

@@ -35,6 +35,8 @@ def session_options(
     import onnxruntime as ort
 
     options = ort.SessionOptions()
+    # Each step is short and shape-changing: the memory-pattern planner does not pay off.
+    options.enable_mem_pattern = False
     # onnxruntime warns about names it cannot rewrite inside If branches while optimizing; the
     # graph is still correct.
     options.log_severity_level = 3

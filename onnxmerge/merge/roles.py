@@ -11,6 +11,7 @@ import onnx_ir as ir
 
 from onnxmerge import contract
 from onnxmerge.errors import ExportFolderError
+from onnxmerge.passes.base import name_of
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +44,8 @@ class Judgement:
 def judge(model: ir.Model) -> Judgement:
     """Recognise a model's role from its interface."""
     graph = model.graph
-    inputs = {v.name for v in graph.inputs}
-    outputs = {v.name for v in graph.outputs}
+    inputs = {name_of(v) for v in graph.inputs}
+    outputs = {name_of(v) for v in graph.outputs}
     has_past = any(contract.is_past_name(n) for n in inputs)
     if contract.META_FORMAT_VERSION in model.metadata_props:
         return Judgement(Role.MERGED_MODEL, "it carries onnxmerge metadata")

@@ -15,33 +15,22 @@ from pathlib import Path
 
 import onnx_ir as ir
 
-from onnxmerge import (
-    check,
-    compat,
-    contract,
-    dedup,
-    dims,
-    export_layout,
-    first_step,
-    model_io,
-    passes,
-    reshape_targets,
-    roles,
-    splice,
-    tied_head,
-)
-from onnxmerge.cross_attention import CrossAttention, NoMatch, find_cross_attention
+from onnxmerge import check, contract, export_layout, model_io, passes
 from onnxmerge.errors import (
     ExportFolderError,
     IncompatibleModelsError,
-    InvalidMergedModelError,
 )
-from onnxmerge.roles import Role
+from onnxmerge.merge import compat, first_step, splice
+from onnxmerge.merge.cross_attention import CrossAttention, find_cross_attention
+from onnxmerge.merge.load import find_checkpoint, load_export
+from onnxmerge.merge.parts import Part, dim_sources, parts_of_file
+from onnxmerge.merge.roles import Role
+from onnxmerge.passes import dedup, dims, reshape_targets, tied_head
+from onnxmerge.passes.base import NoMatch
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_OUTPUT_NAME = "model.onnx"
-CHECKPOINT_NAMES = ("model.safetensors", "pytorch_model.bin")
 # ``format``: 3 is the one-decoder form; 1 and 2 name the two-decoder form (version 1, and 2 once
 # quantized).
 FORMATS = (1, 2, 3)
@@ -73,7 +62,6 @@ class MergeResult:
     tensors_in: int
     tensors_out: int
     shared: tuple[dedup.SharedTensor, ...]
-    constants_lifted: int
     checkpoint_bytes: int | None
     # What every rewrite pass did, by its result name (see :mod:`onnxmerge.passes`).
     rewrites: dict[str, int] = field(default_factory=dict)
@@ -89,6 +77,10 @@ class MergeResult:
 
     def _replace_reason(self, reason: str) -> MergeResult:
         return dataclasses.replace(self, format_reason=reason)
+
+    @property
+    def constants_lifted(self) -> int:
+        return self.rewrites.get("constants_lifted", 0)
 
     @property
     def input_bytes(self) -> int:
@@ -189,7 +181,7 @@ def merge_seq2seq_with_report(
         part
         for role in (Role.ENCODER, Role.MERGED_DECODER, Role.DECODER, Role.DECODER_WITH_PAST)
         if role in chosen
-        for part in splice.parts_of_file(models[chosen[role]], role, chosen[role])
+        for part in parts_of_file(models[chosen[role]], role, chosen[role])
     ]
     cross, format_reason = _one_decoder_part(parts, format)
     origins = compat.origins(parts)
@@ -198,7 +190,7 @@ def merge_seq2seq_with_report(
     tolerated = check.unknown_operators(models.values())
     step("splicing")
     # Made before the splice, which moves the parts' nodes into one graph.
-    separate_dims = dims.SeparateSymbolicDims(parts)
+    separate_dims = dims.SeparateSymbolicDims(dim_sources(parts))
     model = splice.splice(parts, models, cross)
     step("deduplicating")
     rewrites = passes.run(model, (separate_dims, *rewrite_steps(cross is not None)))
@@ -223,7 +215,7 @@ def merge_seq2seq_with_report(
     step("saving and checking")
 
     def validate(path: Path) -> None:
-        check.check_merged_model(path, tolerated, list(chosen.values()))
+        check.check_written_model(path, tolerated=tolerated, sources=list(chosen.values()))
         if cross is not None and contract.META_PROMPT_TOKENS_PER_STEP not in model.metadata_props:
             verdict = first_step.prove_first_step(path, chosen)
             if verdict.tokens_per_step is not None:
@@ -273,7 +265,6 @@ def merge_seq2seq_with_report(
         tensors_in=tensors_in,
         tensors_out=len(model.graph.initializers),
         shared=shared,
-        constants_lifted=passes.counts(rewrites)["constants_lifted"],
         checkpoint_bytes=checkpoint.stat().st_size if checkpoint else None,
         rewrites=passes.counts(rewrites),
         format_version=model.metadata_props[contract.META_FORMAT_VERSION],
@@ -295,9 +286,7 @@ def merge_seq2seq_with_report(
     return result
 
 
-def _one_decoder_part(
-    parts: list[splice.Part], format: int | None
-) -> tuple[CrossAttention | None, str]:
+def _one_decoder_part(parts: list[Part], format: int | None) -> tuple[CrossAttention | None, str]:
     """The decoder's cross-attention part where version 3 is to be written, and why (not)."""
     by_role = {p.role: p for p in parts}
     decoder, with_past = by_role.get(Role.DECODER), by_role.get(Role.DECODER_WITH_PAST)
@@ -344,88 +333,6 @@ def rewrite_steps(one_decoder: bool = False) -> tuple[ir.passes.InPlacePass, ...
     fold = reshape_targets.FoldReshapeTargets()
     ordered = (*store_once[:2], fold, *store_once[2:]) if one_decoder else (fold, *store_once)
     return (*ordered, tied_head.GemmForTransposedWeights())
-
-
-def find_checkpoint(folder: Path) -> Path | None:
-    """The PyTorch checkpoint file in ``folder``, if there is one."""
-    return next((folder / n for n in CHECKPOINT_NAMES if (folder / n).is_file()), None)
-
-
-def load_export(
-    export_dir: Path,
-    output: Path,
-    *,
-    ignore_merged: bool = False,
-    files: tuple[Path, ...] | None = None,
-) -> tuple[dict[Role, Path], dict[Path, ir.Model], dict[Path, set[Path]]]:
-    """Load every model of the folder (or ``files``, one dtype's: see
-    :func:`onnxmerge.export_layout.resolve`), judge its role, keep the ones the merge needs.
-
-    ``ignore_merged`` skips merged models found in the folder instead of refusing them (for
-    ``verify``, which only reads the originals).
-    """
-    if files is None:
-        files = export_layout.resolve(export_dir).files
-    candidates = sorted(files)
-    if not candidates:
-        raise ExportFolderError(
-            f"{export_dir} holds no .onnx file; export the model first, e.g. `optimum-cli export "
-            f"onnx --model MODEL --task text2text-generation-with-past {export_dir}`"
-        )
-    models: dict[Path, ir.Model] = {}
-    data_files: dict[Path, set[Path]] = {}
-    judged: dict[Path, roles.Judgement] = {}
-    for path in candidates:
-        model, files = model_io.load_model(path)
-        judgement = roles.judge(model)
-        if judgement.role == Role.MERGED_DECODER:
-            export_layout.sink_into_branches(model)
-        if judgement.role == Role.MERGED_MODEL and (
-            ignore_merged or (output.exists() and path.samefile(output))
-        ):
-            continue  # the previous result of this merge, about to be replaced
-        models[path], data_files[path], judged[path] = model, files, judgement
-        logger.debug("%s: %s (%s)", path.name, judgement.role, judgement.reason)
-    chosen = roles.assign_roles(judged)
-    if Role.MERGED_MODEL in chosen:
-        raise InvalidMergedModelError(
-            f"{chosen[Role.MERGED_MODEL]} is already a merged model; move it out of "
-            f"{export_dir} or write over it (-o {chosen[Role.MERGED_MODEL]} --overwrite)"
-        )
-    missing = []
-    if Role.ENCODER not in chosen:
-        missing.append(roles.CONVENTIONAL_NAMES[Role.ENCODER])
-    if Role.DECODER not in chosen and Role.MERGED_DECODER not in chosen:
-        missing.append(roles.CONVENTIONAL_NAMES[Role.DECODER])
-    if missing:
-        found = ", ".join(
-            f"{p.name} ({j.role.value if j.role else j.reason})" for p, j in judged.items()
-        )
-        raise ExportFolderError(
-            f"{export_dir} lacks {' and '.join(missing)} (found: {found}); export with "
-            "--task text2text-generation-with-past"
-        )
-    if (
-        Role.DECODER in chosen
-        and Role.MERGED_DECODER in chosen
-        and (Role.DECODER_WITH_PAST in chosen)
-    ):
-        # The separate decoders hold the same graphs; the merged one adds nothing.
-        del chosen[Role.MERGED_DECODER]
-    elif Role.MERGED_DECODER in chosen:
-        chosen.pop(Role.DECODER, None)
-        chosen.pop(Role.DECODER_WITH_PAST, None)
-    if Role.DECODER_WITH_PAST in chosen and Role.DECODER not in chosen:
-        raise ExportFolderError(
-            f"{export_dir} has {chosen[Role.DECODER_WITH_PAST].name} but no decoder without past "
-            "for the first step; export again or add decoder_model.onnx"
-        )
-    kept = set(chosen.values())
-    return (
-        chosen,
-        {p: m for p, m in models.items() if p in kept},
-        {p: d for p, d in data_files.items() if p in kept},
-    )
 
 
 def _read_json(path: Path) -> str | None:

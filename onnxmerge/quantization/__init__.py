@@ -16,12 +16,15 @@ from pathlib import Path
 
 import onnx_ir as ir
 
-from onnxmerge import contract, dedup, inspection, model_io, passes, quant_rewrite
+from onnxmerge import check, contract, inspection, model_io, passes
 from onnxmerge.contract import PRECISIONS, WEIGHT_PRECISIONS
 from onnxmerge.errors import (
     InvalidMergedModelError,
     QuantizationError,
 )
+from onnxmerge.passes import dedup
+from onnxmerge.quantization import rewrite as quant_rewrite
+from onnxmerge.quantization.codes import INT8_PEAK
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +149,7 @@ def _quantize_file(
     source: Path, output: Path, weights: str, encoder: str, external_data: bool | None
 ) -> QuantizeResult:
     model, data_files = model_io.load_model(source)
+    tolerated = check.unknown_operators([model])
     if external_data is None and data_files:
         external_data = True
     meta = model.metadata_props
@@ -189,7 +193,9 @@ def _quantize_file(
         model,
         output,
         external_data=external_data,
-        validate=contract.check_written_model,
+        validate=lambda path: check.check_written_model(
+            path, what="quantized model", tolerated=tolerated, sources=[source]
+        ),
         protected=inputs_read,
     )
     result = QuantizeResult(
@@ -210,4 +216,4 @@ def _quantize_file(
     return result
 
 
-__all__ = ["quantize", "quantize_with_report", "QuantizeResult", "default_output"]
+__all__ = ["INT8_PEAK", "quantize", "quantize_with_report", "QuantizeResult", "default_output"]

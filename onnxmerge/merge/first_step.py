@@ -20,11 +20,12 @@ from pathlib import Path
 import numpy as np
 import onnx_ir as ir
 
-from onnxmerge import contract, model_io, tied_head
-from onnxmerge.roles import Role
+from onnxmerge import contract, model_io
+from onnxmerge.merge.roles import Role
+from onnxmerge.passes import tied_head
 from onnxmerge.runtime.memory import release_free_heap
+from onnxmerge.runtime.ort import ORT_TO_NUMPY, open_session, session_options
 from onnxmerge.samples import sample_encoder_inputs
-from onnxmerge.sessions import ORT_TO_NUMPY, open_session, session_options
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,42 @@
+"""The merge stage: loading an export, judging each file's role, splicing the files into one
+model, the checkpoint analysis and the orchestration that runs them with the rewrite passes.
+
+The orchestrator is imported when one of its names is first asked for, so that a module that only
+loads files (``merge.load``) does not pull in the rest of the stage.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from onnxmerge.merge.load import find_checkpoint, load_export
+    from onnxmerge.merge.orchestrate import (
+        DEFAULT_OUTPUT_NAME,
+        MergeResult,
+        merge_seq2seq,
+        merge_seq2seq_with_report,
+        rewrite_steps,
+    )
+
+__all__ = [
+    "DEFAULT_OUTPUT_NAME",
+    "MergeResult",
+    "find_checkpoint",
+    "load_export",
+    "merge_seq2seq",
+    "merge_seq2seq_with_report",
+    "rewrite_steps",
+]
+
+
+def __getattr__(name: str):
+    if name in ("find_checkpoint", "load_export"):
+        from onnxmerge.merge import load
+
+        return getattr(load, name)
+    if name in __all__:
+        from onnxmerge.merge import orchestrate
+
+        return getattr(orchestrate, name)
+    raise AttributeError(f"module 'onnxmerge.merge' has no attribute {name!r}")

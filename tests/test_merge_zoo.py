@@ -31,6 +31,8 @@ def _merge(export, tmp_path, **kwargs):
 def test_merged_model_matches_the_original_files(tiny_export, arch, tmp_path):
     export = tiny_export(arch)
     result = _merge(export, tmp_path)
+    # Format 3, its first step proven against the decoder without past for 1 and 3 tokens.
+    assert (result.format_version, result.format_reason) == ("3", "one decoder for every step")
 
     report = verify(result.path, export.onnx_dir, tolerance=PARITY)
     assert {d.step for d in report.diffs} == {"first", "cached"}
@@ -44,6 +46,8 @@ def test_merged_model_matches_the_original_files(tiny_export, arch, tmp_path):
     # Shared tensors live in the main graph; branches hold no initializers of their own.
     for attr in if_nodes[0].attributes.values():
         assert len(attr.value.initializers) == 0
+    # The cached branch passes the cross-attention keys and values through.
+    assert {n.op_type for n in if_nodes[0].attributes["then_branch"].value} == {"Identity"}
     assert result.output_bytes < result.input_bytes
     assert result.path.with_name("model.onnx_data").exists() is False
 
@@ -69,7 +73,7 @@ def test_merged_model_interface_follows_the_contract(tiny_export, arch, tmp_path
         for p in ("decoder", "encoder")
         for k in ("key", "value")
     } == {n for n in outputs if contract.is_present_name(n)}
-    assert meta[contract.META_FORMAT_VERSION] == contract.FORMAT_VERSION
+    assert meta[contract.META_FORMAT_VERSION] == contract.ONE_DECODER_FORMAT_VERSION
     assert "model_type" in meta[contract.META_CONFIG]
     assert contract.META_GENERATION_CONFIG in meta
     encoder_inputs = contract.read_contract(meta, inputs, outputs).encoder_inputs

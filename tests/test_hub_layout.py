@@ -20,7 +20,7 @@ from onnxmerge import (
     merge_seq2seq,
     merge_seq2seq_with_report,
 )
-from onnxmerge.cli import EXIT_ERROR, EXIT_OK, EXIT_USAGE, main
+from onnxmerge.cli import ExitCode, main
 from onnxmerge.testing.hub import MODEL_FILES, hub_repository
 from tests import textmodels as tm
 
@@ -136,12 +136,12 @@ def test_a_flat_folder_without_config_merges_on_the_model_s_own_sizes(tmp_path) 
 
 
 def test_the_cli_says_which_dtype_it_merged_and_which_others_there_are(tiny_repo, capsys) -> None:
-    assert main(["merge", str(tiny_repo / "onnx")]) == EXIT_OK
+    assert main(["merge", str(tiny_repo / "onnx")]) == ExitCode.OK
     out = capsys.readouterr().out
     assert f"dtype fp32 (no suffix) from {tiny_repo / 'onnx'}; configs from {tiny_repo}" in out
     assert "also present: fp16" in out
     assert "decoder_model_merged.onnx" in out and "_fp16" not in out.split("also present")[0]
-    assert main(["merge", str(tiny_repo), "--dtype", "fp16", "--json"]) == EXIT_OK
+    assert main(["merge", str(tiny_repo), "--dtype", "fp16", "--json"]) == ExitCode.OK
     report = json.loads(capsys.readouterr().out)
     assert report["dtype"] == "fp16" and report["path"] == str(tiny_repo / "model_fp16.onnx")
     assert {Path(f["path"]).name for f in report["inputs"]} == {
@@ -151,16 +151,16 @@ def test_the_cli_says_which_dtype_it_merged_and_which_others_there_are(tiny_repo
 
 
 def test_the_cli_refuses_a_missing_dtype_in_one_line(tiny_repo, capsys) -> None:
-    assert main(["merge", str(tiny_repo), "--dtype", "bnb4"]) == EXIT_ERROR
+    assert main(["merge", str(tiny_repo), "--dtype", "bnb4"]) == ExitCode.ERROR
     err = capsys.readouterr().err
     assert "no bnb4 model files" in err and "fp32, fp16" in err
     with pytest.raises(SystemExit) as usage:
         main(["merge", str(tiny_repo), "--dtype", "all", "-o", "x.onnx"])
-    assert usage.value.code == EXIT_USAGE
+    assert usage.value.code == ExitCode.USAGE
 
 
 def test_the_cli_merges_every_dtype(tiny_repo, capsys) -> None:
-    assert main(["merge", str(tiny_repo), "--dtype", "all", "--json"]) == EXIT_OK
+    assert main(["merge", str(tiny_repo), "--dtype", "all", "--json"]) == ExitCode.OK
     reports = json.loads(capsys.readouterr().out)
     assert [r["dtype"] for r in reports] == ["fp32", "fp16"]
     assert (tiny_repo / "model.onnx").is_file() and (tiny_repo / "model_fp16.onnx").is_file()

@@ -336,7 +336,7 @@ def test_unknown_or_missing_backend_says_what_to_do(files, monkeypatch):
     import importlib.util
 
     from onnxmerge import GenerationError, MissingDependencyError
-    from onnxmerge.cli import EXIT_MISSING_DEPENDENCY, _failure
+    from onnxmerge.cli import ExitCode, _failure
     from onnxmerge.runtime.session import MergedSession
 
     path = files.merged("marian")
@@ -352,7 +352,7 @@ def test_unknown_or_missing_backend_says_what_to_do(files, monkeypatch):
     )
     with pytest.raises(MissingDependencyError, match="pip install 'openvino'") as caught:
         MergedSession(path, backend="openvino")
-    assert _failure(caught.value) == (EXIT_MISSING_DEPENDENCY, str(caught.value))
+    assert _failure(caught.value) == (ExitCode.MISSING_DEPENDENCY, str(caught.value))
 
 
 def test_docs_table_is_what_the_tests_check():

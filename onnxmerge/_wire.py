@@ -162,8 +162,8 @@ def _external_location(buf, start: int, end: int) -> tuple[bytes, str, int, int]
                     value = text
             entries[key] = value
         elif field == _TENSOR_DATA_LOCATION:
-            value, _ = _varint(buf, value_start, value_end)
-            external = value == onnx.TensorProto.EXTERNAL
+            location, _ = _varint(buf, value_start, value_end)
+            external = location == onnx.TensorProto.EXTERNAL
         else:
             kept += buf[field_start:value_end]
     if not external or "location" not in entries:

@@ -80,7 +80,7 @@ def table(rows: Sequence[Sequence[object]], header: Sequence[str]) -> str:
 
 
 def _jsonable(obj):
-    if is_dataclass(obj):
+    if is_dataclass(obj) and not isinstance(obj, type):
         return {k: _jsonable(v) for k, v in asdict(obj).items()}
     if isinstance(obj, dict):
         return {str(k): _jsonable(v) for k, v in obj.items()}
@@ -585,13 +585,14 @@ def cmd_translate(args: argparse.Namespace) -> int:
             flush_errors()
             records.popleft()
             generated = sequences[0, 1:]
-            if args.ids:
+            if tokenizer is None:  # --ids
                 sink.write(" ".join(map(str, generated.tolist())) + "\n")
             else:
                 sink.write(tokenizer.decode(generated, skip_special_tokens=True) + "\n")
             progress(generated.size)
         flush_errors()
         if target is not None:
+            assert output is not None  # the temporary file is made for an output file only
             target.close()
             os.replace(target.name, output)
             target = None
@@ -850,8 +851,16 @@ def cmd_batch(args: argparse.Namespace) -> int:
             )
             for r in results
         ]
-        header = ("model", "status", "read", "model.onnx", "vs checkpoint", "s", "peak RSS")
-        header += ("error",)
+        header = (
+            "model",
+            "status",
+            "read",
+            "model.onnx",
+            "vs checkpoint",
+            "s",
+            "peak RSS",
+            "error",
+        )
         counts = ", ".join(f"{n} {s}" for s, n in progress.counts.items()) or "no models"
         return (
             table(rows, header)

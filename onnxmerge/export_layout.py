@@ -161,8 +161,12 @@ def _file_names(dtype: str) -> str:
 
 
 def _digest(path: Path) -> str:
+    # hashlib.file_digest is Python 3.11's; this reads the same way on 3.10.
+    digest = hashlib.sha256()
     with path.open("rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _config_files(layout: ExportLayout) -> list[Path]:
@@ -295,7 +299,7 @@ def sink_into_branches(model: ir.Model) -> int:
             copy = ir.Node(
                 original.domain,
                 original.op_type,
-                [copies.get(v, v) for v in original.inputs],
+                [None if v is None else copies.get(v, v) for v in original.inputs],
                 [ir.Attr(a.name, a.type, a.value) for a in original.attributes.values()],
                 num_outputs=len(original.outputs),
                 name=f"{original.name or original.op_type}/{attr}",

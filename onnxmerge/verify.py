@@ -104,7 +104,9 @@ def verify(
     )
     relative = coarsest in RELATIVE_TOLERANCE
     if tolerance is None:
-        tolerance = RELATIVE_TOLERANCE[coarsest] if relative else DEFAULT_TOLERANCE
+        tolerance = (
+            RELATIVE_TOLERANCE[coarsest] if coarsest in RELATIVE_TOLERANCE else DEFAULT_TOLERANCE
+        )
     dtype = dtype or export_layout.recorded_dtype(meta.get(contract.META_SOURCES))
     layout = export_layout.resolve(export_dir, dtype)
     chosen, _, _ = load_export(layout.model_dir, merged, ignore_merged=True, files=layout.files)

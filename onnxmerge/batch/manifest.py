@@ -28,7 +28,7 @@ def sha256(path: Path) -> str:
 
 def write(folder: Path, *, key: dict[str, Any], result: dict[str, Any]) -> dict[str, int]:
     """Hash every file of ``folder`` and write the manifest; return the file sizes."""
-    files = {
+    files: dict[str, dict[str, Any]] = {
         path.relative_to(folder).as_posix(): {"bytes": path.stat().st_size, "sha256": sha256(path)}
         for path in sorted(p for p in folder.rglob("*") if p.is_file())
         if path.name != MANIFEST_NAME

@@ -258,7 +258,7 @@ class _FirstStep:
 
     start: ir.Value  # [batch, prompt length]: the decoder prompt
     batch: ir.Value
-    logits: ir.Value  # [rows, vocab], the last position
+    logits: ir.Value | None  # [rows, vocab], the last position; None where the Loop computes it
     max_length: ir.Value
     trips: ir.Value
     encoder_ids: ir.Value | None
@@ -350,12 +350,12 @@ def _assemble_one_decoder(
     first_graph = if_node.attributes["else_branch"].value
     cached_graph = if_node.attributes["then_branch"].value
     first_nodes = list(first_graph)
-    cross = dict(zip([v.name for v in if_node.outputs], first_graph.outputs, strict=True))
+    cross = dict(zip([name_of(v) for v in if_node.outputs], first_graph.outputs, strict=True))
     first_graph.remove(first_nodes)
     first_graph.outputs.clear()
     cached_graph.remove(list(cached_graph))
     cached_graph.outputs.clear()
-    outputs = {v.name: v for v in graph.outputs}
+    outputs = {name_of(v): v for v in graph.outputs}
     graph.outputs.clear()
     # What the first part reads from the main graph (a weight's Cast, say) stays before the Loop.
     before = _producers_of([v for n in (if_node, *first_nodes) for v in _outer_reads(n)], graph)
@@ -369,7 +369,7 @@ def _assemble_one_decoder(
     decoder_nodes = [n for n in graph if n is not if_node and n not in before]
     graph.remove([*decoder_nodes, if_node])
     decoder_all = {m for n in decoder_nodes for m in (n, *_subgraph_nodes(n))}
-    inputs = {v.name: v for v in graph.inputs}
+    inputs = {name_of(v): v for v in graph.inputs}
     layers = info.num_layers
     encoder_names = contract.present_names(layers, "encoder")
 
@@ -391,7 +391,7 @@ def _assemble_one_decoder(
         cached_mask = repeat(mask) if mask is not None else None
         encoder_ids = repeat(encoder_ids) if encoder_ids is not None else None
     for value in if_node.outputs:
-        _redirect(value, decoder_all, encoder_presents[encoder_names.index(value.name)])
+        _redirect(value, decoder_all, encoder_presents[encoder_names.index(name_of(value))])
     # Each layer's self-attention past starts empty: its cross key/value's rows and heads.
     empty_past = []
     for present in encoder_presents:
@@ -409,7 +409,7 @@ def _assemble_one_decoder(
     first = _FirstStep(
         start=start,
         batch=batch,
-        logits=None,  # type: ignore[arg-type]  # computed by the Loop's first iteration
+        logits=None,  # computed by the Loop's first iteration
         max_length=main.op("Add", max_new, main.i64(s.prompt_length)),
         trips=main.op("Max", max_new, main.i64(1)),
         encoder_ids=encoder_ids,
@@ -479,13 +479,14 @@ def _first_in_loop(p: _LoopParts) -> _Loop:
         typed_input(p.names, "beam_state", dtype, rank) for dtype, rank in search.CARRIED_BEAM_TYPES
     ]
     body = p.body
-    step = search.beam_step(body, beams, p.cached.logits, search.Beams(*carried))
-    cache = [body.op("Gather", v, step.rows, axis=0) for v in p.cached.presents]
+    stepped = search.beam_step(body, beams, p.cached.logits, search.Beams(*carried))
+    assert stepped.keep_going is not None  # beam_step sets it
+    cache = [body.op("Gather", v, stepped.rows, axis=0) for v in p.cached.presents]
     loop = _decode_loop(
         p,
         "beam_loop",
         carried_in=carried,
-        body_outputs=[step.keep_going, _last_column(body, step.running), *step.carried()],
+        body_outputs=[stepped.keep_going, _last_column(body, stepped.running), *stepped.carried()],
         body_cache=cache,
         initial=[go, tokens, *_growing(main, state, first.trips)],
         initial_cache=first.decoder_presents,
@@ -656,8 +657,9 @@ def _wire_cached_decoder(
         encoder_pasts = contract.past_names(layers, "encoder")
         for name, value in zip(encoder_pasts, first.encoder_presents, strict=True):
             _redirect(inputs[name], cached_all, value)
-    if first.mask is not None and first.cached_mask is not first.mask:
-        _redirect(first.mask, cached_all, first.cached_mask)
+    mask, cached_mask = first.mask, first.cached_mask
+    if mask is not None and cached_mask is not None and cached_mask is not mask:
+        _redirect(mask, cached_all, cached_mask)
     logits = body.op("Gather", branches.cached_out[contract.LOGITS], body.i64(-1), axis=1)
     presents = [branches.cached_out[n] for n in contract.present_names(layers, "decoder")]
     return _CachedStep(iteration, condition, tokens_in, past_in, logits, presents)
@@ -681,6 +683,7 @@ def _greedy_loop(p: _LoopParts) -> _Loop:
     all_rows = main.op(
         "ConstantOfShape", main.vector(first.batch), value=ir.tensor(_bool_array([True]))
     )
+    assert first.logits is not None  # the first step in the main graph computed them
     first_step = search.greedy_step(main, greedy, first.logits, start_sequences, all_rows)
     sequences_in = typed_input(p.names, "sequences", ir.DataType.INT64, 2)
     unfinished_in = typed_input(p.names, "unfinished", ir.DataType.BOOL, 1)
@@ -707,6 +710,7 @@ def _beam_loop(p: _LoopParts) -> _Loop:
     main, body, first = p.main, p.body, p.first
     beams = _search(p)
     state = search.initial_beams(main, p.settings, first.batch, p.num_beams, first.start)
+    assert first.logits is not None  # the first step in the main graph computed them
     first_step = search.beam_step(main, beams, first.logits, state)
     first_cache = [main.op("Gather", v, first_step.rows, axis=0) for v in first.decoder_presents]
     first_tokens = _last_column(main, first_step.running)
@@ -714,6 +718,7 @@ def _beam_loop(p: _LoopParts) -> _Loop:
         typed_input(p.names, "beam_state", dtype, rank) for dtype, rank in search.CARRIED_BEAM_TYPES
     ]
     step = search.beam_step(body, beams, p.cached.logits, search.Beams(*carried))
+    assert first_step.keep_going is not None and step.keep_going is not None  # beam_step sets it
     cache = [body.op("Gather", v, step.rows, axis=0) for v in p.cached.presents]
     tokens = _last_column(body, step.running)
     loop = _decode_loop(
@@ -768,6 +773,7 @@ def _decode_loop(
     )
     loop_outputs = [ir.Value(name=p.names("loop_out")) for _ in outputs[1:]]
     dtype = p.cached.past_in[0].dtype
+    assert dtype is not None  # typed_input gave every past input its type
     initial_cache = [_unfixed_length(p.main, v, 2, p.first.trips, dtype) for v in initial_cache]
     loop = ir.Node(
         "",

@@ -60,7 +60,9 @@ def apply(ops: Ops, s: GenerationSettings, vocab: int, step: StepValues) -> ir.V
     if s.no_repeat_ngram_size > 0:
         scores = _no_repeat_ngram(ops, scores, step, s.no_repeat_ngram_size)
     if s.encoder_no_repeat_ngram_size > 0 and step.encoder_ids is not None:
-        scores = _encoder_no_repeat_ngram(ops, scores, step, s.encoder_no_repeat_ngram_size)
+        scores = _encoder_no_repeat_ngram(
+            ops, scores, step, step.encoder_ids, s.encoder_no_repeat_ngram_size
+        )
     if s.bad_words_ids is not None:
         scores = _bad_words(ops, scores, step, s.bad_words_ids, eos, vocab)
     if eos and s.min_length > 0:
@@ -180,10 +182,9 @@ def _windows(ops: Ops, tokens: ir.Value, n: int) -> tuple[list[ir.Value], ir.Val
 def _matching(ops: Ops, heads: list[ir.Value], prefix: list[ir.Value], like: ir.Value) -> ir.Value:
     if not heads:
         return ops.op("Equal", like, like)
-    match = None
-    for head, token in zip(heads, prefix, strict=True):
-        equal = ops.op("Equal", head, token)
-        match = equal if match is None else ops.op("And", match, equal)
+    match = ops.op("Equal", heads[0], prefix[0])
+    for head, token in zip(heads[1:], prefix[1:], strict=True):
+        match = ops.op("And", match, ops.op("Equal", head, token))
     return match
 
 
@@ -194,8 +195,10 @@ def _no_repeat_ngram(ops: Ops, scores: ir.Value, step: StepValues, n: int) -> ir
     return ban_per_row(ops, scores, last, match)
 
 
-def _encoder_no_repeat_ngram(ops: Ops, scores: ir.Value, step: StepValues, n: int) -> ir.Value:
-    heads, last = _windows(ops, step.encoder_ids, n)
+def _encoder_no_repeat_ngram(
+    ops: Ops, scores: ir.Value, step: StepValues, encoder_ids: ir.Value, n: int
+) -> ir.Value:
+    heads, last = _windows(ops, encoder_ids, n)
     match = _matching(ops, heads, _last_tokens(ops, step, n - 1), last)
     ready = ops.op("GreaterOrEqual", step.cur_len, ops.i64(n - 1))
     return ban_per_row(ops, scores, last, ops.op("And", match, ready))

@@ -32,6 +32,13 @@ class Search:
     num_beams: int = 1
 
     @property
+    def beam_batch(self) -> ir.Value:
+        """``batch``, which beam search reads and greedy search may leave out."""
+        if self.batch is None:
+            raise ValueError("beam search needs the batch size: Search.batch is None")
+        return self.batch
+
+    @property
     def candidates(self) -> int:
         """Continuations kept per input each beam step: enough to survive every eos hit."""
         eos = self.settings.eos_token_id
@@ -202,10 +209,10 @@ def _beam_log_probs(
     )
     log_probs = processors.apply(ops, search.settings, search.vocab, step)
     vocab_dim = ops.dim(log_probs, 1)
-    per_beam = ops.vector(search.batch, ops.i64(search.num_beams), vocab_dim)
+    per_beam = ops.vector(search.beam_batch, ops.i64(search.num_beams), vocab_dim)
     log_probs = ops.op("Reshape", log_probs, per_beam)
     log_probs = ops.op("Add", log_probs, ops.unsqueeze(state.running_scores, 2))
-    return ops.op("Reshape", log_probs, ops.vector(search.batch, ops.i64(-1))), vocab_dim
+    return ops.op("Reshape", log_probs, ops.vector(search.beam_batch, ops.i64(-1))), vocab_dim
 
 
 def _top_candidates(
@@ -222,7 +229,7 @@ def _top_candidates(
     )
     topk_beams = ops.op("Div", topk_indices, vocab_dim)
     topk_ids = ops.op("Mod", topk_indices, vocab_dim)
-    beam_offsets = _offsets(ops, search.batch, search.num_beams)
+    beam_offsets = _offsets(ops, search.beam_batch, search.num_beams)
     sequences = _gather_beams(ops, state.running, topk_beams, beam_offsets)
     sequences = ops.op("Concat", sequences, ops.unsqueeze(topk_ids, 2), axis=2)
     rows = ops.op("Add", topk_beams, beam_offsets)
@@ -241,7 +248,7 @@ def _keep_running(ops: Ops, search: Search, state: Beams, candidates: _Candidate
     running_scores, next_topk = ops.op_multi(
         "TopK", [running_log_probs, ops.i64([search.num_beams])], 2, axis=1, largest=1, sorted=1
     )
-    keep_offsets = _offsets(ops, search.batch, search.candidates)
+    keep_offsets = _offsets(ops, search.beam_batch, search.candidates)
     running = _gather_beams(ops, candidates.sequences, next_topk, keep_offsets)
     rows = ops.op("GatherElements", candidates.rows, next_topk, axis=1)
     return replace(state, running=running, running_scores=running_scores, rows=rows)
@@ -279,7 +286,7 @@ def _keep_finished(
     scores, chosen = ops.op_multi(
         "TopK", [merged_scores, ops.i64([search.num_beams])], 2, axis=1, largest=1, sorted=1
     )
-    merged_offsets = _offsets(ops, search.batch, search.num_beams + search.candidates)
+    merged_offsets = _offsets(ops, search.beam_batch, search.num_beams + search.candidates)
     # One more column, so finished hypotheses line up with the candidates.
     widen = ops.i64([0, 0, 0, 0, 0, 1])
     padded = ops.op(

@@ -50,7 +50,7 @@ def load_export(
     data_files: dict[Path, set[Path]] = {}
     judged: dict[Path, roles.Judgement] = {}
     for path in candidates:
-        model, files = model_io.load_model(path)
+        model, model_data = model_io.load_model(path)
         judgement = roles.judge(model)
         if judgement.role == Role.MERGED_DECODER:
             export_layout.sink_into_branches(model)
@@ -58,7 +58,7 @@ def load_export(
             ignore_merged or (output.exists() and path.samefile(output))
         ):
             continue  # the previous result of this merge, about to be replaced
-        models[path], data_files[path], judged[path] = model, files, judgement
+        models[path], data_files[path], judged[path] = model, model_data, judgement
         logger.debug("%s: %s (%s)", path.name, judgement.role, judgement.reason)
     chosen = roles.assign_roles(judged)
     if Role.MERGED_MODEL in chosen:

@@ -125,7 +125,7 @@ def merge_seq2seq(
 
 
 def merge_seq2seq_with_report(
-    export_dir: str | os.PathLike,
+    export_dir: str | os.PathLike | export_layout.ExportLayout,
     output: str | os.PathLike | None = None,
     *,
     overwrite: bool = False,

@@ -421,10 +421,10 @@ def _one_decoder(
         name="use_cache_branch",
     )
     cached_set = set(cached_nodes)
-    for past, value in zip(passed, if_node.outputs, strict=True):
+    for past, branch_output in zip(passed, if_node.outputs, strict=True):
         for use in list(past.uses()):
             if use.node in cached_set:
-                use.node.replace_input_with(use.idx, value)
+                use.node.replace_input_with(use.idx, branch_output)
     main.append(if_node)
     main.extend(cached_nodes)
     by_name = dict(zip(cross_names, if_node.outputs, strict=True))

@@ -63,7 +63,7 @@ class SeparateSymbolicDims(ir.passes.InPlacePass):
             taken |= (own - clashing) | set(new_names.values())
             renamed += len(clashing)
             for value in values:
-                if _names(value) & clashing:
+                if value.shape is not None and _names(value) & clashing:
                     value.shape = ir.Shape(
                         [
                             new_names[d.value]

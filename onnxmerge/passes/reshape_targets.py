@@ -86,7 +86,11 @@ def inferred_shapes(model: ir.Model) -> dict[str, tuple[Dim, ...]]:
     finally:
         del main.inputs[inputs_before:]
         for value in large:
-            value.const_value, value.shape, value.dtype = saved[name_of(value)]
+            value.const_value, value.shape, dtype = saved[name_of(value)]
+            if dtype is None:
+                value.type = None  # it had no type: the loop above gave it one
+            else:
+                value.dtype = dtype
         main.initializers.clear()
         for value in initializers:
             main.initializers[name_of(value)] = value
@@ -199,7 +203,7 @@ def _axis_of(value: ir.Value | None) -> _AxisOf | None:
     if _constant_ints(unsqueeze.inputs[1]) != [0]:
         return None
     gather = unsqueeze.inputs[0].producer() if unsqueeze.inputs[0] is not None else None
-    if gather is None or gather.op_type != "Gather" or gather.attributes.get_int("axis", 0):
+    if gather is None or gather.op_type != "Gather" or gather.attributes.get_int("axis", 0) != 0:
         return None
     index = _constant(gather.inputs[1])
     indices = _constant_ints(gather.inputs[1])

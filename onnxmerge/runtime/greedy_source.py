@@ -174,16 +174,17 @@ def add_greedy_head(model: ir.Model, head: Head) -> RowTables:
     head's weights, and both heads ran at the float head's speed.
     """
     main = model.graph
+    assert head.weight.shape is not None  # find_head found a matrix
     vocab, hidden_size = head.weight.shape
     if head.branches is None:
-        hidden = head.gemms[0].inputs[0]
+        hidden = _head_input(head.gemms[0])
         after: ir.Node = head.gemms[0]
         logits_at = head.index
     else:
         # Each branch now ends with the head's input, [rows, hidden].
         for branch, gemm in zip(("then_branch", "else_branch"), head.gemms, strict=True):
             graph = head.branches.attributes[branch].as_graph()
-            graph.outputs[head.index] = gemm.inputs[0]
+            graph.outputs[head.index] = _head_input(gemm)
         hidden = head.branches.outputs[head.index]
         after = head.branches
         logits_at = main.outputs.index(hidden)
@@ -240,6 +241,14 @@ def add_greedy_head(model: ir.Model, head: Head) -> RowTables:
     main.outputs.append(hidden)
     ir.passes.common.RemoveUnusedNodesPass()(model)  # the heads' nodes left in the branches
     return tables
+
+
+def _head_input(gemm: ir.Node) -> ir.Value:
+    """The rows a head's Gemm multiplies: its first input, which ONNX requires."""
+    rows = gemm.inputs[0]
+    if rows is None:
+        raise ValueError(f"the head's Gemm {gemm.name} has no first input")
+    return rows
 
 
 @dataclass(frozen=True)

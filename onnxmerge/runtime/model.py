@@ -404,7 +404,7 @@ class Seq2SeqModel:
         for window in corpus.windows(
             examples, lambda ex: ex[main].shape[-1], max_batch_size, batch_type
         ):
-            results: list[np.ndarray | None] = [None] * len(window)
+            results: dict[int, np.ndarray] = {}
             lengths = [ex[main].shape[-1] for ex in window]
             keys = [self._batch_key(ex) for ex in window]
             for batch in corpus.cut_batches(lengths, keys, max_batch_size, batch_type):
@@ -423,7 +423,7 @@ class Seq2SeqModel:
                     group = out[row * per_input : (row + 1) * per_input]
                     length = corpus.own_length(group, 1, settings.eos_token_id)
                     results[i] = np.ascontiguousarray(group[:, :length])
-            yield from results
+            yield from (results[i] for i in range(len(window)))
 
     def _paddable(self, name: str) -> bool:
         """Whether inputs of different lengths may share a batch through padding."""

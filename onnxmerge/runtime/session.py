@@ -296,11 +296,11 @@ class MergedSession:
         if per_step and decoder_input_ids.shape[1] > per_step:
             # The decoder with past is exact only for this many new tokens at a time.
             step = self.first_step(encoder_inputs, decoder_input_ids[:, :per_step])
-            logits = [step.logits]
+            pieces = [step.logits]
             for start in range(per_step, decoder_input_ids.shape[1], per_step):
                 step = self.next_step(decoder_input_ids[:, start : start + per_step], step.cache)
-                logits.append(step.logits)
-            return StepOutput(np.concatenate(logits, axis=1), step.cache)
+                pieces.append(step.logits)
+            return StepOutput(np.concatenate(pieces, axis=1), step.cache)
         rows = decoder_input_ids.shape[0]
         feeds[c.USE_CACHE_BRANCH] = self._false
         if self._has_flag:

@@ -14,13 +14,25 @@ import http.server
 import os
 import shutil
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 
+class SiteServer(http.server.ThreadingHTTPServer):
+    """A server on 127.0.0.1 at ``url``; ``sent`` counts the bytes sent per path."""
+
+    def __init__(self, handler: Callable[..., http.server.BaseHTTPRequestHandler], isolated: bool):
+        super().__init__(("127.0.0.1", 0), handler)
+        self.isolated = isolated
+        self.sent: collections.Counter[str] = collections.Counter()
+        self.url = f"http://127.0.0.1:{self.server_address[1]}/"
+
+
 class _Handler(http.server.SimpleHTTPRequestHandler):
     """Serves the site; counts the bytes of each file sent; isolates the page when asked."""
+
+    server: SiteServer
 
     def end_headers(self) -> None:
         if self.server.isolated:
@@ -41,20 +53,13 @@ class _Handler(http.server.SimpleHTTPRequestHandler):
 
 
 @contextlib.contextmanager
-def serve(
-    site: Path, node_modules: Path, *, isolated: bool = False
-) -> Iterator[http.server.ThreadingHTTPServer]:
+def serve(site: Path, node_modules: Path, *, isolated: bool = False) -> Iterator[SiteServer]:
     """Serve ``site``, with ``node_modules`` linked into it, on 127.0.0.1; the server's ``url`` is
     its root, ``sent`` the bytes sent per path."""
     link = site / "node_modules"
     if not link.exists():
         link.symlink_to(node_modules, target_is_directory=True)
-    server = http.server.ThreadingHTTPServer(
-        ("127.0.0.1", 0), functools.partial(_Handler, directory=os.fspath(site))
-    )
-    server.isolated = isolated
-    server.sent = collections.Counter()
-    server.url = f"http://127.0.0.1:{server.server_address[1]}/"
+    server = SiteServer(functools.partial(_Handler, directory=os.fspath(site)), isolated)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         yield server

@@ -415,9 +415,14 @@ def _externalize(onnx_dir: Path) -> None:
         )
 
 
+def _keep_merged_only(onnx_dir: Path) -> None:
+    for name in (DECODER_FILE, DECODER_WITH_PAST_FILE):
+        (onnx_dir / name).unlink()
+
+
 _POST_EXPORT: dict[str, Callable[[Path], None]] = {
     "no-merged": lambda d: (d / DECODER_MERGED_FILE).unlink(),
-    "merged-only": lambda d: [(d / n).unlink() for n in (DECODER_FILE, DECODER_WITH_PAST_FILE)],
+    "merged-only": _keep_merged_only,
     "int8": _quantize_int8,
     "external-data": _externalize,
 }
@@ -511,7 +516,7 @@ def sample_encoder_inputs(
     rng = np.random.default_rng(seed)
     dtype = np.float16 if export.variant == "fp16" else np.float32
     if export.arch == "whisper":
-        shape = (batch, WHISPER_MEL_BINS, 2 * WHISPER_SOURCE_POSITIONS)
+        shape: tuple[int, ...] = (batch, WHISPER_MEL_BINS, 2 * WHISPER_SOURCE_POSITIONS)
         return {"input_features": rng.uniform(-1.0, 1.0, size=shape).astype(dtype)}
     if export.arch == "vision-encoder-decoder":
         shape = (batch, IMAGE_CHANNELS, IMAGE_SIZE, IMAGE_SIZE)

@@ -150,7 +150,12 @@ def test_greedy_step_takes_the_best_token_and_pads_finished_rows(ending):
 
 def test_initial_beams_start_one_live_beam_per_input():
     g = StepGraph("int64 batch")
-    state = search.initial_beams(g.ops, _settings(), g.v["batch"], 3)
+    prompt = g.ops.op(
+        "ConstantOfShape",
+        g.ops.vector(g.v["batch"], g.ops.i64(1)),
+        value=ir.tensor(np.array([START], np.int64)),
+    )
+    state = search.initial_beams(g.ops, _settings(), g.v["batch"], 3, prompt)
     # running and sequences start as one value: the loop wraps repeats the same way.
     got = g.run(build._own_outputs(g.ops, state.carried()), batch=np.array(2))
     running, running_scores, sequences, scores, lengths, finished, unsatisfied = got
@@ -531,7 +536,7 @@ def test_no_repeat_ngram_bans_what_would_repeat_an_ngram(n, length):
 def test_encoder_no_repeat_ngram_bans_ngrams_of_the_rows_source(length):
     g = _step_graph_for_processor(encoder=True)
     step = _step_values(g)
-    banned = processors._encoder_no_repeat_ngram(g.ops, g.v["scores"], step, 3)
+    banned = processors._encoder_no_repeat_ngram(g.ops, g.v["scores"], step, step.encoder_ids, 3)
     encoder_ids = np.array([[2, 6, 4, 5, 6, 0], [6, 6, 1, 4, 5, 6], [1, 1, 1, 1, 1, 1]])
     sequences = np.array([[START, 6, 4, 5], [START, 4, 5, 6], [START, 1, 1, 1]])[:, :length]
     scores = _scores()
@@ -690,7 +695,7 @@ def test_first_step_and_cached_decoder_read_the_right_inputs(merged_text_model, 
     inputs = {v.name: v for v in graph.inputs}
     main, body = Ops(Names(), tm.OPSET), Ops(Names("body"), tm.OPSET)
     max_new = ir.Value(name="max_new", type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([]))
-    first = build._first_step(main, info, _settings(), num_beams, branches, inputs, max_new)
+    first = build._first_step(main, info, _settings(), num_beams, branches, inputs, max_new, None)
     cached = build._wire_cached_decoder(body, info, branches, inputs, first)
     for node in branches.first_nodes + main.nodes + branches.cached_nodes + body.nodes:
         graph.append(node)

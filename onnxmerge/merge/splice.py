@@ -443,6 +443,9 @@ def _one_decoder(
                 value = identity.outputs[0]
             else:
                 value.name = name
+            # The interface is the first step's: the decoder with past was declared for one
+            # new token a step.
+            value.shape = decoder.outputs[name].shape
         main.outputs.append(value)
     # What computed the empty encoder presents of an optimum merged decoder's cached branch.
     outputs = set(main.outputs)

@@ -80,9 +80,9 @@ def sampled(count: int) -> list[int]:
 class _Ours:
     def __init__(self, path: str, threads: int, session_cache: str | None):
         import onnxmerge
-        from onnxmerge.runtime.session import default_session_options
+        from onnxmerge.runtime.ort import session_options
 
-        options = default_session_options()
+        options = session_options()
         options.intra_op_num_threads = threads
         self.model = onnxmerge.Seq2SeqModel(
             path, session_options=options, session_cache=session_cache

@@ -144,14 +144,16 @@ def profile(merged: Path, config: dict, threads: int, repeats: int) -> dict[str,
 
 def merge_without(step_type: type, export_dir: Path, target: Path) -> Path:
     """The merge with one rewrite pass left out, to measure what that pass is worth."""
-    from onnxmerge import merge
+    from onnxmerge.merge import orchestrate
 
-    steps = merge.rewrite_steps
-    merge.rewrite_steps = lambda: tuple(s for s in steps() if not isinstance(s, step_type))
+    steps = orchestrate.rewrite_steps
+    orchestrate.rewrite_steps = lambda *args: tuple(
+        s for s in steps(*args) if not isinstance(s, step_type)
+    )
     try:
-        return merge.merge_seq2seq(export_dir, target)
+        return orchestrate.merge_seq2seq(export_dir, target)
     finally:
-        merge.rewrite_steps = steps
+        orchestrate.rewrite_steps = steps
 
 
 def main(argv: list[str] | None = None) -> int:

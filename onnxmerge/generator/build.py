@@ -321,18 +321,9 @@ def _assemble(
     cached = _wire_cached_decoder(body, info, branches, inputs, first)
     parts = _LoopParts(main, body, names, s, vocab, num_beams, first, cached)
     loop = _greedy_loop(parts) if num_beams == 1 else _beam_loop(parts)
-    for node in branches.cached_nodes + body.nodes:
-        loop.body_graph.append(node)
-    loop.body_graph.sort()
-    # The main graph: what was beside the If, the first step, then the loop (sorted below).
-    for node in branches.first_nodes + main.nodes:
-        graph.append(node)
-    for value in list(graph.inputs):
-        if value.name not in info.encoder_inputs:
-            graph.inputs.remove(value)
+    # The main graph: what was beside the If, the first step, then the loop.
+    _place(graph, info, loop, branches.cached_nodes + body.nodes, branches.first_nodes + main.nodes)
     graph.inputs.append(max_new)
-    graph.outputs.extend(loop.graph_outputs)
-    graph.sort()
 
 
 def _assemble_one_decoder(
@@ -430,15 +421,26 @@ def _assemble_one_decoder(
     vocab = _vocab_size(info, outputs[contract.LOGITS])
     parts = _LoopParts(main, body, names, s, vocab, num_beams, first, cached)
     loop = _first_in_loop(parts)
-    for node in decoder_nodes + body.nodes:
+    _place(graph, info, loop, decoder_nodes + body.nodes, first_nodes + main.nodes)
+    graph.inputs.append(max_new)
+
+
+def _place(
+    graph: ir.Graph,
+    info: contract.ContractInfo,
+    loop: _Loop,
+    body_nodes: list[ir.Node],
+    main_nodes: list[ir.Node],
+) -> None:
+    """Put the nodes in the Loop's body and the main graph; keep only the encoder's inputs."""
+    for node in body_nodes:
         loop.body_graph.append(node)
     loop.body_graph.sort()
-    for node in first_nodes + main.nodes:
+    for node in main_nodes:
         graph.append(node)
     for value in list(graph.inputs):
         if value.name not in info.encoder_inputs:
             graph.inputs.remove(value)
-    graph.inputs.append(max_new)
     graph.outputs.extend(loop.graph_outputs)
     graph.sort()
 

@@ -974,34 +974,8 @@ def _precision_arguments(p: argparse.ArgumentParser, *, required: bool) -> None:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="onnxmerge",
-        description="Merge an optimum seq2seq ONNX export into one file with every tensor stored "
-        "once, check it, inspect it and generate with it.",
-        epilog="Exit codes: " + "; ".join(f"{c.value} {c.meaning}" for c in ExitCode) + ".",
-    )
-    parser.add_argument("--version", action="version", version=f"onnxmerge {__version__}")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log details; show tracebacks")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    # SUPPRESS: a -v given before the command is not reset by the command's own default.
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument(
-        "-v",
-        "--verbose",
-        action="store_true",
-        default=argparse.SUPPRESS,
-        help="log details; show tracebacks",
-    )
-
-    def add(name: str, handler, help_: str) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help_, description=help_, parents=[common])
-        p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
-        p.set_defaults(handler=handler, command_parser=p)
-        return p
-
-    p = add("merge", cmd_merge, "merge an export folder into one model")
+def _merge_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of `onnxmerge merge`."""
     p.add_argument(
         "dir",
         help="folder written by optimum-cli export onnx, or a Hub repository with its models "
@@ -1040,14 +1014,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(check=_check_merge_args)
     _precision_arguments(p, required=False)
 
-    p = add("quantize", cmd_quantize, "store a merged model's weights as int8, uint8, fp16 or int4")
+
+def _quantize_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of `onnxmerge quantize`."""
     p.add_argument("file", help="merged model (or an export folder, merged first)")
     p.add_argument("-o", "--output", help="output file (default: model_int8.onnx etc. beside FILE)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
     _external_data_argument(p)
     _precision_arguments(p, required=True)
 
-    p = add("verify", cmd_verify, "compare a merged model with the files it came from")
+
+def _verify_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of `onnxmerge verify`."""
     p.add_argument("file", help="merged model")
     p.add_argument("--against", help="export folder (default: the model's folder)")
     _dtype_argument(p, every=False)
@@ -1059,11 +1037,15 @@ def build_parser() -> argparse.ArgumentParser:
         "value that fits the precision)",
     )
 
-    p = add("inspect", cmd_inspect, "show a model's inputs, outputs, metadata and size by part")
+
+def _inspect_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of `onnxmerge inspect`."""
     p.add_argument("file")
     p.add_argument("--all", action="store_true", help="list every cache input and output")
 
-    p = add("generate", cmd_generate, "generate with a merged model")
+
+def _generate_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of `onnxmerge generate`."""
     p.add_argument("file", help="merged model")
     group = p.add_mutually_exclusive_group(required=True)
     group.add_argument("--ids", type=int, nargs="+", help="source token ids")
@@ -1078,7 +1060,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="keep onnxruntime's optimized graph in DIR, so that later runs load faster",
     )
 
-    p = add("translate", cmd_translate, "translate a file line by line with a merged model")
+
+def _translate_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of `onnxmerge translate`."""
     p.add_argument("file", help="merged model")
     p.add_argument(
         "source", nargs="?", default="-", help="text file, one input per line (default: stdin)"
@@ -1109,24 +1093,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(check=_check_translate_args)
 
-    p = add(
-        "export", cmd_export, "export a local model folder (or hub id) with optimum, then merge"
-    )
+
+def _export_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of `onnxmerge export`."""
     p.add_argument("model", help="transformers model folder or hub id")
     p.add_argument("-o", "--output", help="export folder (default: ./<model>-onnx)")
     p.add_argument("--task", default="text2text-generation-with-past")
     p.add_argument("--overwrite", action="store_true")
 
-    p = add("features", cmd_features, "write Whisper's log-mel features as a model of their own")
+
+def _features_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of `onnxmerge features`."""
     p.add_argument("source", help="Whisper export folder, merged model or generator model")
     p.add_argument("-o", "--output", help="output file (default: features.onnx beside SOURCE)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output")
 
-    p = add(
-        "web",
-        cmd_web,
-        "write a static site that translates (Whisper: transcribes) in the browser with one model",
-    )
+
+def _web_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of `onnxmerge web`."""
     p.add_argument("source", help="export folder, merged model or generator model")
     p.add_argument("-o", "--output", required=True, help="site folder to write")
     p.add_argument(
@@ -1140,7 +1124,9 @@ def build_parser() -> argparse.ArgumentParser:
     _whisper_prompt_arguments(p)
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty site folder")
 
-    p = add("batch", cmd_batch, "convert many models: export, merge, verify and more; resumable")
+
+def _batch_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of `onnxmerge batch`."""
     p.add_argument(
         "sources", nargs="+", help="PyTorch or optimum export folders, or text files listing them"
     )
@@ -1166,8 +1152,75 @@ def build_parser() -> argparse.ArgumentParser:
         help="memory each model declares and is held to (default: estimated from its files)",
     )
 
-    p = add("demo", cmd_demo, "export, merge and run the bundled demo translation model")
+
+def _demo_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of `onnxmerge demo`."""
     p.add_argument("--dir", help="work folder to keep (default: a new temporary folder)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="onnxmerge",
+        description="Merge an optimum seq2seq ONNX export into one file with every tensor stored "
+        "once, check it, inspect it and generate with it.",
+        epilog="Exit codes: " + "; ".join(f"{c.value} {c.meaning}" for c in ExitCode) + ".",
+    )
+    parser.add_argument("--version", action="version", version=f"onnxmerge {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log details; show tracebacks")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    # SUPPRESS: a -v given before the command is not reset by the command's own default.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="log details; show tracebacks",
+    )
+
+    def add(name: str, handler, help_: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_, description=help_, parents=[common])
+        p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
+        p.set_defaults(handler=handler, command_parser=p)
+        return p
+
+    _merge_arguments(add("merge", cmd_merge, "merge an export folder into one model"))
+    _quantize_arguments(
+        add("quantize", cmd_quantize, "store a merged model's weights as int8, uint8, fp16 or int4")
+    )
+    _verify_arguments(
+        add("verify", cmd_verify, "compare a merged model with the files it came from")
+    )
+    _inspect_arguments(
+        add("inspect", cmd_inspect, "show a model's inputs, outputs, metadata and size by part")
+    )
+    _generate_arguments(add("generate", cmd_generate, "generate with a merged model"))
+    _translate_arguments(
+        add("translate", cmd_translate, "translate a file line by line with a merged model")
+    )
+    _export_arguments(
+        add(
+            "export", cmd_export, "export a local model folder (or hub id) with optimum, then merge"
+        )
+    )
+    _features_arguments(
+        add("features", cmd_features, "write Whisper's log-mel features as a model of their own")
+    )
+    _web_arguments(
+        add(
+            "web",
+            cmd_web,
+            "write a static site that translates (Whisper: transcribes) in the browser "
+            "with one model",
+        )
+    )
+    _batch_arguments(
+        add("batch", cmd_batch, "convert many models: export, merge, verify and more; resumable")
+    )
+    _demo_arguments(
+        add("demo", cmd_demo, "export, merge and run the bundled demo translation model")
+    )
     return parser
 
 

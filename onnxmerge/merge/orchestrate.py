@@ -213,44 +213,33 @@ def merge_seq2seq_with_report(
         logger.warning("merging anyway: %s", problem)
     model.metadata_props.update({key: text for key, text in configs.items() if text is not None})
     step("saving and checking")
-
-    def validate(path: Path) -> None:
-        check.check_written_model(path, tolerated=tolerated, sources=list(chosen.values()))
-        if cross is not None and contract.META_PROMPT_TOKENS_PER_STEP not in model.metadata_props:
-            verdict = first_step.prove_first_step(path, chosen)
-            if verdict.tokens_per_step is not None:
-                raise _FirstStepDiffers(verdict)
-
-    save = lambda: model_io.save_model_atomically(  # noqa: E731
+    verdict = _save_checked(
         model,
         output,
+        chosen,
+        tolerated,
+        prove=cross is not None,
         external_data=external_data,
-        validate=validate,
         protected=frozenset(f.resolve() for f in files_read),
     )
-    try:
-        save()
-    except _FirstStepDiffers as differs:
-        verdict = differs.verdict
-        if not verdict.holds:
-            if format == 3:
-                raise IncompatibleModelsError(
-                    f"{export_dir} cannot be merged as format 3: {verdict.reason}; merge with "
-                    "format 2 (--format 2)"
-                ) from None
-            logger.info("writing format 2: %s", verdict.reason)
-            return merge_seq2seq_with_report(
-                layout,
-                output,
-                overwrite=overwrite,
-                external_data=external_data,
-                force=force,
-                progress=progress,
-                format=2,
-            )._replace_reason(f"the first step of version 3 is not proven: {verdict.reason}")
-        model.metadata_props[contract.META_PROMPT_TOKENS_PER_STEP] = str(verdict.tokens_per_step)
+    if verdict is not None and not verdict.holds:
+        if format == 3:
+            raise IncompatibleModelsError(
+                f"{export_dir} cannot be merged as format 3: {verdict.reason}; merge with "
+                "format 2 (--format 2)"
+            )
+        logger.info("writing format 2: %s", verdict.reason)
+        return merge_seq2seq_with_report(
+            layout,
+            output,
+            overwrite=overwrite,
+            external_data=external_data,
+            force=force,
+            progress=progress,
+            format=2,
+        )._replace_reason(f"the first step of version 3 is not proven: {verdict.reason}")
+    if verdict is not None:
         format_reason += f"; a prompt is fed one token per step ({verdict.reason})"
-        save()
     output_bytes = model_io.file_bytes(output, model_io.data_files_of(output))
     inputs = tuple(
         InputFile(path, role.value, model_io.file_bytes(path, data_files[path]))
@@ -284,6 +273,46 @@ def merge_seq2seq_with_report(
         len(result.transposed),
     )
     return result
+
+
+def _save_checked(
+    model: ir.Model,
+    output: Path,
+    chosen: dict[Role, Path],
+    tolerated: frozenset[tuple[str, str]],
+    *,
+    prove: bool,
+    external_data: bool | None,
+    protected: frozenset[Path],
+) -> first_step.Verdict | None:
+    """Save through the output check and, for format 3, the first step's proof.
+
+    Returns None when the file was written as it is; the proof's verdict otherwise. Where only
+    a first step of several tokens differs, the file is written again recording that a prompt
+    is fed one token per step; where one token differs, nothing is written.
+    """
+
+    def validate(path: Path) -> None:
+        check.check_written_model(path, tolerated=tolerated, sources=list(chosen.values()))
+        if prove and contract.META_PROMPT_TOKENS_PER_STEP not in model.metadata_props:
+            verdict = first_step.prove_first_step(path, chosen)
+            if verdict.tokens_per_step is not None:
+                raise _FirstStepDiffers(verdict)
+
+    def save() -> None:
+        model_io.save_model_atomically(
+            model, output, external_data=external_data, validate=validate, protected=protected
+        )
+
+    try:
+        save()
+    except _FirstStepDiffers as differs:
+        if differs.verdict.holds:
+            tokens = str(differs.verdict.tokens_per_step)
+            model.metadata_props[contract.META_PROMPT_TOKENS_PER_STEP] = tokens
+            save()
+        return differs.verdict
+    return None
 
 
 def _one_decoder_part(parts: list[Part], format: int | None) -> tuple[CrossAttention | None, str]:

@@ -24,8 +24,8 @@ import onnx_ir as ir
 
 from onnxmerge import contract
 from onnxmerge.errors import InvalidMergedModelError, MergedModelRunError
-from onnxmerge.runtime.ort import ORT_TO_NUMPY, open_session, session_options
-from onnxmerge.samples import sample_encoder_inputs, token_counts, vocabulary
+from onnxmerge.runtime.ort import open_session, session_options
+from onnxmerge.samples import empty_pasts, sample_encoder_inputs, token_counts, vocabulary
 
 __all__ = ["check_written_model", "run_once", "unknown_operators"]
 
@@ -177,11 +177,7 @@ def run_once(path: Path, sources: Sequence[Path] = ()) -> None:
     has_past = contract.USE_CACHE_BRANCH in inputs
     if has_past:
         first[contract.USE_CACHE_BRANCH] = np.array([False])
-        for name, info in inputs.items():
-            if contract.is_past_name(name):
-                dims = [d if isinstance(d, int) else 1 for d in info.shape]
-                dims[0], dims[2] = _BATCH, 0
-                first[name] = np.zeros(dims, ORT_TO_NUMPY.get(info.type, np.float32))
+        first.update(empty_pasts(session, _BATCH))
     names = [o.name for o in session.get_outputs()]
     try:
         outputs = dict(zip(names, session.run(None, first), strict=True))

@@ -140,3 +140,14 @@ def sample_encoder_inputs(
 def _encoder_input_names(session) -> list[str]:
     meta = session.get_modelmeta().custom_metadata_map
     return json.loads(meta.get(contract.META_ENCODER_INPUTS, "[]"))
+
+
+def empty_pasts(session, rows: int) -> dict[str, np.ndarray]:
+    """Zero-length ``past_key_values.*`` for a first step of ``rows`` rows (docs/format.md)."""
+    feeds: dict[str, np.ndarray] = {}
+    for info in session.get_inputs():
+        if contract.is_past_name(info.name):
+            dims = [d if isinstance(d, int) else 1 for d in info.shape]
+            dims[0], dims[2] = rows, 0
+            feeds[info.name] = np.zeros(dims, ORT_TO_NUMPY.get(info.type, np.float32))
+    return feeds

@@ -24,8 +24,8 @@ from onnxmerge import contract, model_io
 from onnxmerge.merge.roles import Role
 from onnxmerge.passes import tied_head
 from onnxmerge.runtime.memory import release_free_heap
-from onnxmerge.runtime.ort import ORT_TO_NUMPY, open_session, session_options
-from onnxmerge.samples import sample_encoder_inputs
+from onnxmerge.runtime.ort import open_session, session_options
+from onnxmerge.samples import empty_pasts, sample_encoder_inputs, token_counts, vocabulary
 
 logger = logging.getLogger(__name__)
 
@@ -59,8 +59,17 @@ def prove_first_step(path: Path, sources: Mapping[Role, Path]) -> Verdict:
         meta = merged.get_modelmeta().custom_metadata_map
         config = json.loads(meta.get(contract.META_CONFIG, "{}"))
         rng = np.random.default_rng(1)
-        feeds = sample_encoder_inputs(merged, config, batch=_BATCH, length=_ENCODER_LENGTH, rng=rng)
-        vocab = _vocab(merged, config)
+        # The model's own token counts first: a folder may hold no config.json (Hub onnx/).
+        counts = token_counts(path)
+        feeds = sample_encoder_inputs(
+            merged,
+            config,
+            batch=_BATCH,
+            length=_ENCODER_LENGTH,
+            rng=rng,
+            vocab=vocabulary(counts, config, "input_ids"),
+        )
+        vocab = vocabulary(counts, config, contract.DECODER_INPUT_IDS)
         trials = {n: rng.integers(0, vocab, (_BATCH, n)).astype(np.int64) for n in (1, SEVERAL)}
         ours = {n: _merged_first_step(merged, feeds, ids) for n, ids in trials.items()}
         del merged
@@ -80,25 +89,8 @@ def prove_first_step(path: Path, sources: Mapping[Role, Path]) -> Verdict:
     return Verdict(None)
 
 
-def _vocab(session, config: dict) -> int:
-    for output in session.get_outputs():
-        if output.name == contract.LOGITS and isinstance(output.shape[-1], int):
-            return int(output.shape[-1])
-    return int(config.get("vocab_size") or 4)
-
-
-def _empty_pasts(session, rows: int) -> dict[str, np.ndarray]:
-    feeds: dict[str, np.ndarray] = {}
-    for info in session.get_inputs():
-        if contract.is_past_name(info.name):
-            dims = [d if isinstance(d, int) else 1 for d in info.shape]
-            dims[0], dims[2] = rows, 0
-            feeds[info.name] = np.zeros(dims, ORT_TO_NUMPY.get(info.type, np.float32))
-    return feeds
-
-
 def _merged_first_step(session, feeds: dict, ids: np.ndarray) -> dict[str, np.ndarray]:
-    run = dict(feeds, **_empty_pasts(session, ids.shape[0]))
+    run = dict(feeds, **empty_pasts(session, ids.shape[0]))
     run[contract.DECODER_INPUT_IDS] = ids
     run[contract.USE_CACHE_BRANCH] = np.array([False])
     names = [o.name for o in session.get_outputs()]
@@ -156,7 +148,7 @@ def _source_first_steps(
         if mask is not None:
             run[contract.OPTIMUM_ENCODER_ATTENTION_MASK] = mask
         if merged_decoder:
-            run.update(_empty_pasts(decoder, ids.shape[0]))
+            run.update(empty_pasts(decoder, ids.shape[0]))
             run[contract.USE_CACHE_BRANCH] = np.array([False])
         run = {k: v for k, v in run.items() if k in inputs}
         results[n] = dict(zip(outputs, decoder.run(None, run), strict=True))

@@ -302,16 +302,25 @@ def _quantize(merged: Path, work: Path, weights: str, step: Callable[[str], None
     return Path(quantize(merged, work / f"model_{weights}.onnx", weights=weights))
 
 
-def _page_settings(model: Path) -> dict:
-    """What the page needs to know: the model file, the encoder inputs and how long to generate."""
-    from onnxmerge.settings import resolve_settings
-
+def _servable_metadata(model: Path) -> tuple[dict[str, str], dict, dict]:
+    """A generator small enough for the page: its metadata, config and generation config."""
     if model.stat().st_size > MAX_MODEL_BYTES:
         raise OnnxMergeError(f"{model.name} is {model.stat().st_size} bytes; {_TOO_LARGE}")
     metadata = _metadata(model)
     try:
         config = json.loads(metadata.get(contract.META_CONFIG, "{}"))
         generation_config = json.loads(metadata.get(contract.META_GENERATION_CONFIG, "{}"))
+    except ValueError as e:
+        raise InvalidMergedModelError(f"the onnxmerge metadata of {model} is not JSON: {e}") from e
+    return metadata, config, generation_config
+
+
+def _page_settings(model: Path) -> dict:
+    """What the page needs to know: the model file, the encoder inputs and how long to generate."""
+    from onnxmerge.settings import resolve_settings
+
+    metadata, config, generation_config = _servable_metadata(model)
+    try:
         encoder_inputs = json.loads(metadata.get(contract.META_ENCODER_INPUTS, "[]"))
     except ValueError as e:
         raise InvalidMergedModelError(f"the onnxmerge metadata of {model} is not JSON: {e}") from e
@@ -335,12 +344,8 @@ def _audio_page_settings(model: Path) -> dict:
     from onnxmerge.generator.audio import META_FEATURES
     from onnxmerge.settings import resolve_settings
 
-    if model.stat().st_size > MAX_MODEL_BYTES:
-        raise OnnxMergeError(f"{model.name} is {model.stat().st_size} bytes; {_TOO_LARGE}")
-    metadata = _metadata(model)
+    metadata, config, generation_config = _servable_metadata(model)
     try:
-        config = json.loads(metadata.get(contract.META_CONFIG, "{}"))
-        generation_config = json.loads(metadata.get(contract.META_GENERATION_CONFIG, "{}"))
         generator = json.loads(metadata[_GENERATOR_KEY])
         spec = json.loads(metadata[META_FEATURES])
     except (KeyError, ValueError) as e:

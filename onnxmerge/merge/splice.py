@@ -220,32 +220,27 @@ def splice(
     _move_initializers(parts, main)
     _wire(encoder, decoder_parts, main_inputs, renames, encoder_output)
 
-    version = contract.FORMAT_VERSION
+    version, layout = contract.FORMAT_VERSION, contract.LAYOUT_WITH_PAST
     if with_past is not None and cross is not None:
         _one_decoder(main, main_inputs, encoder, decoder, with_past, cross, output_names)
         version = contract.ONE_DECODER_FORMAT_VERSION
-        layout = contract.LAYOUT_WITH_PAST
-        first_step_nodes: list[ir.Node] = []
     else:
         first_step_nodes = _take_nodes(encoder) + _take_nodes(decoder)
-    first_step_outputs = [decoder.outputs[n] for n in output_names]
-    if version == contract.ONE_DECODER_FORMAT_VERSION:
-        pass
-    elif with_past is None:
-        _add_first_step(main, first_step_nodes, output_names, first_step_outputs)
-        layout = contract.LAYOUT_WITHOUT_PAST
-    else:
-        if_node = _use_cache_if(
-            main_inputs[contract.USE_CACHE_BRANCH],
-            (first_step_nodes, first_step_outputs),
-            with_past,
-            decoder,
-            output_names,
-            values,
-        )
-        main.append(if_node)
-        main.outputs.extend(if_node.outputs)
-        layout = contract.LAYOUT_WITH_PAST
+        first_step_outputs = [decoder.outputs[n] for n in output_names]
+        if with_past is None:
+            _add_first_step(main, first_step_nodes, output_names, first_step_outputs)
+            layout = contract.LAYOUT_WITHOUT_PAST
+        else:
+            if_node = _use_cache_if(
+                main_inputs[contract.USE_CACHE_BRANCH],
+                (first_step_nodes, first_step_outputs),
+                with_past,
+                decoder,
+                output_names,
+                values,
+            )
+            main.append(if_node)
+            main.outputs.extend(if_node.outputs)
     return ir.Model(
         main,
         ir_version=ir_version,

@@ -51,11 +51,8 @@ def prove_first_step(path: Path, sources: Mapping[Role, Path]) -> Verdict:
     """Run the merged file's first step and the source files on the same sample inputs."""
     if importlib.util.find_spec("onnxruntime") is None:
         return Verdict(0, "onnxruntime, which proves the first step, is not installed")
-    options = session_options(optimize=False)
-    options.log_severity_level = 4
-    options.add_session_config_entry("session.disable_prepacking", "1")
     try:
-        merged = open_session(path, options)
+        merged = open_session(path, _proof_options())
         meta = merged.get_modelmeta().custom_metadata_map
         config = json.loads(meta.get(contract.META_CONFIG, "{}"))
         rng = np.random.default_rng(1)
@@ -75,7 +72,7 @@ def prove_first_step(path: Path, sources: Mapping[Role, Path]) -> Verdict:
         del merged
         gc.collect()
         release_free_heap()
-        theirs = _source_first_steps(sources, options, feeds, trials)
+        theirs = _source_first_steps(sources, feeds, trials)
     except Exception as e:  # onnxruntime raises its own types
         # Nothing is proven where the files do not run here (another provider's operators).
         text = str(e).strip().splitlines()
@@ -97,10 +94,22 @@ def _merged_first_step(session, feeds: dict, ids: np.ndarray) -> dict[str, np.nd
     return dict(zip(names, session.run(None, run), strict=True))
 
 
-def _source_session(path: Path, options):
-    """A session over a source file whose weights stay in the file, memory-mapped, and whose
-    tied head reads the embedding through ``Gemm`` rather than a transposed copy made per run."""
+def _proof_options():
+    """Options for the proof's sessions: the graph as written, and no packed copies of weights
+    that run once."""
+    options = session_options(optimize=False)
+    options.log_severity_level = 4
+    options.add_session_config_entry("session.disable_prepacking", "1")
+    return options
+
+
+def _source_session(path: Path):
+    """A session over a source file whose weights stay in the file, memory-mapped (the pages the
+    merge has read already), and whose tied head reads the embedding through ``Gemm`` rather
+    than a transposed copy made per run."""
     import onnxruntime
+
+    options = _proof_options()
 
     model, _ = model_io.load_model(path)
     tied_head.gemm_for_transposed_weights(model)
@@ -122,9 +131,9 @@ def _source_session(path: Path, options):
 
 
 def _source_first_steps(
-    sources: Mapping[Role, Path], options, feeds: dict, trials: dict[int, np.ndarray]
+    sources: Mapping[Role, Path], feeds: dict, trials: dict[int, np.ndarray]
 ) -> dict[int, dict[str, np.ndarray]]:
-    encoder = _source_session(sources[Role.ENCODER], options)
+    encoder = _source_session(sources[Role.ENCODER])
     names = {i.name for i in encoder.get_inputs()}
     hidden = encoder.run(
         [contract.OPTIMUM_ENCODER_OUTPUT], {k: v for k, v in feeds.items() if k in names}
@@ -133,9 +142,7 @@ def _source_first_steps(
     gc.collect()  # sessions hold reference cycles: free the encoder's before the decoder loads
     release_free_heap()
     merged_decoder = Role.DECODER not in sources
-    decoder = open_session(
-        sources[Role.MERGED_DECODER if merged_decoder else Role.DECODER], options
-    )
+    decoder = _source_session(sources[Role.MERGED_DECODER if merged_decoder else Role.DECODER])
     inputs = {i.name for i in decoder.get_inputs()}
     outputs = [o.name for o in decoder.get_outputs()]
     results = {}

@@ -54,13 +54,16 @@ OURS_LAYOUT = "onnxmerge model.onnx"
 # ---------------------------------------------------------------- run in child processes
 
 
-def merge_ours(export_dir: str, output: str) -> dict[str, Any]:
-    """onnxmerge's merge of the export folder; the report's numbers."""
+def merge_ours(export_dir: str, output: str, format: int | None = None) -> dict[str, Any]:
+    """onnxmerge's merge of the export folder (the default form, or ``format``); the report's
+    numbers."""
     from onnxmerge.merge import merge_seq2seq_with_report
 
-    result = merge_seq2seq_with_report(export_dir, output, overwrite=True)
+    result = merge_seq2seq_with_report(export_dir, output, overwrite=True, format=format)
     return {
         "path": str(result.path),
+        "format_version": result.format_version,
+        "format_reason": result.format_reason,
         "layout": result.layout,
         "inputs": [{"path": str(f.path), "role": f.role, "bytes": f.bytes} for f in result.inputs],
         "input_bytes": result.input_bytes,
@@ -306,23 +309,26 @@ def _ratio(ours: float | None, theirs: float | None) -> float | None:
 def bench_export(export: _common.Export, repeats: int, scratch: Path, profile: bool) -> dict:
     export_dir = str(export.onnx_dir)
     ours_out = scratch / f"{export.variant}-ours" / "model.onnx"
+    format_2_out = scratch / f"{export.variant}-ours-format-2" / "model.onnx"
     optimum_out = scratch / f"{export.variant}-optimum" / "decoder_model_merged.onnx"
-    for folder in (ours_out.parent, optimum_out.parent):
+    for folder in (ours_out.parent, format_2_out.parent, optimum_out.parent):
         folder.mkdir(parents=True, exist_ok=True)
 
-    def measured(merge: str, out: Path, preload: str) -> dict[str, Any]:
+    def measured(merge: str, out: Path, preload: str, *args: Any) -> dict[str, Any]:
         return _common.repeat_in_subprocess(
             f"benchmarks.bench_merge:{merge}",
-            (export_dir, str(out)),
+            (export_dir, str(out), *args),
             repeats=repeats,
             preload=(preload,),
             before_each=lambda: [p.unlink() for p in out.parent.iterdir() if p.is_file()],
         )
 
     ours = measured("merge_ours", ours_out, "onnxmerge.merge")
+    # The two-decoder form, today's before format 3: the one-decoder merge is held to it.
+    two_decoders = measured("merge_ours", format_2_out, "onnxmerge.merge", 2)
     optimum = measured("merge_optimum", optimum_out, "optimum.onnx")
     report = ours["runs"][-1]["result"]
-    for runs in (ours, optimum):
+    for runs in (ours, two_decoders, optimum):
         for run in runs["runs"]:
             run.pop("result", None)
     result = {
@@ -334,6 +340,7 @@ def bench_export(export: _common.Export, repeats: int, scratch: Path, profile: b
         "ort_check": ort_check(export.onnx_dir, ours_out),
         "merge_time_memory": {
             "onnxmerge": ours,
+            "onnxmerge_format_2": two_decoders,
             "optimum_merge_decoders": optimum,
             "ratios_ours_over_optimum": {
                 key: _ratio(ours["median"][key], optimum["median"][key])
@@ -344,6 +351,10 @@ def bench_export(export: _common.Export, repeats: int, scratch: Path, profile: b
                     "peak_call_rss_bytes",
                     "peak_private_bytes",
                 )
+            },
+            "ratios_ours_over_format_2": {
+                key: _ratio(ours["median"][key], two_decoders["median"][key])
+                for key in ("call_s", "wall_s", "peak_rss_bytes", "peak_call_rss_bytes")
             },
         },
     }
@@ -382,7 +393,7 @@ def markdown(results: dict[str, Any]) -> str:
     lines.append("|---|---|---|---|---|---|---|")
     for variant, v in variants.items():
         tm = v["merge_time_memory"]
-        for tool in ("onnxmerge", "optimum_merge_decoders"):
+        for tool in ("onnxmerge", "onnxmerge_format_2", "optimum_merge_decoders"):
             m = tm[tool]["median"]
             lines.append(
                 f"| {variant} | {tool} | {m['call_s']:.2f} | {m['wall_s']:.2f} | "
@@ -395,6 +406,11 @@ def markdown(results: dict[str, Any]) -> str:
             f"| {variant} | ratio | {fmt(r['call_s'])} | {fmt(r['wall_s'])} | "
             f"{fmt(r['peak_rss_bytes'])} | {fmt(r['peak_call_rss_bytes'])} | "
             f"{fmt(r['peak_private_bytes'])} |"
+        )
+        r = tm["ratios_ours_over_format_2"]
+        lines.append(
+            f"| {variant} | format 3 / format 2 | {fmt(r['call_s'])} | {fmt(r['wall_s'])} | "
+            f"{fmt(r['peak_rss_bytes'])} | {fmt(r['peak_call_rss_bytes'])} | - |"
         )
     lines += ["", "### Merge report and onnxruntime check", ""]
     lines.append(
@@ -494,6 +510,11 @@ def main(argv: list[str] | None = None) -> int:
                 v["merge_time_memory"]["ratios_ours_over_optimum"]["peak_rss_bytes"] or 0
             )
             <= TARGET_RSS_RATIO,
+            # A few percent either way is the machine's noise across processes.
+            "peak RSS <= 1.05x format 2": (
+                v["merge_time_memory"]["ratios_ours_over_format_2"]["peak_rss_bytes"] or 0
+            )
+            <= 1.05,
             "ORT check": v["ort_check"]["ok"],
         }
         for variant, v in results["variants"].items()

@@ -9,8 +9,10 @@ transformers applies its own.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -307,16 +309,56 @@ def softmax(scores: np.ndarray) -> np.ndarray:
 
 
 def log_softmax(scores: np.ndarray) -> np.ndarray:
+    """Log-probabilities over the last axis.
+
+    float32 scores go through onnxruntime's ``LogSoftmax`` where onnxruntime is installed: on a
+    beam step's ``[32, 59514]`` it takes a third of numpy's time, and it gives torch's values
+    bit for bit far more often (97% of them against 21%). Elsewhere, :func:`numpy_log_softmax`.
+    """
+    kernel = _log_softmax_kernel() if scores.dtype == np.float32 and scores.size else None
+    if kernel is None:
+        return numpy_log_softmax(scores)
+    rows = np.ascontiguousarray(scores.reshape(-1, scores.shape[-1]))
+    return kernel.run(None, {"scores": rows})[0].reshape(scores.shape)
+
+
+def numpy_log_softmax(scores: np.ndarray) -> np.ndarray:
     """``shifted - log(sum(exp(shifted)))`` with ``shifted = scores - max``, over the last axis."""
     rows = scores.reshape(-1, scores.shape[-1])
     out = np.empty(rows.shape, dtype=rows.dtype)
     scratch = np.empty(rows.shape[1], dtype=rows.dtype)
-    # Beam search runs this on [batch * beams, vocab] every step: a row at a time, its passes
-    # stay in cache. Each value goes through the same operations as over the whole array.
+    # A row at a time, its passes stay in cache. Each value goes through the same operations as
+    # over the whole array.
     for row, shifted in zip(rows, out, strict=True):
         np.subtract(row, row.max(), out=shifted)
         shifted -= np.log(np.exp(shifted, out=scratch).sum())
     return out.reshape(scores.shape)
+
+
+@functools.cache
+def _log_softmax_kernel() -> Any:
+    """A session of one ``LogSoftmax`` over ``[rows, vocab]`` float32, or None without
+    onnxruntime. One thread that does not spin: it runs between the model's own runs."""
+    if importlib.util.find_spec("onnxruntime") is None:
+        return None
+    import onnx.helper
+
+    from onnxmerge.runtime.ort import open_session, session_options
+
+    def value(name: str) -> onnx.ValueInfoProto:
+        return onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, ["rows", "vocab"])
+
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("LogSoftmax", ["scores"], ["log_probs"], axis=-1)],
+        "log_softmax",
+        [value("scores")],
+        [value("log_probs")],
+    )
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    return open_session(
+        model.SerializeToString(), session_options(threads=1, spinning=False)
+    )
 
 
 class ProcessorList(list):

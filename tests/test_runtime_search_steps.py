@@ -300,3 +300,31 @@ def test_first_step_takes_beam_zeros_columns_with_the_full_answer(masked):
     expected = search._topk_by_partition(flat, cfg.beams_to_keep)
     np.testing.assert_array_equal(search._first_step_topk(cfg, 1, flat), expected)
     np.testing.assert_array_equal(search._first_step_topk(cfg, 2, flat), expected)
+
+
+def test_beam_reorders_move_only_the_rows_that_change_in_the_runners_own_cache():
+    from onnxmerge.runtime.model import _Steps
+    from onnxmerge.runtime.session import Cache
+
+    rng = np.random.default_rng(3)
+    decoder = tuple(rng.standard_normal((6, 2, 3, 4)).astype(np.float32) for _ in range(2))
+    encoder = (rng.standard_normal((6, 2, 5, 4)).astype(np.float32),)
+    expected = [t.copy() for t in decoder]
+    steps = _Steps(session=None, encoder_inputs={}, prompt=np.zeros((6, 1), np.int64))
+    steps._cache = Cache(attention_mask=None, decoder=decoder, encoder=encoder)
+    for rows in ([1, 0, 2, 2, 5, 4], [0, 0, 0, 3, 3, 3], [2, 0, 1, 3, 4, 5]):  # cycles, copies
+        rows = np.array(rows)
+        steps.reorder(rows, within_batch=True)
+        expected = [t[rows] for t in expected]
+        for got, want in zip(steps.cache.decoder, expected, strict=True):
+            np.testing.assert_array_equal(got, want)
+    assert steps.cache.decoder[0] is decoder[0]  # moved within the arrays, not copied whole
+    assert steps.cache.encoder[0] is encoder[0]
+
+    # Arrays the runner cannot write (another holder's) are reordered into new ones.
+    frozen = decoder[0].copy()
+    frozen.flags.writeable = False
+    steps._cache = Cache(attention_mask=None, decoder=(frozen,), encoder=encoder)
+    steps.reorder(np.array([1, 0, 2, 3, 4, 5]), within_batch=True)
+    np.testing.assert_array_equal(steps.cache.decoder[0], frozen[[1, 0, 2, 3, 4, 5]])
+    assert steps.cache.decoder[0] is not frozen

@@ -53,9 +53,17 @@ class _Steps:
             self._cache = self.cache.expand(n)
 
     def reorder(self, rows: np.ndarray, *, within_batch: bool = False) -> None:
-        if np.array_equal(rows, np.arange(len(rows))):
+        moved = np.flatnonzero(rows != np.arange(len(rows)))
+        if not moved.size:
             return
-        self._cache = self.cache.reorder(rows, encoder=not within_batch)
+        cache = self.cache
+        if within_batch and cache.decoder and all(t.flags.writeable for t in cache.decoder):
+            # The runner's own cache, which nothing else holds: only the rows that move are
+            # copied, each once (the right side is gathered before any row is overwritten).
+            for tensor in cache.decoder:
+                tensor[moved] = tensor[rows[moved]]
+            return
+        self._cache = cache.reorder(rows, encoder=not within_batch)
 
 
 class _Runner(_Steps):

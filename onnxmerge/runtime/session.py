@@ -41,7 +41,8 @@ class Cache:
     With past: ``decoder`` and ``encoder`` hold the key/value tensors per layer (key, value,
     key, value, ...), ``[rows, heads, length, head_dim]``. Without past: ``tokens`` holds the
     decoder prefix so far and ``encoder_inputs`` the inputs the encoder is re-run on.
-    Methods return new caches; a cache is never changed in place.
+    Methods return new caches; a cache is never changed in place (beam search in ``generate()``
+    moves rows within the arrays of the cache only it holds).
     """
 
     attention_mask: np.ndarray | None

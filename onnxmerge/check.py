@@ -22,7 +22,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from onnxmerge import contract
+from onnxmerge import contract, model_io
 from onnxmerge.errors import InvalidMergedModelError, MergedModelRunError
 from onnxmerge.runtime.ort import open_session
 from onnxmerge.samples import empty_pasts, one_run_options, sample_inputs
@@ -94,17 +94,10 @@ def _check_tolerating(path: Path, tolerated: frozenset[tuple[str, str]], what: s
     # Weights are still in the data file here: this reads the graph only.
     proto = onnx.load(os.fspath(path), load_external_data=False)
 
-    def relabel(graph: onnx.GraphProto) -> None:
+    for graph in model_io.graph_protos(proto.graph):
         for node in graph.node:
             if (node.domain if node.domain != "ai.onnx" else "", node.op_type) in tolerated:
                 node.domain = _UNCHECKED_DOMAIN
-            for attr in node.attribute:
-                if attr.HasField("g"):
-                    relabel(attr.g)
-                for sub in attr.graphs:
-                    relabel(sub)
-
-    relabel(proto.graph)
     proto.opset_import.append(onnx.helper.make_opsetid(_UNCHECKED_DOMAIN, 1))
     # Beside the original, so that its external data references resolve.
     relabelled = path.with_name(f"{path.stem}.relabelled.onnx")

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from onnxmerge import contract
+from onnxmerge import contract, model_io
 from onnxmerge.errors import InvalidMergedModelError
 from onnxmerge.runtime.ort import ORT_TO_NUMPY, session_options
 
@@ -32,7 +32,7 @@ def token_counts(path: str | os.PathLike) -> dict[str, int]:
     producers: dict[str, onnx.NodeProto] = {}
     gathers: list[onnx.NodeProto] = []
 
-    def walk(graph: onnx.GraphProto) -> None:
+    for graph in model_io.graph_protos(proto.graph):
         for tensor in graph.initializer:
             shapes[tensor.name] = list(tensor.dims)
         for node in graph.node:
@@ -44,13 +44,6 @@ def token_counts(path: str | os.PathLike) -> dict[str, int]:
                         shapes[node.output[0]] = list(attr.t.dims)
             if node.op_type in ("Gather", "GatherBlockQuantized") and len(node.input) > 1:
                 gathers.append(node)
-            for attr in node.attribute:
-                if attr.HasField("g"):
-                    walk(attr.g)
-                for sub in attr.graphs:
-                    walk(sub)
-
-    walk(proto.graph)
 
     def rows(name: str, depth: int = 0) -> int | None:
         if name in shapes:

@@ -242,20 +242,39 @@ class _Rewriter:
         replace_result(node, [quant, product, as_float, scales, result], result.outputs[0])
 
 
+def _default_opset(model: ir.Model) -> int:
+    return model.opset_imports.get("", model.opset_imports.get("ai.onnx", 0))
+
+
+class RaiseOpsetForInt4(ir.passes.InPlacePass):
+    """Blocked int4 weights need opset 21: raise the model's default opset to it. Its
+    precondition: no operator of the model changes meaning on the way (opset 18 or later)."""
+
+    def requires(self, model: ir.Model) -> None:
+        current = _default_opset(model)
+        if current < _SAME_MEANING_SINCE:
+            raise ir.passes.PreconditionError(
+                f"int4 weights need ONNX opset {INT4_OPSET}; the model uses opset {current}, "
+                f"whose operators changed meaning before opset {_SAME_MEANING_SINCE}. Export "
+                f"with --opset {_SAME_MEANING_SINCE} or later, or choose int8"
+            )
+
+    def call(self, model: ir.Model) -> StepResult:
+        if _default_opset(model) >= INT4_OPSET:
+            return StepResult.counted(model, "opset_raised", 0)
+        model.opset_imports[""] = INT4_OPSET
+        model.opset_imports.pop("ai.onnx", None)
+        model.ir_version = max(model.ir_version or 0, INT4_IR_VERSION)
+        return StepResult.counted(model, "opset_raised", 1)
+
+
 def raise_opset_for_int4(model: ir.Model) -> None:
-    """Blocked int4 weights need opset 21; raise the model's opset where that changes no meaning."""
-    current = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 0))
-    if current >= INT4_OPSET:
-        return
-    if current < _SAME_MEANING_SINCE:
-        raise QuantizationError(
-            f"int4 weights need ONNX opset {INT4_OPSET}; the model uses opset {current}, whose "
-            f"operators changed meaning before opset {_SAME_MEANING_SINCE}. Export with "
-            f"--opset {_SAME_MEANING_SINCE} or later, or choose int8"
-        )
-    model.opset_imports[""] = INT4_OPSET
-    model.opset_imports.pop("ai.onnx", None)
-    model.ir_version = max(model.ir_version or 0, INT4_IR_VERSION)
+    """:class:`RaiseOpsetForInt4` on ``model``; its refused precondition as the error
+    quantization raises."""
+    try:
+        RaiseOpsetForInt4()(model)
+    except ir.passes.PreconditionError as e:
+        raise QuantizationError(str(e)) from e
 
 
 def quantizable(value: ir.Value) -> bool:

@@ -25,8 +25,10 @@ import numpy as np
 import onnx_ir as ir
 
 from onnxmerge.errors import QuantizationError
+from onnxmerge.passes import base as passes_base
 from onnxmerge.passes.base import (
     StepResult,
+    free_name,
     graph_of,
     initializer,
     is_op,
@@ -130,10 +132,7 @@ class _Rewriter:
         self._dequantized: dict[tuple[int, str], ir.Value] = {}
 
     def fresh(self, base: str) -> str:
-        name, k = base, 0
-        while name in self.names:
-            k += 1
-            name = f"{base}_{k}"
+        name = free_name(base, self.names, separator="_", first=1)
         self.names.add(name)
         return name
 
@@ -157,22 +156,11 @@ class _Rewriter:
         return initializer(self.main, name, array)
 
     def node(self, op: str, inputs: list, outputs: int | list[str] = 1, **attrs) -> ir.Node:
-        attributes = [
-            ir.AttrInt64s(k, v) if isinstance(v, list | tuple) else ir.AttrInt64(k, int(v))
-            for k, v in attrs.items()
-        ]
         names = outputs if isinstance(outputs, list) else [op.lower()] * outputs
         while inputs and inputs[-1] is None:
             inputs = inputs[:-1]
         values = [ir.Value(name=self.fresh(f"onnxmerge.q/{n}")) for n in names]
-        return ir.Node(
-            "",
-            op,
-            inputs,
-            attributes=attributes,
-            outputs=values,
-            name=self.fresh(f"onnxmerge.q/{op}"),
-        )
+        return passes_base.node(op, inputs, values, name=self.fresh(f"onnxmerge.q/{op}"), **attrs)
 
     # -- readers -------------------------------------------------------------------------------
 

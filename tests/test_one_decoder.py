@@ -17,7 +17,7 @@ import pytest
 
 from onnxmerge import contract, merge_seq2seq, merge_seq2seq_with_report
 from onnxmerge.errors import IncompatibleModelsError
-from onnxmerge.merge.cross_attention import find_cross_attention
+from onnxmerge.merge._cross_attention import find_cross_attention
 from onnxmerge.passes.base import NoMatch
 from tests import textmodels as tm
 

@@ -30,7 +30,7 @@ from onnxmerge.errors import (
 )
 from onnxmerge.generator import audio as audio_front
 from onnxmerge.generator import processors, search
-from onnxmerge.generator.ops import Names, Ops, typed_input
+from onnxmerge.generator._ops import Names, Ops, typed_input
 from onnxmerge.passes import base as passes_base
 from onnxmerge.passes.base import name_of
 from onnxmerge.settings import GenerationSettings, resolve_settings

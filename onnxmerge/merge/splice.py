@@ -18,7 +18,7 @@ import onnx_ir as ir
 from onnxmerge import contract
 from onnxmerge._version import __version__
 from onnxmerge.errors import ExportFolderError, IncompatibleModelsError
-from onnxmerge.merge.cross_attention import CrossAttention
+from onnxmerge.merge._cross_attention import CrossAttention
 from onnxmerge.merge.parts import Part
 from onnxmerge.merge.roles import Role
 from onnxmerge.passes import base as passes_base
@@ -170,7 +170,7 @@ def splice(
 
     A constructor, not a pass: it builds the model that the passes then rewrite, with the
     contract's metadata (format version, layout, encoder inputs) already set. With ``cross``,
-    the decoder without past's cross-attention part (:mod:`onnxmerge.merge.cross_attention`), it
+    the decoder without past's cross-attention part (:mod:`onnxmerge.merge._cross_attention`), it
     writes format version 3: the decoder with past runs every step and the ``If`` only chooses
     where the cross-attention keys and values come from.
     """

@@ -25,6 +25,7 @@ import argparse
 import hashlib
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -152,6 +153,19 @@ def cpu_description() -> dict[str, Any]:
     return {"model": model, "flags": listed}
 
 
+def environment(load_at_start: tuple[float, ...], **versions: str | None) -> dict[str, Any]:
+    """Where a run measured: Python, cores, processor, the load average at its start (given) and
+    now, then ``versions`` (package name to version)."""
+    return {
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "cpu": cpu_description(),
+        "load_average_at_start": load_at_start,
+        "load_average_at_end": os.getloadavg(),
+        **versions,
+    }
+
+
 def generate_exactly(model: Any, ids: Any, mask: Any, beams: int, new_tokens: int) -> Any:
     """``model.generate`` (onnxmerge's or transformers' API) for exactly ``new_tokens`` tokens."""
     return model.generate(
@@ -173,6 +187,17 @@ def arguments(doc: str, name: str, quick_help: str) -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true", help=quick_help)
     parser.add_argument("--out", type=Path, default=OUT_DIR / f"{name}.json", help="JSON results")
     return parser
+
+
+def worker_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of a benchmark that runs each side in a worker process of its own script:
+    ``--threads``, ``--cache-dir``, and the hidden ones the parent passes to a worker."""
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR)
+    parser.add_argument("--worker", choices=("ours", "ctranslate2"), help=argparse.SUPPRESS)
+    parser.add_argument("--path", help=argparse.SUPPRESS)
+    parser.add_argument("--session-cache", help=argparse.SUPPRESS)
+    parser.add_argument("--config", help=argparse.SUPPRESS)
 
 
 def write_results(path: Path, results: dict[str, Any]) -> None:
@@ -224,6 +249,16 @@ def export_cached(
         with staging(onnx_dir) as folder:
             _run_main_export(pytorch_dir, folder, variant, task)
     return Export(key=key, variant=variant, pytorch_dir=pytorch_dir, onnx_dir=onnx_dir)
+
+
+def marian_export(quick: bool, cache_dir: Path | None = None) -> tuple[Export, dict[str, int]]:
+    """The cached tied export of the reference model (the tiny one under ``--quick``) and the
+    config ids a worker needs: ``vocab_size``, ``pad_token_id``, ``eos_token_id``."""
+    factory = marian_config(quick)
+    export = export_cached(factory, "tied", cache_dir)
+    full = factory()
+    ids = ("vocab_size", "pad_token_id", "eos_token_id")
+    return export, {k: int(getattr(full, k)) for k in ids}
 
 
 def build_pytorch(config: Any, out_dir: Path) -> None:
@@ -336,6 +371,18 @@ with open(spec["result_path"], "w", encoding="utf-8") as f:
 """
 
 
+# What run_in_subprocess measures, besides the call's result and log.
+MEASURED_KEYS = (
+    "wall_s",
+    "call_s",
+    "peak_rss_bytes",
+    "baseline_rss_bytes",
+    "peak_call_rss_bytes",
+    "peak_private_bytes",
+    "maxrss_bytes",
+)
+
+
 def run_in_subprocess(
     fn_path: str,
     args: Sequence[Any] = (),
@@ -434,16 +481,7 @@ def repeat_in_subprocess(
         if before_each is not None:
             before_each()
         runs.append(run_in_subprocess(fn_path, args, kwargs, preload=preload))
-    keys = (
-        "wall_s",
-        "call_s",
-        "peak_rss_bytes",
-        "baseline_rss_bytes",
-        "peak_call_rss_bytes",
-        "peak_private_bytes",
-        "maxrss_bytes",
-    )
-    return {"median": median_runs(runs, keys), "runs": runs}
+    return {"median": median_runs(runs, MEASURED_KEYS), "runs": runs}
 
 
 def mb(n: float | None) -> str:

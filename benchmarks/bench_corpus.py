@@ -23,10 +23,8 @@ Usage: python benchmarks/bench_corpus.py [--quick] [--inputs 1000]
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -264,12 +262,7 @@ def markdown(data: dict) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = _common.arguments(__doc__, "corpus", "tiny Marian model, 48 inputs")
     parser.add_argument("--inputs", type=int, default=1000, help="inputs in the corpus")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--cache-dir", type=Path, default=_common.DEFAULT_CACHE_DIR)
-    parser.add_argument("--worker", choices=("ours", "ctranslate2"), help=argparse.SUPPRESS)
-    parser.add_argument("--path", help=argparse.SUPPRESS)
-    parser.add_argument("--session-cache", help=argparse.SUPPRESS)
-    parser.add_argument("--config", help=argparse.SUPPRESS)
+    _common.worker_arguments(parser)
     args = parser.parse_args(argv)
     if args.worker:
         config = json.loads(args.config)
@@ -282,10 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         args.inputs = min(args.inputs, 48)
     load_at_start = os.getloadavg()
     started = time.perf_counter()
-    factory = _common.marian_config(args.quick)
-    export = _common.export_cached(factory, "tied", args.cache_dir)
-    full = factory()
-    config = {k: int(getattr(full, k)) for k in ("vocab_size", "pad_token_id", "eos_token_id")}
+    export, config = _common.marian_export(args.quick, args.cache_dir)
     import onnxmerge
 
     scratch = Path(tempfile.mkdtemp(prefix="bench-corpus-"))
@@ -336,15 +326,9 @@ def main(argv: list[str] | None = None) -> int:
         },
         "precisions": precisions,
         "seconds": time.perf_counter() - started,
-        "environment": {
-            "python": platform.python_version(),
-            "cpu_count": os.cpu_count(),
-            "cpu": _common.cpu_description(),
-            "load_average_at_start": load_at_start,
-            "load_average_at_end": os.getloadavg(),
-            "onnxruntime": onnxruntime.__version__,
-            "ctranslate2": ctranslate2.__version__,
-        },
+        "environment": _common.environment(
+            load_at_start, onnxruntime=onnxruntime.__version__, ctranslate2=ctranslate2.__version__
+        ),
     }
     _common.write_results(args.out, results)
     for precision, data in precisions.items():

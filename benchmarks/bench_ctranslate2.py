@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -504,13 +503,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = _common.arguments(__doc__, "ctranslate2", "tiny Marian model, one round")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per case and process")
     parser.add_argument("--rounds", type=int, default=3, help="fresh processes per side")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--cache-dir", type=Path, default=_common.DEFAULT_CACHE_DIR)
-    parser.add_argument("--worker", choices=("ours", "ctranslate2"), help=argparse.SUPPRESS)
-    parser.add_argument("--path", help=argparse.SUPPRESS)
-    parser.add_argument("--session-cache", help=argparse.SUPPRESS)
+    _common.worker_arguments(parser)
     parser.add_argument("--backend", default="onnxruntime", help=argparse.SUPPRESS)
-    parser.add_argument("--config", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         work_args = (args.path, json.loads(args.config), args.repeats, args.threads)
@@ -524,10 +518,7 @@ def main(argv: list[str] | None = None) -> int:
         args.repeats, args.rounds = min(args.repeats, 1), 1
 
     load_at_start = os.getloadavg()
-    factory = _common.marian_config(args.quick)
-    export = _common.export_cached(factory, "tied", args.cache_dir)
-    full = factory()
-    config = {k: int(getattr(full, k)) for k in ("vocab_size", "pad_token_id", "eos_token_id")}
+    export, config = _common.marian_export(args.quick, args.cache_dir)
     scratch = Path(tempfile.mkdtemp(prefix="bench-ctranslate2-"))
     try:
         # The int8 references only matter at full size; the quick run checks the pipeline.
@@ -612,18 +603,14 @@ def main(argv: list[str] | None = None) -> int:
         },
         "int8_ours": "; ".join(f"{v}: {p['made_by']}" for v, p in precisions.items()),
         "precisions": precisions,
-        "environment": {
-            "python": platform.python_version(),
-            "cpu_count": os.cpu_count(),
-            "cpu": _common.cpu_description(),
-            # CTranslate2's float32 path slows down far more than onnxruntime when the machine
-            # is oversubscribed: read the ratios together with the load.
-            "load_average_at_start": load_at_start,
-            "load_average_at_end": os.getloadavg(),
-            "onnxruntime": onnxruntime.__version__,
-            "ctranslate2": ctranslate2.__version__,
-            "openvino": _version("openvino"),
-        },
+        # CTranslate2's float32 path slows down far more than onnxruntime when the machine is
+        # oversubscribed: read the ratios together with the load.
+        "environment": _common.environment(
+            load_at_start,
+            onnxruntime=onnxruntime.__version__,
+            ctranslate2=ctranslate2.__version__,
+            openvino=_version("openvino"),
+        ),
     }
     _common.write_results(args.out, results)
     for precision, data in precisions.items():

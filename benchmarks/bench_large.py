@@ -219,26 +219,14 @@ def merge_optimum(export_dir: str, output: str) -> dict[str, Any]:
 # ---------------------------------------------------------------- the benchmark
 
 
-def _measured(run: dict[str, Any]) -> dict[str, Any]:
-    keys = (
-        "wall_s",
-        "call_s",
-        "peak_rss_bytes",
-        "baseline_rss_bytes",
-        "peak_call_rss_bytes",
-        "peak_private_bytes",
-        "maxrss_bytes",
-    )
-    return {k: run.get(k) for k in keys}
-
-
 def _in_child(fn: str, args: tuple, preload: tuple[str, ...]) -> dict[str, Any]:
     """One measured child process; a crash is recorded rather than raised."""
     try:
         run = _common.run_in_subprocess(fn, args, preload=preload)
     except RuntimeError as e:
         return {"crashed": True, "error": str(e)[-3000:]}
-    return {"crashed": False, **_measured(run), "result": run["result"]}
+    measured = {k: run.get(k) for k in _common.MEASURED_KEYS}
+    return {"crashed": False, **measured, "result": run["result"]}
 
 
 def run_benchmark(

@@ -22,10 +22,10 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from onnxmerge import contract
+from onnxmerge import contract, model_io
 from onnxmerge.errors import InvalidMergedModelError, MergedModelRunError
-from onnxmerge.runtime.ort import open_session, session_options
-from onnxmerge.samples import empty_pasts, sample_encoder_inputs, token_counts, vocabulary
+from onnxmerge.runtime.ort import open_session
+from onnxmerge.samples import empty_pasts, one_run_options, sample_inputs
 
 __all__ = ["check_written_model", "run_once", "unknown_operators"]
 
@@ -94,17 +94,10 @@ def _check_tolerating(path: Path, tolerated: frozenset[tuple[str, str]], what: s
     # Weights are still in the data file here: this reads the graph only.
     proto = onnx.load(os.fspath(path), load_external_data=False)
 
-    def relabel(graph: onnx.GraphProto) -> None:
+    for graph in model_io.graph_protos(proto.graph):
         for node in graph.node:
             if (node.domain if node.domain != "ai.onnx" else "", node.op_type) in tolerated:
                 node.domain = _UNCHECKED_DOMAIN
-            for attr in node.attribute:
-                if attr.HasField("g"):
-                    relabel(attr.g)
-                for sub in attr.graphs:
-                    relabel(sub)
-
-    relabel(proto.graph)
     proto.opset_import.append(onnx.helper.make_opsetid(_UNCHECKED_DOMAIN, 1))
     # Beside the original, so that its external data references resolve.
     relabelled = path.with_name(f"{path.stem}.relabelled.onnx")
@@ -129,11 +122,7 @@ def run_once(path: Path, sources: Sequence[Path] = ()) -> None:
     """
     if importlib.util.find_spec("onnxruntime") is None:
         return
-    # Shapes, kernels and types fail without graph optimisations too, which would only add time.
-    options = session_options(optimize=False)
-    options.log_severity_level = 4  # the error is raised with its reason; no log lines besides
-    # One run needs no pre-packed copies of the weights.
-    options.add_session_config_entry("session.disable_prepacking", "1")
+    options = one_run_options()
     try:
         session = open_session(path, options)
     except Exception as e:  # onnxruntime raises its own types
@@ -150,15 +139,8 @@ def run_once(path: Path, sources: Sequence[Path] = ()) -> None:
     suffix = "-one-decoder" if one_decoder else ""
     inputs = {i.name: i for i in session.get_inputs()}
     rng = np.random.default_rng(0)
-    # Sizes the model states itself come first: a folder may hold no config.json (Hub onnx/).
-    counts = token_counts(path)
-    feeds = sample_encoder_inputs(
-        session,
-        config,
-        batch=_BATCH,
-        length=_ENCODER_LENGTH,
-        rng=rng,
-        vocab=vocabulary(counts, config, "input_ids"),
+    feeds, vocab = sample_inputs(
+        session, path, config, batch=_BATCH, length=_ENCODER_LENGTH, rng=rng
     )
     if contract.META_GENERATOR in meta:
         feeds[contract.MAX_NEW_TOKENS] = np.array(_GENERATED, np.int64)
@@ -171,7 +153,6 @@ def run_once(path: Path, sources: Sequence[Path] = ()) -> None:
         except Exception as e:
             raise MergedModelRunError("generate", _reason(e)) from e
         return
-    vocab = vocabulary(counts, config, contract.DECODER_INPUT_IDS)
     ids = rng.integers(0, vocab, (_BATCH, _DECODER_LENGTH)).astype(np.int64)
     first = dict(feeds, **{contract.DECODER_INPUT_IDS: ids})
     has_past = contract.USE_CACHE_BRANCH in inputs

@@ -1052,6 +1052,11 @@ def _generate_arguments(p: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--text", nargs="+", help="source texts (needs a tokenizer beside the model)"
     )
+    _generation_arguments(p)
+
+
+def _generation_arguments(p: argparse.ArgumentParser) -> None:
+    """What `generate` and `translate` both take: the search and the session cache."""
     p.add_argument("--max-new-tokens", type=_at_least(1))
     p.add_argument("--num-beams", type=_at_least(1))
     p.add_argument(
@@ -1084,13 +1089,7 @@ def _translate_arguments(p: argparse.ArgumentParser) -> None:
         default="examples",
         help="what --max-batch-size counts (default: examples)",
     )
-    p.add_argument("--max-new-tokens", type=_at_least(1))
-    p.add_argument("--num-beams", type=_at_least(1))
-    p.add_argument(
-        "--session-cache",
-        metavar="DIR",
-        help="keep onnxruntime's optimized graph in DIR, so that later runs load faster",
-    )
+    _generation_arguments(p)
     p.set_defaults(check=_check_translate_args)
 
 

@@ -59,6 +59,18 @@ def tensor_protos(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
                 yield from tensor_protos(sub)
 
 
+def graph_protos(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
+    """``graph`` and every subgraph of its nodes' attributes, at any depth (an If's branches, a
+    Loop's body)."""
+    yield graph
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.HasField("g"):
+                yield from graph_protos(attr.g)
+            for sub in attr.graphs:
+                yield from graph_protos(sub)
+
+
 def _expected_nbytes(tensor: onnx.TensorProto, where: str) -> int:
     """Bytes the tensor's dims and type need; refuses types that cannot live in a data file."""
     count = 1
@@ -217,16 +229,11 @@ def load_model(path: Path) -> tuple[ir.Model, set[Path]]:
 
 def _refuse_sparse(graph: onnx.GraphProto, path: Path) -> None:
     """Sparse tensors would be lost on the way through onnx-ir; say so instead."""
-    graphs = [graph]
-    while graphs:
-        current = graphs.pop()
+    for current in graph_protos(graph):
         sparse = len(current.sparse_initializer) > 0
         for node in current.node:
             for attr in node.attribute:
                 sparse |= attr.HasField("sparse_tensor") or len(attr.sparse_tensors) > 0
-                if attr.HasField("g"):
-                    graphs.append(attr.g)
-                graphs.extend(attr.graphs)
         if sparse:
             raise OnnxMergeError(
                 f"{path} holds sparse tensors, which onnxmerge does not merge; export the model "

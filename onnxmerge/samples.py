@@ -1,4 +1,5 @@
-"""Random but valid inputs for a merged model's encoder, for the output check and verify."""
+"""Random but valid inputs for a merged model, and the session options of one such run, for the
+output check, the first-step proof and verify."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from onnxmerge import contract
+from onnxmerge import contract, model_io
 from onnxmerge.errors import InvalidMergedModelError
-from onnxmerge.runtime.ort import ORT_TO_NUMPY
+from onnxmerge.runtime.ort import ORT_TO_NUMPY, session_options
 
 # Where neither the model nor a config says how many tokens there are: ids below this are valid
 # for any vocabulary a real model has.
@@ -31,7 +32,7 @@ def token_counts(path: str | os.PathLike) -> dict[str, int]:
     producers: dict[str, onnx.NodeProto] = {}
     gathers: list[onnx.NodeProto] = []
 
-    def walk(graph: onnx.GraphProto) -> None:
+    for graph in model_io.graph_protos(proto.graph):
         for tensor in graph.initializer:
             shapes[tensor.name] = list(tensor.dims)
         for node in graph.node:
@@ -43,13 +44,6 @@ def token_counts(path: str | os.PathLike) -> dict[str, int]:
                         shapes[node.output[0]] = list(attr.t.dims)
             if node.op_type in ("Gather", "GatherBlockQuantized") and len(node.input) > 1:
                 gathers.append(node)
-            for attr in node.attribute:
-                if attr.HasField("g"):
-                    walk(attr.g)
-                for sub in attr.graphs:
-                    walk(sub)
-
-    walk(proto.graph)
 
     def rows(name: str, depth: int = 0) -> int | None:
         if name in shapes:
@@ -137,6 +131,40 @@ def sample_encoder_inputs(
     return feeds
 
 
+def sample_inputs(
+    session,
+    path: str | os.PathLike,
+    config: dict,
+    *,
+    batch: int,
+    length: int,
+    rng: np.random.Generator,
+) -> tuple[dict[str, np.ndarray], int]:
+    """Encoder inputs for ``session`` of the model at ``path``, and how many ids its decoder
+    takes: the sizes the model states itself first (a folder may hold no config.json: Hub
+    ``onnx/``), then the config's."""
+    counts = token_counts(path)
+    feeds = sample_encoder_inputs(
+        session,
+        config,
+        batch=batch,
+        length=length,
+        rng=rng,
+        vocab=vocabulary(counts, config, "input_ids"),
+    )
+    return feeds, vocabulary(counts, config, contract.DECODER_INPUT_IDS)
+
+
+def one_run_options():
+    """onnxruntime session options for a model run once on sample inputs: no graph optimization
+    (shapes, kernels and types fail without it too, which would only add time), no log lines
+    (the error is raised with its reason) and no pre-packed copies of the weights."""
+    options = session_options(optimize=False)
+    options.log_severity_level = 4
+    options.add_session_config_entry("session.disable_prepacking", "1")
+    return options
+
+
 def _encoder_input_names(session) -> list[str]:
     meta = session.get_modelmeta().custom_metadata_map
     return json.loads(meta.get(contract.META_ENCODER_INPUTS, "[]"))
@@ -147,7 +175,7 @@ def empty_pasts(session, rows: int) -> dict[str, np.ndarray]:
     feeds: dict[str, np.ndarray] = {}
     for info in session.get_inputs():
         if contract.is_past_name(info.name):
-            dims = [d if isinstance(d, int) else 1 for d in info.shape]
+            dims = [d if isinstance(d, int) and d > 0 else 1 for d in info.shape]
             dims[0], dims[2] = rows, 0
             feeds[info.name] = np.zeros(dims, ORT_TO_NUMPY.get(info.type, np.float32))
     return feeds

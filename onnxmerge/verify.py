@@ -14,7 +14,7 @@ from onnxmerge import contract
 from onnxmerge.errors import ExportFolderError, InvalidMergedModelError
 from onnxmerge.merge.roles import Role
 from onnxmerge.runtime.ort import ORT_TO_NUMPY, open_session, session_options
-from onnxmerge.samples import sample_encoder_inputs, token_counts, vocabulary
+from onnxmerge.samples import empty_pasts, sample_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -53,10 +53,6 @@ class VerifyReport:
 
 def _session(path: Path, optimized: bool):
     return open_session(path, session_options(optimize=optimized))
-
-
-def _dims(shape: list, sizes: dict[str, int], default: int) -> list[int]:
-    return [d if isinstance(d, int) and d > 0 else sizes.get(str(d), default) for d in shape]
 
 
 def verify(
@@ -110,17 +106,7 @@ def verify(
     dtype = dtype or export_layout.recorded_dtype(meta.get(contract.META_SOURCES))
     layout = export_layout.resolve(export_dir, dtype)
     chosen, _, _ = load_export(layout.model_dir, merged, ignore_merged=True, files=layout.files)
-    # The sizes the model states itself; a folder may hold no config.json (Hub onnx/).
-    counts = token_counts(merged)
-    feeds = sample_encoder_inputs(
-        model,
-        config,
-        batch=batch,
-        length=encoder_length,
-        rng=rng,
-        vocab=vocabulary(counts, config, "input_ids"),
-    )
-    vocab = vocabulary(counts, config, contract.DECODER_INPUT_IDS)
+    feeds, vocab = sample_inputs(model, merged, config, batch=batch, length=encoder_length, rng=rng)
     decoder_ids = rng.integers(2, max(3, vocab - 2), (batch, decoder_length)).astype(np.int64)
     mask = feeds.get(contract.ATTENTION_MASK)
 
@@ -133,11 +119,7 @@ def verify(
     first_feed = dict(feeds, decoder_input_ids=decoder_ids)
     if has_past:
         first_feed[contract.USE_CACHE_BRANCH] = np.array([False])
-        for info in model.get_inputs():
-            if contract.is_past_name(info.name):
-                dims = _dims(info.shape, {}, 1)
-                dims[0], dims[2] = batch, 0
-                first_feed[info.name] = np.zeros(dims, ORT_TO_NUMPY.get(info.type, np.float32))
+        first_feed.update(empty_pasts(model, batch))
     output_names = [o.name for o in model.get_outputs()]
     first = dict(zip(output_names, model.run(None, first_feed), strict=True))
     diffs = [_diff("first", n, first[n], ref) for n, ref in first_ref.items() if n in first]
@@ -181,13 +163,11 @@ def _run_decoder(chosen, optimized, ids, mask, hidden, past) -> dict[str, np.nda
     if Role.MERGED_DECODER in chosen:
         session = _session(chosen[Role.MERGED_DECODER], optimized)
         feed = {contract.USE_CACHE_BRANCH: np.array([past is not None])}
+        if past is None:
+            feed.update(empty_pasts(session, ids.shape[0]))
         for info in session.get_inputs():
-            if contract.is_past_name(info.name) and past is None:
-                dims = _dims(info.shape, {}, 1)
-                dims[0], dims[2] = ids.shape[0], 0
-                feed[info.name] = np.zeros(dims, ORT_TO_NUMPY.get(info.type, np.float32))
-            elif info.name == contract.OPTIMUM_ENCODER_HIDDEN_STATES and hidden is None:
-                dims = _dims(info.shape, {}, 1)
+            if info.name == contract.OPTIMUM_ENCODER_HIDDEN_STATES and hidden is None:
+                dims = [d if isinstance(d, int) and d > 0 else 1 for d in info.shape]
                 dims[0], dims[1] = ids.shape[0], 0
                 feed[info.name] = np.zeros(dims, ORT_TO_NUMPY.get(info.type, np.float32))
     else:

@@ -1,5 +1,5 @@
 """Session-wide access to the tiny model zoo of onnxmerge/testing/zoo.py and to the demo model's
-export."""
+export; Chromium for the page tests."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from onnxmerge.testing.zoo import ARCHITECTURES, TinyExport
 
 # Tests that build models with torch and optimum; `pytest -m "not export"` leaves them out.
 EXPORT_FIXTURES = {"tiny_export", "demo_export"}
+# The page's npm packages (`npm ci --ignore-scripts` in tests/web, done by scripts/setup.sh test).
+WEB_NODE_MODULES = Path(__file__).parent / "web" / "node_modules"
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -48,3 +50,18 @@ def demo_export() -> Path:
     from onnxmerge.testing import zoo
 
     return zoo.demo_export()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """Debian's chromium through playwright, with the page's npm packages of tests/web; skips
+    when either is missing."""
+    sync_api = pytest.importorskip("playwright.sync_api", reason="the page is driven by playwright")
+    from onnxmerge.testing.browser import launch_chromium
+
+    with sync_api.sync_playwright() as playwright:
+        launched, missing = launch_chromium(playwright, WEB_NODE_MODULES)
+        if launched is None:
+            pytest.skip(missing)
+        yield launched
+        launched.close()

@@ -10,7 +10,7 @@ import onnx_ir as ir
 import pytest
 
 from onnxmerge.generator import build, processors, search
-from onnxmerge.generator.ops import Names, Ops
+from onnxmerge.generator._ops import Names, Ops
 from onnxmerge.settings import resolve_settings
 from tests import textmodels as tm
 

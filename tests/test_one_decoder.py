@@ -17,7 +17,7 @@ import pytest
 
 from onnxmerge import contract, merge_seq2seq, merge_seq2seq_with_report
 from onnxmerge.errors import IncompatibleModelsError
-from onnxmerge.merge.cross_attention import find_cross_attention
+from onnxmerge.merge._cross_attention import find_cross_attention
 from onnxmerge.passes.base import NoMatch
 from tests import textmodels as tm
 
@@ -138,7 +138,7 @@ def test_the_proof_reads_the_source_weights_where_they_are_stored(tmp_path, monk
     """The proof maps the source files' weights rather than copying them into its sessions: a
     copy of the decoder's weights made the merge's peak memory 35% larger on opus-mt's shape."""
     pytest.importorskip("onnxruntime")
-    from onnxmerge.merge import first_step
+    from onnxmerge.merge import _first_step as first_step
 
     folder = tm.write_export(tmp_path / "export")
     opened = []

@@ -96,6 +96,35 @@ def _shared_model() -> tuple[onnx.ModelProto, np.ndarray, np.ndarray]:
     return onnx.parser.parse_model(text), table, w
 
 
+def _opset_model(opset: int) -> ir.Model:
+    return ir.from_onnx_text(
+        f"""
+        < ir_version: 8, opset_import: ["" : {opset}] >
+        g (float[2, 3] x) => (float[2, 3] y) {{
+            y = Relu(x)
+        }}
+        """
+    )
+
+
+def test_int4_precondition_refuses_an_opset_whose_operators_change_meaning():
+    model = _opset_model(13)
+    with pytest.raises(ir.passes.PreconditionError, match=r"need ONNX opset 21.*opset 13.*int8"):
+        quant_rewrite.RaiseOpsetForInt4()(model)
+    assert model.opset_imports[""] == 13 and model.ir_version == 8  # refused before any change
+    with pytest.raises(QuantizationError, match=r"Export with --opset 18 or later"):
+        quant_rewrite.raise_opset_for_int4(model)
+
+
+@pytest.mark.parametrize(("opset", "raised"), [(18, 1), (21, 0)])
+def test_int4_pass_raises_an_opset_that_keeps_its_meaning(opset, raised):
+    model = _opset_model(opset)
+    result = quant_rewrite.RaiseOpsetForInt4()(model)
+    assert (result.name, result.count) == ("opset_raised", raised)
+    assert model.opset_imports[""] == 21
+    assert model.ir_version == (10 if raised else 8)
+
+
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_weights_shared_by_both_branches_are_quantized_once(precision):
     proto, table, w = _shared_model()

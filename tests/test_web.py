@@ -21,7 +21,7 @@ import onnxmerge
 from onnxmerge import cli
 from onnxmerge.demo import LARGEST_NUMBER, french_number, is_held_out
 from onnxmerge.errors import InvalidMergedModelError, OnnxMergeError, RefusedOutputError
-from onnxmerge.testing.browser import launch_chromium, load_page, serve, strip_pad
+from onnxmerge.testing.browser import load_page, serve, strip_pad
 from onnxmerge.web import build_site
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -114,6 +114,8 @@ def _quantized(demo_merged: Path) -> Path:
 SITE_FILES = {
     "index.html",
     "translate.js",
+    "page.js",
+    "page.css",
     "package.json",
     "site.json",
     "generator.onnx",
@@ -160,17 +162,6 @@ def test_an_unknown_precision_leaves_nothing_behind(demo_merged, tmp_path) -> No
 
 # ---------------------------------------------------------------------------------------------
 # the page in Chromium
-
-
-@pytest.fixture(scope="module")
-def browser():
-    sync_api = pytest.importorskip("playwright.sync_api", reason="the page is driven by playwright")
-    with sync_api.sync_playwright() as playwright:
-        launched, missing = launch_chromium(playwright, NODE_MODULES)
-        if launched is None:
-            pytest.skip(missing)
-        yield launched
-        launched.close()
 
 
 @contextlib.contextmanager

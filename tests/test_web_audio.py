@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from onnxmerge.generator import audio
-from onnxmerge.testing.browser import launch_chromium, load_page, serve
+from onnxmerge.testing.browser import load_page, serve
 from onnxmerge.web import build_site
 
 pytestmark = pytest.mark.export  # the tiny Whisper is exported with torch
@@ -46,7 +46,15 @@ def whisper_site(tiny_export, tmp_path_factory) -> Path:
 
 def test_site_files_and_settings(whisper_site, tiny_export):
     names = {p.name for p in whisper_site.iterdir()}
-    assert names == {"index.html", "transcribe.js", "package.json", "site.json", "generator.onnx"}
+    assert names == {
+        "index.html",
+        "transcribe.js",
+        "page.js",
+        "page.css",
+        "package.json",
+        "site.json",
+        "generator.onnx",
+    }
     settings = json.loads((whisper_site / "site.json").read_text())
     spec = audio.spec_for_source(tiny_export("whisper").onnx_dir)
     assert settings["audio"] == spec.as_dict()
@@ -70,17 +78,6 @@ def test_a_whisper_generator_without_audio_is_refused(tiny_export, tmp_path):
     with pytest.raises(OnnxMergeError, match="reads input_features.*--audio"):
         build_site(generator, tmp_path / "site")
     assert not (tmp_path / "site").exists()
-
-
-@pytest.fixture(scope="module")
-def browser():
-    sync_api = pytest.importorskip("playwright.sync_api", reason="the page is driven by playwright")
-    with sync_api.sync_playwright() as playwright:
-        launched, missing = launch_chromium(playwright, NODE_MODULES)
-        if launched is None:
-            pytest.skip(missing)
-        yield launched
-        launched.close()
 
 
 def test_page_transcribes_a_wav_into_pythons_tokens(browser, whisper_site, tmp_path):

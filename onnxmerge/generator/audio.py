@@ -33,7 +33,7 @@ from onnxmerge.errors import (
     OnnxMergeError,
     RefusedOutputError,
 )
-from onnxmerge.generator.ops import Names, Ops
+from onnxmerge.generator._ops import Names, Ops
 
 AUDIO = "audio"
 AUDIO_LENGTHS = "audio_lengths"

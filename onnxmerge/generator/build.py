@@ -30,7 +30,8 @@ from onnxmerge.errors import (
 )
 from onnxmerge.generator import audio as audio_front
 from onnxmerge.generator import processors, search
-from onnxmerge.generator.ops import Names, Ops, typed_input
+from onnxmerge.generator._ops import Names, Ops, typed_input
+from onnxmerge.passes import base as passes_base
 from onnxmerge.passes.base import name_of
 from onnxmerge.settings import GenerationSettings, resolve_settings
 
@@ -777,14 +778,8 @@ def _decode_loop(
     dtype = p.cached.past_in[0].dtype
     assert dtype is not None  # typed_input gave every past input its type
     initial_cache = [_unfixed_length(p.main, v, 2, p.first.trips, dtype) for v in initial_cache]
-    loop = ir.Node(
-        "",
-        "Loop",
-        [p.first.trips, *initial, *initial_cache],
-        attributes=[ir.AttrGraph("body", body_graph)],
-        outputs=loop_outputs,
-        name=p.names(name),
-    )
+    inputs = [p.first.trips, *initial, *initial_cache]
+    loop = passes_base.node("Loop", inputs, loop_outputs, name=p.names(name), body=body_graph)
     p.main.nodes.append(loop)
     return _Loop(body_graph, loop_outputs)
 

@@ -15,7 +15,7 @@ import numpy as np
 import onnx_ir as ir
 
 from onnxmerge.errors import GenerationError
-from onnxmerge.generator.ops import Ops
+from onnxmerge.generator._ops import Ops
 from onnxmerge.settings import GenerationSettings
 
 _NEG_INF = float("-inf")

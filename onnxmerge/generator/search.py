@@ -13,7 +13,7 @@ import numpy as np
 import onnx_ir as ir
 
 from onnxmerge.generator import processors
-from onnxmerge.generator.ops import Ops
+from onnxmerge.generator._ops import Ops
 from onnxmerge.settings import GenerationSettings
 
 # transformers' stand-in for -inf in beam bookkeeping (finite, so sums stay ordered).

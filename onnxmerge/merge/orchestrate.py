@@ -20,8 +20,8 @@ from onnxmerge.errors import (
     ExportFolderError,
     IncompatibleModelsError,
 )
-from onnxmerge.merge import compat, first_step, splice
-from onnxmerge.merge.cross_attention import CrossAttention, find_cross_attention
+from onnxmerge.merge import _first_step, compat, splice
+from onnxmerge.merge._cross_attention import CrossAttention, find_cross_attention
 from onnxmerge.merge.load import find_checkpoint, load_export
 from onnxmerge.merge.parts import Part, dim_sources, parts_of_file
 from onnxmerge.merge.roles import Role
@@ -39,7 +39,7 @@ FORMATS = (1, 2, 3)
 class _FirstStepDiffers(Exception):
     """Raised by the output check when version 3's first step is not the sources' (internal)."""
 
-    def __init__(self, verdict: first_step.Verdict):
+    def __init__(self, verdict: _first_step.Verdict):
         super().__init__(verdict.reason)
         self.verdict = verdict
 
@@ -284,7 +284,7 @@ def _save_checked(
     prove: bool,
     external_data: bool | None,
     protected: frozenset[Path],
-) -> first_step.Verdict | None:
+) -> _first_step.Verdict | None:
     """Save through the output check and, for format 3, the first step's proof.
 
     Returns None when the file was written as it is; the proof's verdict otherwise. Where only
@@ -295,7 +295,7 @@ def _save_checked(
     def validate(path: Path) -> None:
         check.check_written_model(path, tolerated=tolerated, sources=list(chosen.values()))
         if prove and contract.META_PROMPT_TOKENS_PER_STEP not in model.metadata_props:
-            verdict = first_step.prove_first_step(path, chosen)
+            verdict = _first_step.prove_first_step(path, chosen)
             if verdict.tokens_per_step is not None:
                 raise _FirstStepDiffers(verdict)
 

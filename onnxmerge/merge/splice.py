@@ -18,9 +18,10 @@ import onnx_ir as ir
 from onnxmerge import contract
 from onnxmerge._version import __version__
 from onnxmerge.errors import ExportFolderError, IncompatibleModelsError
-from onnxmerge.merge.cross_attention import CrossAttention
+from onnxmerge.merge._cross_attention import CrossAttention
 from onnxmerge.merge.parts import Part
 from onnxmerge.merge.roles import Role
+from onnxmerge.passes import base as passes_base
 from onnxmerge.passes.base import name_of
 
 logger = logging.getLogger(__name__)
@@ -94,14 +95,9 @@ def _branch(name: str, nodes: list[ir.Node], outputs: list[ir.Value]) -> ir.Grap
     final: list[ir.Value] = []
     for value in outputs:
         if not _produced_in(value, node_set) or value in final:
-            identity = ir.Node(
-                "",
-                "Identity",
-                [value],
-                name=f"{name}/{value.name}/identity",
-                outputs=[
-                    ir.Value(name=f"{name}/{value.name}.out", type=value.type, shape=value.shape)
-                ],
+            out = ir.Value(name=f"{name}/{value.name}.out", type=value.type, shape=value.shape)
+            identity = passes_base.node(
+                "Identity", [value], [out], name=f"{name}/{value.name}/identity"
             )
             nodes.append(identity)
             node_set.add(identity)
@@ -125,23 +121,12 @@ def _empty_like(name: str, value: ir.Value) -> list[ir.Node]:
     shape = ir.Value(
         name=f"{name}.shape", type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([len(dims)])
     )
-    shape_node = ir.Node(
-        "",
-        "Constant",
-        [],
-        attributes=[ir.AttrTensor("value", ir.tensor(np.asarray(dims, np.int64)))],
-        name=f"{name}.shape",
-        outputs=[shape],
+    shape_node = passes_base.node(
+        "Constant", [], [shape], name=f"{name}.shape", value=ir.tensor(np.asarray(dims, np.int64))
     )
     fill = ir.tensor(np.zeros(1, dtype=dtype.numpy()))
-    empty = ir.Node(
-        "",
-        "ConstantOfShape",
-        [shape],
-        attributes=[ir.AttrTensor("value", fill)],
-        name=name,
-        outputs=[ir.Value(name=name, type=value.type, shape=ir.Shape(dims))],
-    )
+    out = ir.Value(name=name, type=value.type, shape=ir.Shape(dims))
+    empty = passes_base.node("ConstantOfShape", [shape], [out], name=name, value=fill)
     return [shape_node, empty]
 
 
@@ -185,7 +170,7 @@ def splice(
 
     A constructor, not a pass: it builds the model that the passes then rewrite, with the
     contract's metadata (format version, layout, encoder inputs) already set. With ``cross``,
-    the decoder without past's cross-attention part (:mod:`onnxmerge.merge.cross_attention`), it
+    the decoder without past's cross-attention part (:mod:`onnxmerge.merge._cross_attention`), it
     writes format version 3: the decoder with past runs every step and the ``If`` only chooses
     where the cross-attention keys and values come from.
     """
@@ -366,7 +351,7 @@ def _add_first_step(
     main.extend(nodes)
     for name, value in zip(names, outputs, strict=True):
         if not _produced_in(value, set(nodes)) or value in main.outputs:
-            identity = ir.Node("", "Identity", [value], outputs=[_input_like(name, value)])
+            identity = passes_base.node("Identity", [value], [_input_like(name, value)])
             main.append(identity)
             value = identity.outputs[0]
         else:
@@ -404,16 +389,13 @@ def _one_decoder(
     cross_names = [n for n in output_names if contract.is_encoder_present(n)]
     computed = [decoder.outputs[n] for n in cross_names]
     passed = [main_inputs[contract.past_name(*_layer_part_kind(n))] for n in cross_names]
-    if_node = ir.Node(
-        "",
+    if_node = passes_base.node(
         "If",
         [main_inputs[contract.USE_CACHE_BRANCH]],
-        attributes=[
-            ir.AttrGraph("then_branch", _branch("with_past", [], passed)),
-            ir.AttrGraph("else_branch", _branch("no_past", encoder_nodes + cross_nodes, computed)),
-        ],
-        outputs=[_input_like(n, v) for n, v in zip(cross_names, computed, strict=True)],
+        [_input_like(n, v) for n, v in zip(cross_names, computed, strict=True)],
         name="use_cache_branch",
+        then_branch=_branch("with_past", [], passed),
+        else_branch=_branch("no_past", encoder_nodes + cross_nodes, computed),
     )
     cached_set = set(cached_nodes)
     for past, branch_output in zip(passed, if_node.outputs, strict=True):
@@ -433,7 +415,7 @@ def _one_decoder(
                     f"{decoder.source.name} has; the two decoders are not from one export"
                 )
             if not _produced_in(value, cached_set) or value in main.outputs:
-                identity = ir.Node("", "Identity", [value], outputs=[_input_like(name, value)])
+                identity = passes_base.node("Identity", [value], [_input_like(name, value)])
                 main.append(identity)
                 value = identity.outputs[0]
             else:
@@ -484,16 +466,14 @@ def _use_cache_if(
         raise IncompatibleModelsError("the decoders' caches do not match:", cache_problems)
     then_branch = _branch("with_past", cached_nodes, cached_outputs)
     else_branch = _branch("no_past", first_step_nodes, first_step_outputs)
-    return ir.Node(
-        "",
+    outputs = [_input_like(n, v) for n, v in zip(output_names, first_step_outputs, strict=True)]
+    return passes_base.node(
         "If",
         [condition],
-        attributes=[
-            ir.AttrGraph("then_branch", then_branch),
-            ir.AttrGraph("else_branch", else_branch),
-        ],
-        outputs=[_input_like(n, v) for n, v in zip(output_names, first_step_outputs, strict=True)],
+        outputs,
         name="use_cache_branch",
+        then_branch=then_branch,
+        else_branch=else_branch,
     )
 
 

@@ -6,9 +6,9 @@ A pass is an onnx-ir in-place pass; its result says, besides ``modified``, what 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TypeGuard
+from typing import Any, TypeGuard
 
 import numpy as np
 import onnx_ir as ir
@@ -127,10 +127,29 @@ def is_op(node: ir.Node | None, op_type: str) -> TypeGuard[ir.Node]:
     return node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx")
 
 
-def free_name(name: str, used: set[str]) -> str:
-    """``name``, or ``name.2``, ``name.3``, … : the first that is not in ``used``."""
-    candidate, counter = name, 1
+def free_name(name: str, used: set[str], *, separator: str = ".", first: int = 2) -> str:
+    """``name``, or ``name.2``, ``name.3``, … : the first that is not in ``used``.
+
+    The merge's scheme. Quantized files name their additions ``name_1``, ``name_2``, …
+    (``separator="_", first=1``): their names are part of files already written, so they stay.
+    """
+    candidate, counter = name, first
     while candidate in used:
+        candidate = f"{name}{separator}{counter}"
         counter += 1
-        candidate = f"{name}.{counter}"
     return candidate
+
+
+def node(
+    op: str,
+    inputs: Sequence[ir.Value | None],
+    outputs: Sequence[ir.Value] | int = 1,
+    *,
+    name: str | None = None,
+    **attributes: Any,
+) -> ir.Node:
+    """A default-domain node writing ``outputs`` (values, or how many new ones); attributes as
+    keywords: ints, lists of ints, floats, strings, tensors, graphs (``ir.node`` converts them)."""
+    if isinstance(outputs, int):
+        return ir.node(op, inputs, attributes, num_outputs=outputs, name=name)
+    return ir.node(op, inputs, attributes, outputs=outputs, name=name)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
+from onnxmerge.passes import base as passes_base
 from onnxmerge.passes.base import StepResult, graph_of, is_op, name_of, tensor_of
 
 logger = logging.getLogger(__name__)
@@ -343,18 +344,13 @@ def _resolve_chains(shared: list[SharedTensor]) -> list[SharedTensor]:
 def _transpose_node(graph: ir.Graph, source: ir.Value) -> ir.Value:
     shape = list(source.shape)[::-1] if source.shape is not None else None
     output = _new_value(f"{source.name}.transposed", source, shape)
-    node = ir.Node(
-        "",
-        "Transpose",
-        [source],
-        attributes=[ir.AttrInt64s("perm", [1, 0])],
-        outputs=[output],
-        name=f"{source.name}.transpose",
+    transpose = passes_base.node(
+        "Transpose", [source], [output], name=f"{source.name}.transpose", perm=[1, 0]
     )
     if len(graph) > 0:
-        graph.insert_before(graph[0], node)
+        graph.insert_before(graph[0], transpose)
     else:
-        graph.append(node)
+        graph.append(transpose)
     return output
 
 

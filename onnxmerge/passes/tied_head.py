@@ -15,6 +15,7 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
+from onnxmerge.passes import base as passes_base
 from onnxmerge.passes.base import (
     StepResult,
     free_name,
@@ -54,10 +55,9 @@ def _transposed_initializer(value: ir.Value | None, main: ir.Graph) -> ir.Value 
 
 
 def _node(op: str, inputs: list, name: str, output: str | ir.Value, **ints: int) -> ir.Node:
-    """One default-domain node named ``name`` with one output (a new value named ``output``)."""
+    """One node named ``name`` with one output (a new value named ``output``)."""
     value = output if isinstance(output, ir.Value) else ir.Value(name=output)
-    attributes = [ir.AttrInt64(key, number) for key, number in ints.items()]
-    return ir.Node("", op, inputs, attributes=attributes, outputs=[value], name=name)
+    return passes_base.node(op, inputs, [value], name=name, **ints)
 
 
 # onnxruntime's float16 Gemm and MatMul round differently; float and double agree exactly.

@@ -25,8 +25,10 @@ import numpy as np
 import onnx_ir as ir
 
 from onnxmerge.errors import QuantizationError
+from onnxmerge.passes import base as passes_base
 from onnxmerge.passes.base import (
     StepResult,
+    free_name,
     graph_of,
     initializer,
     is_op,
@@ -130,10 +132,7 @@ class _Rewriter:
         self._dequantized: dict[tuple[int, str], ir.Value] = {}
 
     def fresh(self, base: str) -> str:
-        name, k = base, 0
-        while name in self.names:
-            k += 1
-            name = f"{base}_{k}"
+        name = free_name(base, self.names, separator="_", first=1)
         self.names.add(name)
         return name
 
@@ -157,22 +156,11 @@ class _Rewriter:
         return initializer(self.main, name, array)
 
     def node(self, op: str, inputs: list, outputs: int | list[str] = 1, **attrs) -> ir.Node:
-        attributes = [
-            ir.AttrInt64s(k, v) if isinstance(v, list | tuple) else ir.AttrInt64(k, int(v))
-            for k, v in attrs.items()
-        ]
         names = outputs if isinstance(outputs, list) else [op.lower()] * outputs
         while inputs and inputs[-1] is None:
             inputs = inputs[:-1]
         values = [ir.Value(name=self.fresh(f"onnxmerge.q/{n}")) for n in names]
-        return ir.Node(
-            "",
-            op,
-            inputs,
-            attributes=attributes,
-            outputs=values,
-            name=self.fresh(f"onnxmerge.q/{op}"),
-        )
+        return passes_base.node(op, inputs, values, name=self.fresh(f"onnxmerge.q/{op}"), **attrs)
 
     # -- readers -------------------------------------------------------------------------------
 
@@ -242,20 +230,39 @@ class _Rewriter:
         replace_result(node, [quant, product, as_float, scales, result], result.outputs[0])
 
 
+def _default_opset(model: ir.Model) -> int:
+    return model.opset_imports.get("", model.opset_imports.get("ai.onnx", 0))
+
+
+class RaiseOpsetForInt4(ir.passes.InPlacePass):
+    """Blocked int4 weights need opset 21: raise the model's default opset to it. Its
+    precondition: no operator of the model changes meaning on the way (opset 18 or later)."""
+
+    def requires(self, model: ir.Model) -> None:
+        current = _default_opset(model)
+        if current < _SAME_MEANING_SINCE:
+            raise ir.passes.PreconditionError(
+                f"int4 weights need ONNX opset {INT4_OPSET}; the model uses opset {current}, "
+                f"whose operators changed meaning before opset {_SAME_MEANING_SINCE}. Export "
+                f"with --opset {_SAME_MEANING_SINCE} or later, or choose int8"
+            )
+
+    def call(self, model: ir.Model) -> StepResult:
+        if _default_opset(model) >= INT4_OPSET:
+            return StepResult.counted(model, "opset_raised", 0)
+        model.opset_imports[""] = INT4_OPSET
+        model.opset_imports.pop("ai.onnx", None)
+        model.ir_version = max(model.ir_version or 0, INT4_IR_VERSION)
+        return StepResult.counted(model, "opset_raised", 1)
+
+
 def raise_opset_for_int4(model: ir.Model) -> None:
-    """Blocked int4 weights need opset 21; raise the model's opset where that changes no meaning."""
-    current = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 0))
-    if current >= INT4_OPSET:
-        return
-    if current < _SAME_MEANING_SINCE:
-        raise QuantizationError(
-            f"int4 weights need ONNX opset {INT4_OPSET}; the model uses opset {current}, whose "
-            f"operators changed meaning before opset {_SAME_MEANING_SINCE}. Export with "
-            f"--opset {_SAME_MEANING_SINCE} or later, or choose int8"
-        )
-    model.opset_imports[""] = INT4_OPSET
-    model.opset_imports.pop("ai.onnx", None)
-    model.ir_version = max(model.ir_version or 0, INT4_IR_VERSION)
+    """:class:`RaiseOpsetForInt4` on ``model``; its refused precondition as the error
+    quantization raises."""
+    try:
+        RaiseOpsetForInt4()(model)
+    except ir.passes.PreconditionError as e:
+        raise QuantizationError(str(e)) from e
 
 
 def quantizable(value: ir.Value) -> bool:

@@ -356,9 +356,7 @@ def _log_softmax_kernel() -> Any:
     )
     model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 13)])
     model.ir_version = 8
-    return open_session(
-        model.SerializeToString(), session_options(threads=1, spinning=False)
-    )
+    return open_session(model.SerializeToString(), session_options(threads=1, spinning=False))
 
 
 class ProcessorList(list):

@@ -1,7 +1,8 @@
 """A static site that translates in the browser with one model file; see ``docs/web.md``.
 
-``build_site(source, output)`` writes ``index.html``, ``translate.js``, the generator model, the
-tokenizer and a ``package.json`` that pins onnxruntime-web and a JavaScript tokenizer.
+``build_site(source, output)`` writes ``index.html``, ``translate.js`` with the ``page.js`` and
+``page.css`` both pages share, the generator model, the tokenizer and a ``package.json`` that
+pins onnxruntime-web and a JavaScript tokenizer.
 """
 
 from __future__ import annotations

@@ -29,11 +29,15 @@ TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 ASSETS = {
     "index.html": "index.html",
     "translate.js": "translate.js",
+    "page.js": "page.js",
+    "page.css": "page.css",
     "package.json": "package.json",
 }
 AUDIO_ASSETS = {
     "index.html": "transcribe.html",
     "transcribe.js": "transcribe.js",
+    "page.js": "page.js",
+    "page.css": "page.css",
     "package.json": "package.json",
 }
 # The text page feeds these inputs; Whisper (input_features) gets the audio page.

@@ -3,101 +3,34 @@
 // the whole decoding loop: the page only decodes the audio to 16 kHz mono and makes one
 // session.run.
 
-const $ = (id) => document.getElementById(id);
+import { $, createSession, fetchJson, importPackages, missingFeature, readyText, runSequences, showError, start } from "./page.js";
 
-function showError(message) {
-  $("status").textContent = message;
-  $("status").className = "error";
-  $("progress").hidden = true;
-}
-
-// What onnxruntime-web's wasm backend and the page need; null when the browser has it all.
-function missingFeature() {
-  if (typeof WebAssembly !== "object" || typeof WebAssembly.validate !== "function") {
-    return "WebAssembly";
-  }
-  // onnxruntime-web ships SIMD builds only: a module with one v128 instruction must validate.
-  const simd = new Uint8Array([
-    0, 97, 115, 109, 1, 0, 0, 0, 1, 5, 1, 96, 0, 1, 123, 3, 2, 1, 0, 10, 10, 1, 8, 0, 65, 0, 253,
-    15, 253, 98, 11,
-  ]);
-  if (!WebAssembly.validate(simd)) return "WebAssembly SIMD";
-  if (typeof BigInt64Array !== "function") return "64-bit integer arrays (BigInt64Array)";
-  if (typeof fetch !== "function") return "fetch";
+// The page decodes audio with Web Audio besides what the wasm backend needs.
+function missingAudioFeature() {
   if (typeof OfflineAudioContext !== "function") return "Web Audio (OfflineAudioContext)";
   return null;
 }
 
-async function fetchBytes(url, onProgress) {
-  const response = await fetch(url);
-  if (!response.ok) throw new Error(`${url}: HTTP ${response.status}`);
-  const total = Number(response.headers.get("Content-Length")) || 0;
-  if (!response.body) return new Uint8Array(await response.arrayBuffer());
-  const reader = response.body.getReader();
-  const chunks = [];
-  let received = 0;
-  for (;;) {
-    const { done, value } = await reader.read();
-    if (done) break;
-    chunks.push(value);
-    received += value.length;
-    onProgress(received, total);
-  }
-  const bytes = new Uint8Array(received);
-  let offset = 0;
-  for (const chunk of chunks) {
-    bytes.set(chunk, offset);
-    offset += chunk.length;
-  }
-  return bytes;
-}
-
-async function fetchJson(url) {
-  const response = await fetch(url);
-  if (!response.ok) throw new Error(`${url}: HTTP ${response.status}`);
-  return response.json();
-}
-
-const mb = (n) => `${(n / 1e6).toFixed(1)} MB`;
-
 async function load() {
-  const missing = missingFeature();
+  const missing = missingFeature() ?? missingAudioFeature();
   if (missing) {
     showError(`This browser lacks ${missing}, which the page needs: use a current Chrome, Edge, Firefox or Safari.`);
     return null;
   }
-  let ort;
   const site = await fetchJson("site.json");
+  const packages = await importPackages("onnxruntime-web", ...(site.tokenizer ? ["@huggingface/tokenizers"] : []));
+  if (!packages) return null;
+  const [ort, tokenizers] = packages;
   let tokenizer = null;
-  try {
-    ort = await import("onnxruntime-web");
-    if (site.tokenizer) {
-      const { Tokenizer } = await import("@huggingface/tokenizers");
-      const [json, config] = await Promise.all([fetchJson("tokenizer.json"), fetchJson("tokenizer_config.json")]);
-      tokenizer = new Tokenizer(json, config);
-    }
-  } catch (error) {
-    showError(
-      `Could not load the JavaScript libraries (${error.message}). ` +
-        "Run `npm install --ignore-scripts` in the site folder, and serve the folder with node_modules.",
-    );
-    return null;
+  if (tokenizers) {
+    const [json, config] = await Promise.all([fetchJson("tokenizer.json"), fetchJson("tokenizer_config.json")]);
+    tokenizer = new tokenizers.Tokenizer(json, config);
   }
   const started = performance.now();
   const params = new URLSearchParams(location.search);
-  // Several threads need SharedArrayBuffer, which only a cross-origin isolated page has.
-  const threads = Number(params.get("threads")) || (crossOriginIsolated ? Math.min(4, navigator.hardwareConcurrency || 1) : 1);
-  ort.env.wasm.numThreads = threads;
-  const progress = $("progress");
-  const model = await fetchBytes(site.model, (received, total) => {
-    if (total) progress.value = received / total;
-    $("status").textContent = `Downloading the model: ${mb(received)}${total ? ` of ${mb(total)}` : ""}`;
-  });
-  const downloaded = performance.now();
-  $("status").textContent = "Preparing the model…";
-  const session = await ort.InferenceSession.create(model, { executionProviders: ["wasm"] });
+  const { model, session, downloaded } = await createSession(ort, site.model, params);
   const ready = performance.now();
-  progress.hidden = true;
+  $("progress").hidden = true;
   const timings = {
     download_ms: downloaded - started,
     session_ms: ready - downloaded,
@@ -106,11 +39,8 @@ async function load() {
     threads: ort.env.wasm.numThreads,
     cross_origin_isolated: crossOriginIsolated,
   };
-  const readyText =
-    `Ready: ${mb(model.length)} model loaded in ${(timings.load_ms / 1000).toFixed(2)} s ` +
-    `(session ${(timings.session_ms / 1000).toFixed(2)} s, ${timings.threads} thread${timings.threads > 1 ? "s" : ""}).`;
-  $("status").textContent = readyText;
-  return { ort, tokenizer, session, site, timings, readyText };
+  $("status").textContent = readyText(timings);
+  return { ort, tokenizer, session, site, timings };
 }
 
 // Encoded audio (any format the browser decodes) to mono samples at the model's rate: the
@@ -161,12 +91,7 @@ async function transcribe(app, rows, rate = app.site.audio.sampling_rate, maxNew
     audio_lengths: new ort.Tensor("int64", BigInt64Array.from(lengths, BigInt), [rows.length]),
     max_new_tokens: new ort.Tensor("int64", BigInt64Array.from([BigInt(maxNewTokens)]), []),
   };
-  const started = performance.now();
-  const result = await session.run(feeds);
-  const ms = performance.now() - started;
-  const { dims, data } = result.sequences;
-  const values = Array.from(data, Number);
-  const sequences = Array.from({ length: dims[0] }, (_, r) => values.slice(r * dims[1], (r + 1) * dims[1]));
+  const { sequences, ms } = await runSequences(session, feeds);
   const generated = sequences.map((row) => row.slice(site.prompt_length));
   const texts = app.tokenizer
     ? generated.map((row) => app.tokenizer.decode(row, { skip_special_tokens: true }).trim())
@@ -197,7 +122,7 @@ async function guarded(button, work) {
   button.disabled = true;
   try {
     show(await work());
-    $("status").textContent = window.onnxmerge.app.readyText;
+    $("status").textContent = readyText(window.onnxmerge.app.timings);
     $("status").className = "";
   } catch (error) {
     $("output").textContent = "";
@@ -242,16 +167,7 @@ function setUpMicrophone(app) {
   });
 }
 
-const app = await load().catch((error) => {
-  showError(`The model could not be loaded: ${error.message}`);
-  return null;
-});
-window.onnxmerge = {
-  app,
-  last: null,
-  transcribe: app ? (rows, rate, maxNewTokens) => transcribe(app, rows, rate, maxNewTokens) : null,
-  transcribeBytes: app ? (bytes) => transcribeBytes(app, bytes) : null,
-};
+const app = await start(load, { transcribe, transcribeBytes });
 if (app) {
   $("transcribe").disabled = false;
   $("transcribe").addEventListener("click", () => {

@@ -24,8 +24,8 @@ from onnxmerge import contract, model_io
 from onnxmerge.merge.roles import Role
 from onnxmerge.passes import tied_head
 from onnxmerge.runtime.memory import release_free_heap
-from onnxmerge.runtime.ort import open_session, session_options
-from onnxmerge.samples import empty_pasts, sample_encoder_inputs, token_counts, vocabulary
+from onnxmerge.runtime.ort import open_session
+from onnxmerge.samples import empty_pasts, one_run_options, sample_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -52,21 +52,13 @@ def prove_first_step(path: Path, sources: Mapping[Role, Path]) -> Verdict:
     if importlib.util.find_spec("onnxruntime") is None:
         return Verdict(0, "onnxruntime, which proves the first step, is not installed")
     try:
-        merged = open_session(path, _proof_options())
+        merged = open_session(path, one_run_options())
         meta = merged.get_modelmeta().custom_metadata_map
         config = json.loads(meta.get(contract.META_CONFIG, "{}"))
         rng = np.random.default_rng(1)
-        # The model's own token counts first: a folder may hold no config.json (Hub onnx/).
-        counts = token_counts(path)
-        feeds = sample_encoder_inputs(
-            merged,
-            config,
-            batch=_BATCH,
-            length=_ENCODER_LENGTH,
-            rng=rng,
-            vocab=vocabulary(counts, config, "input_ids"),
+        feeds, vocab = sample_inputs(
+            merged, path, config, batch=_BATCH, length=_ENCODER_LENGTH, rng=rng
         )
-        vocab = vocabulary(counts, config, contract.DECODER_INPUT_IDS)
         trials = {n: rng.integers(0, vocab, (_BATCH, n)).astype(np.int64) for n in (1, SEVERAL)}
         ours = {n: _merged_first_step(merged, feeds, ids) for n, ids in trials.items()}
         del merged
@@ -94,23 +86,13 @@ def _merged_first_step(session, feeds: dict, ids: np.ndarray) -> dict[str, np.nd
     return dict(zip(names, session.run(None, run), strict=True))
 
 
-def _proof_options():
-    """Options for the proof's sessions: the graph as written, and no packed copies of weights
-    that run once."""
-    options = session_options(optimize=False)
-    options.log_severity_level = 4
-    options.add_session_config_entry("session.disable_prepacking", "1")
-    return options
-
-
 def _source_session(path: Path):
     """A session over a source file whose weights stay in the file, memory-mapped (the pages the
     merge has read already), and whose tied head reads the embedding through ``Gemm`` rather
     than a transposed copy made per run."""
     import onnxruntime
 
-    options = _proof_options()
-
+    options = one_run_options()
     model, _ = model_io.load_model(path)
     tied_head.gemm_for_transposed_weights(model)
     proto = ir.serde.serialize_model(model)

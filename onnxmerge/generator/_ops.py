@@ -13,6 +13,8 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
+from onnxmerge.passes.base import node
+
 PREFIX = "generator"
 
 
@@ -43,15 +45,7 @@ class Ops:
     ) -> list[ir.Value]:
         hint = op_type.lower()
         outputs = [ir.Value(name=self.names(hint)) for _ in range(num_outputs)]
-        node = ir.Node(
-            "",
-            op_type,
-            list(inputs),
-            ir.convenience.convert_attributes(attributes),
-            outputs=outputs,
-            name=self.names(op_type),
-        )
-        self.nodes.append(node)
+        self.nodes.append(node(op_type, inputs, outputs, name=self.names(op_type), **attributes))
         return outputs
 
     # -- constants ----------------------------------------------------------------------------

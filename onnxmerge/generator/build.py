@@ -301,6 +301,17 @@ class _Loop:
     graph_outputs: list[ir.Value]
 
 
+def _builders(model: ir.Model) -> tuple[Names, Ops, Ops, ir.Value]:
+    """One fresh-name scheme for the whole file, node builders for the main graph and for the
+    Loop's body, and the ``max_new_tokens`` input every generator takes."""
+    names = Names()
+    opset = model.opset_imports.get("", 18)
+    max_new = ir.Value(
+        name=MAX_NEW_TOKENS, type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([])
+    )
+    return names, Ops(names, opset), Ops(names, opset), max_new
+
+
 def _assemble(
     model: ir.Model,
     info: contract.ContractInfo,
@@ -312,12 +323,7 @@ def _assemble(
     branches = _take_branches(graph)
     inputs = {name_of(v): v for v in graph.inputs}
     vocab = _vocab_size(info, branches.first_out[contract.LOGITS])
-    names = Names()
-    opset = model.opset_imports.get("", 18)
-    main, body = Ops(names, opset), Ops(names, opset)
-    max_new = ir.Value(
-        name=MAX_NEW_TOKENS, type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([])
-    )
+    names, main, body, max_new = _builders(model)
     first = _first_step(main, info, s, num_beams, branches, inputs, max_new, prompt)
     cached = _wire_cached_decoder(body, info, branches, inputs, first)
     parts = _LoopParts(main, body, names, s, vocab, num_beams, first, cached)
@@ -365,12 +371,7 @@ def _assemble_one_decoder(
     layers = info.num_layers
     encoder_names = contract.present_names(layers, "encoder")
 
-    names = Names()
-    opset = model.opset_imports.get("", 18)
-    main, body = Ops(names, opset), Ops(names, opset)
-    max_new = ir.Value(
-        name=MAX_NEW_TOKENS, type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([])
-    )
+    names, main, body, max_new = _builders(model)
     encoder_inputs = [inputs[n] for n in info.encoder_inputs]
     batch = main.dim(encoder_inputs[0], 0)
     encoder_ids = inputs.get("input_ids") if "input_ids" in info.encoder_inputs else None

@@ -250,3 +250,16 @@ def validate_settings(s: GenerationSettings) -> None:
         or not all(isinstance(w, (list, tuple)) and w for w in s.bad_words_ids)
     ):
         raise GenerationError("bad_words_ids must be a non-empty list of non-empty lists of ids")
+
+
+__all__ = [
+    "Setting",
+    "SCHEMA",
+    "GLOBAL_DEFAULTS",
+    "GENERATE_KEYWORDS",
+    "UNSUPPORTED_OFF_VALUES",
+    "GenerationSettings",
+    "model_generation_defaults",
+    "resolve_settings",
+    "validate_settings",
+]

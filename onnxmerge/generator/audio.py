@@ -447,3 +447,27 @@ def whisper_prompt(
     if no_timestamps is not None and prompt[-1] != no_timestamps:
         prompt.append(no_timestamps)
     return [int(t) for t in prompt if t is not None]
+
+
+__all__ = [
+    "AUDIO",
+    "AUDIO_LENGTHS",
+    "INPUT_FEATURES",
+    "META_FEATURES",
+    "PREPROCESSOR_CONFIG",
+    "DEFAULT_FEATURES_NAME",
+    "FEATURES_OPSET",
+    "MEL_FLOOR",
+    "MAX_FREQUENCY",
+    "FeatureSpec",
+    "feature_spec",
+    "mel_filters",
+    "audio_inputs",
+    "features_graph",
+    "features_model",
+    "spec_for_source",
+    "build_features",
+    "prepare_audio",
+    "PROMPT_KEYWORDS",
+    "whisper_prompt",
+]

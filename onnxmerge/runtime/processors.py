@@ -415,3 +415,28 @@ def build_processors(
         if s.top_p < 1.0:
             processors.append(TopP(s.top_p, keep))
     return processors
+
+
+__all__ = [
+    "NEG_INF",
+    "LogitsProcessor",
+    "RepetitionPenalty",
+    "NoRepeatNGram",
+    "EncoderRepetitionPenalty",
+    "EncoderNoRepeatNGram",
+    "NoBadWords",
+    "MinLength",
+    "MinNewTokens",
+    "ForcedBOS",
+    "ForcedEOS",
+    "SuppressTokens",
+    "SuppressTokensAtBegin",
+    "Temperature",
+    "TopK",
+    "TopP",
+    "softmax",
+    "log_softmax",
+    "numpy_log_softmax",
+    "ProcessorList",
+    "build_processors",
+]

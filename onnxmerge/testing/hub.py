@@ -51,3 +51,11 @@ def hub_repository(export: Path, root: Path, dtypes: tuple[str, ...] = ("fp32", 
             else:
                 shutil.copy(export / name, target)
     return root
+
+
+__all__ = [
+    "SIDE_FILES",
+    "MODEL_FILES",
+    "quantize_q8",
+    "hub_repository",
+]

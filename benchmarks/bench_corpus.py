@@ -78,7 +78,7 @@ def sampled(count: int) -> list[int]:
 class _Ours:
     def __init__(self, path: str, threads: int, session_cache: str | None):
         import onnxmerge
-        from onnxmerge.runtime.ort import session_options
+        from onnxmerge.runtime._ort import session_options
 
         options = session_options()
         options.intra_op_num_threads = threads

@@ -321,7 +321,7 @@ def worker_ours(
         import onnxruntime  # noqa: F401 - imported by the first load otherwise; part of the import
 
     import onnxmerge
-    from onnxmerge.runtime.ort import session_options
+    from onnxmerge.runtime._ort import session_options
 
     imported = time.perf_counter()
     rss_imported = _common.self_rss_bytes()["rss_bytes"]
@@ -330,7 +330,7 @@ def worker_ours(
     if backend == "onnxruntime":
         model = onnxmerge.Seq2SeqModel(path, session_options=options, session_cache=session_cache)
     else:  # the same search on another runtime's steps
-        from onnxmerge.runtime.session import MergedSession
+        from onnxmerge.runtime._session import MergedSession
 
         model = onnxmerge.Seq2SeqModel._on(
             MergedSession(path, session_options=options, backend=backend)

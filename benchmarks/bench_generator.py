@@ -74,7 +74,7 @@ def measure(
 
     import onnxmerge
     from onnxmerge.generator import build_generator
-    from onnxmerge.runtime.ort import open_session, session_options
+    from onnxmerge.runtime._ort import open_session, session_options
 
     def options():
         return session_options(threads=threads)

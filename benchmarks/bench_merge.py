@@ -160,8 +160,10 @@ def profile_ours(export_dir: str, output: str, top: int = 25) -> dict[str, Any]:
     import onnx_ir as ir
 
     from onnxmerge import model_io, passes
-    from onnxmerge.merge import compat, roles, splice
-    from onnxmerge.merge import orchestrate as merge
+    from onnxmerge.merge import _compat as compat
+    from onnxmerge.merge import _orchestrate as merge
+    from onnxmerge.merge import _roles as roles
+    from onnxmerge.merge import _splice as splice
 
     # Each phase as module.function; a few carry a note, or share the name of the public one.
     phases = {
@@ -226,7 +228,7 @@ def ort_check(export_dir: Path, merged: Path) -> dict[str, Any]:
     """Run the merged file for one first step and one cached step; compare with the export files."""
     import numpy as np
 
-    from onnxmerge.runtime.ort import open_session
+    from onnxmerge.runtime._ort import open_session
 
     model = open_session(merged)
     encoder = open_session(export_dir / ENCODER_FILE)

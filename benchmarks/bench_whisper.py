@@ -113,7 +113,7 @@ def python_side(
 
     import onnxmerge
     from onnxmerge.generator import audio, build_generator
-    from onnxmerge.runtime.ort import open_session, session_options
+    from onnxmerge.runtime._ort import open_session, session_options
 
     options = (
         {"language": "en"}

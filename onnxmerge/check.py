@@ -24,7 +24,7 @@ import onnx_ir as ir
 
 from onnxmerge import contract, model_io
 from onnxmerge.errors import InvalidMergedModelError, MergedModelRunError
-from onnxmerge.runtime.ort import open_session
+from onnxmerge.runtime._ort import open_session
 from onnxmerge.samples import empty_pasts, one_run_options, sample_inputs
 
 __all__ = ["check_written_model", "run_once", "unknown_operators"]

@@ -123,7 +123,7 @@ def _with_checkpoint(result, source: Path):
     """The result, with the checkpoint of the model folder it was exported from when known."""
     import dataclasses
 
-    from onnxmerge.merge.load import find_checkpoint
+    from onnxmerge.merge import find_checkpoint
 
     if result.checkpoint_bytes is not None or not source.is_dir():
         return result

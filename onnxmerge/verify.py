@@ -12,8 +12,8 @@ import numpy as np
 
 from onnxmerge import contract
 from onnxmerge.errors import ExportFolderError, InvalidMergedModelError
-from onnxmerge.merge.roles import Role
-from onnxmerge.runtime.ort import ORT_TO_NUMPY, open_session, session_options
+from onnxmerge.merge._roles import Role
+from onnxmerge.runtime._ort import ORT_TO_NUMPY, open_session, session_options
 from onnxmerge.samples import empty_pasts, sample_inputs
 
 logger = logging.getLogger(__name__)
@@ -77,7 +77,7 @@ def verify(
     the merged file records it was made from, else fp32.
     """
     from onnxmerge import export_layout
-    from onnxmerge.merge.load import load_export
+    from onnxmerge.merge import load_export
 
     merged, export_dir = Path(merged), Path(export_dir)
     if not merged.is_file():

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from onnxmerge.generator import audio
-from onnxmerge.runtime.ort import open_session, session_options
+from onnxmerge.runtime._ort import open_session, session_options
 from onnxmerge.testing import zoo as tiny_zoo
 
 pytestmark = pytest.mark.export

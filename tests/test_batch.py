@@ -14,10 +14,10 @@ import onnx
 import pytest
 
 from onnxmerge.batch import CONVERTED, FAILED, SKIPPED, convert_many, plan
-from onnxmerge.batch import manifest as manifest_module
-from onnxmerge.batch.runners import WORKER_DIED, run_pool
-from onnxmerge.batch.sources import EXPORT, UNKNOWN, Job, unique_names
-from onnxmerge.batch.task import MODEL_FILE, ModelResult, Options, finished
+from onnxmerge.batch import _manifest as manifest_module
+from onnxmerge.batch._runners import WORKER_DIED, run_pool
+from onnxmerge.batch._sources import EXPORT, UNKNOWN, Job, unique_names
+from onnxmerge.batch._task import MODEL_FILE, ModelResult, Options, finished
 from onnxmerge.cli import ExitCode, main
 
 GOOD = ("marian", "t5", "bart")

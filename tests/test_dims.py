@@ -6,8 +6,9 @@ from pathlib import Path
 
 import onnx_ir as ir
 
-from onnxmerge.merge import parts, splice
-from onnxmerge.merge.roles import Role
+from onnxmerge.merge import _parts as parts
+from onnxmerge.merge import _splice as splice
+from onnxmerge.merge._roles import Role
 from onnxmerge.passes import dims
 
 # Both graphs name a size they computed ``unk__0``, as onnxruntime's shape inference does in
@@ -84,7 +85,7 @@ def test_parts_without_clashes_are_left_alone():
 
 def test_an_untouched_export_keeps_every_name(tiny_export):
     """Optimum's own files name only interface sizes: the merged bytes stay what they were."""
-    from onnxmerge.merge.load import load_export
+    from onnxmerge.merge._load import load_export
 
     folder = tiny_export("t5").onnx_dir
     chosen, models, _ = load_export(folder, folder / "model.onnx")

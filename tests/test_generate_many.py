@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from onnxmerge.errors import GenerationError
-from onnxmerge.runtime import corpus
+from onnxmerge.runtime import _corpus as corpus
 from tests import textmodels as tm
 from tests.test_light_generation import MAX_NEW, PAD, export, model  # noqa: F401 - fixtures
 

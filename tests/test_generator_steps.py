@@ -9,7 +9,15 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 
-from onnxmerge.generator import build, processors, search
+from onnxmerge.generator import (
+    _build as build,
+)
+from onnxmerge.generator import (
+    _processor_nodes as processors,
+)
+from onnxmerge.generator import (
+    _search_nodes as search,
+)
 from onnxmerge.generator._ops import Names, Ops
 from onnxmerge.settings import resolve_settings
 from tests import textmodels as tm
@@ -381,7 +389,7 @@ class _FixedLogits:
 )
 def test_beam_steps_in_a_loop_match_the_python_runtime(settings):
     """The graph's step, run until it stops, and the runtime's beam search: same sequences."""
-    from onnxmerge.runtime import search as runtime_search
+    from onnxmerge.runtime import _search as runtime_search
     from onnxmerge.runtime.processors import ProcessorList
 
     batch, beams, max_new = 2, 3, 6

@@ -20,8 +20,8 @@ from onnxmerge import Seq2SeqModel, merge_seq2seq, quantize  # noqa: E402
 from onnxmerge.errors import GenerationError  # noqa: E402
 from onnxmerge.model_io import load_model  # noqa: E402
 from onnxmerge.passes import NoMatch  # noqa: E402
-from onnxmerge.runtime.greedy_head import TABLES, GreedyHead  # noqa: E402
-from onnxmerge.runtime.greedy_source import GreedySource, find_head, row_tables  # noqa: E402
+from onnxmerge.runtime._greedy_head import TABLES, GreedyHead  # noqa: E402
+from onnxmerge.runtime._greedy_source import GreedySource, find_head, row_tables  # noqa: E402
 from onnxmerge.runtime.processors import (  # noqa: E402
     ForcedBOS,
     MinLength,
@@ -292,7 +292,7 @@ def test_the_rewrite_runs_in_a_process_that_imported_nothing_else(tied, tmp_path
     code = (
         "import sys\n"
         "from pathlib import Path\n"
-        "from onnxmerge.runtime.greedy_source import write_greedy_source\n"
+        "from onnxmerge.runtime._greedy_source import write_greedy_source\n"
         "print(write_greedy_source(Path(sys.argv[1]), Path(sys.argv[2])) is not None)\n"
     )
     done = subprocess.run(

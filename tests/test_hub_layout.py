@@ -167,7 +167,7 @@ def test_the_cli_merges_every_dtype(tiny_repo, capsys) -> None:
 
 
 def test_batch_finds_the_models_under_onnx(tiny_repo) -> None:
-    from onnxmerge.batch.sources import EXPORT, kind_of
+    from onnxmerge.batch._sources import EXPORT, kind_of
 
     assert kind_of(tiny_repo) == EXPORT
     assert kind_of(tiny_repo / "onnx") == EXPORT
@@ -177,7 +177,7 @@ def test_batch_finds_the_models_under_onnx(tiny_repo) -> None:
 
 
 def test_the_merge_record_tells_a_current_merge_from_a_stale_one(tiny_repo) -> None:
-    from onnxmerge.web.static_site import _metadata
+    from onnxmerge.web._static_site import _metadata
 
     merged = merge_seq2seq(tiny_repo)
     layout = export_layout.resolve(tiny_repo)
@@ -304,7 +304,7 @@ def test_web_after_merge_uses_the_merged_file_or_merges_afresh(demo_export, tmp_
 def test_batch_converts_a_hub_repository_in_the_dtype_asked_for(demo_repo, tmp_path) -> None:
     pytest.importorskip("onnxruntime")
     from onnxmerge.batch import CONVERTED, convert_many
-    from onnxmerge.web.static_site import _metadata
+    from onnxmerge.web._static_site import _metadata
 
     [result] = convert_many([demo_repo], tmp_path / "zoo", jobs=0, dtype="q8")
     assert result.status == CONVERTED, result.error

@@ -20,7 +20,8 @@ from onnxmerge import (
     passes,
 )
 from onnxmerge import check as check_module
-from onnxmerge.merge import compat, splice
+from onnxmerge.merge import _compat as compat
+from onnxmerge.merge import _splice as splice
 from onnxmerge.passes import dedup
 from tests import textmodels as tm
 

@@ -157,7 +157,7 @@ def test_the_proof_reads_the_source_weights_where_they_are_stored(tmp_path, monk
 
 def test_a_decoder_traced_for_one_token_takes_the_prompt_one_token_per_step(tmp_path):
     pytest.importorskip("onnxruntime")
-    from onnxmerge.runtime.session import MergedSession
+    from onnxmerge.runtime._session import MergedSession
 
     folder = tm.write_export(tmp_path / "export")
     _edit(folder / tm.DECODER, _causal_self_context)

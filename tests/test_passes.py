@@ -9,7 +9,7 @@ import pytest
 
 from onnxmerge import merge, merge_seq2seq_with_report, passes
 from onnxmerge.passes import dedup, tied_head
-from onnxmerge.quantization import rewrite as quant_rewrite
+from onnxmerge.quantization import _rewrite as quant_rewrite
 from tests import textmodels as tm
 
 RNG = np.random.default_rng(11)

@@ -20,8 +20,8 @@ from onnxmerge import Seq2SeqModel, contract, merge_seq2seq
 from onnxmerge.errors import MergedModelRunError
 from onnxmerge.passes import StepResult, dims
 from onnxmerge.passes.dedup import MIN_SHARED_BYTES
+from onnxmerge.runtime._search import greedy_or_sample
 from onnxmerge.runtime.processors import build_processors
-from onnxmerge.runtime.search import greedy_or_sample
 from onnxmerge.testing import zoo as models
 from onnxmerge.testing.zoo import ARCHITECTURES
 from tests import processed

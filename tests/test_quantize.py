@@ -14,9 +14,9 @@ import pytest
 
 from onnxmerge import contract, model_io
 from onnxmerge.errors import QuantizationError, RefusedOutputError
-from onnxmerge.quantization import codes as quant_math
-from onnxmerge.quantization import rewrite as quant_rewrite
-from onnxmerge.runtime.ort import open_session, session_options
+from onnxmerge.quantization import _codes as quant_math
+from onnxmerge.quantization import _rewrite as quant_rewrite
+from onnxmerge.runtime._ort import open_session, session_options
 from onnxmerge.testing import quality
 from onnxmerge.testing.checks import dequantize, expand, find_duplicates
 from onnxmerge.testing.zoo import ARCHITECTURES

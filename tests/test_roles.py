@@ -14,7 +14,7 @@ from onnxmerge import (
     merge_seq2seq,
     merge_seq2seq_with_report,
 )
-from onnxmerge.merge.roles import Judgement, Role, assign_roles, judge
+from onnxmerge.merge._roles import Judgement, Role, assign_roles, judge
 from tests import textmodels as tm
 
 

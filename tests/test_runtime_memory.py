@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from onnxmerge.runtime.memory import clean_file_mappings, is_data_file_of, release_mapped_weights
+from onnxmerge.runtime._memory import clean_file_mappings, is_data_file_of, release_mapped_weights
 
 PAGE = mmap.PAGESIZE
 

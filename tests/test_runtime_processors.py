@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from onnxmerge.runtime import processors as p
-from onnxmerge.runtime.search import sample_tokens
+from onnxmerge.runtime._search import sample_tokens
 
 pytestmark = pytest.mark.export
 

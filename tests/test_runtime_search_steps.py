@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from onnxmerge.runtime import search
+from onnxmerge.runtime import _search as search
 from onnxmerge.runtime.processors import (
     ProcessorList,
     build_processors,
@@ -303,8 +303,8 @@ def test_first_step_takes_beam_zeros_columns_with_the_full_answer(masked):
 
 
 def test_beam_reorders_move_only_the_rows_that_change_in_the_runners_own_cache():
-    from onnxmerge.runtime.model import _Steps
-    from onnxmerge.runtime.session import Cache
+    from onnxmerge.runtime._model import _Steps
+    from onnxmerge.runtime._session import Cache
 
     rng = np.random.default_rng(3)
     decoder = tuple(rng.standard_normal((6, 2, 3, 4)).astype(np.float32) for _ in range(2))

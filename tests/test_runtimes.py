@@ -319,7 +319,7 @@ def test_openvino_steps_under_the_python_search(files):
     """MergedSession(backend="openvino"), which the benchmarks run, gives onnxruntime's tokens."""
     pytest.importorskip("openvino", reason="openvino is not installed: pip install openvino")
     import onnxmerge
-    from onnxmerge.runtime.session import MergedSession
+    from onnxmerge.runtime._session import MergedSession
 
     path = files.merged("marian")
     ours = onnxmerge.Seq2SeqModel(path)
@@ -337,7 +337,7 @@ def test_unknown_or_missing_backend_says_what_to_do(files, monkeypatch):
 
     from onnxmerge import GenerationError, MissingDependencyError
     from onnxmerge.cli import ExitCode, _failure
-    from onnxmerge.runtime.session import MergedSession
+    from onnxmerge.runtime._session import MergedSession
 
     path = files.merged("marian")
     with pytest.raises(GenerationError, match="unknown backend 'tvm'"):

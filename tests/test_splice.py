@@ -350,7 +350,7 @@ def test_merged_model_loads_in_onnx_ir_and_round_trips(tmp_path):
 
 
 def test_splice_called_directly_follows_the_contract():
-    from onnxmerge.merge.splice import splice
+    from onnxmerge.merge._splice import splice
 
     parts, models = tm.export_parts()
     model = splice(parts, models)
@@ -372,7 +372,7 @@ def test_splice_called_directly_follows_the_contract():
 
 
 def test_main_inputs_rename_optimum_names_and_report_dtype_clashes():
-    from onnxmerge.merge.splice import _main_inputs
+    from onnxmerge.merge._splice import _main_inputs
 
     parts, _ = tm.export_parts()
     encoder, decoder, with_past = parts
@@ -389,7 +389,7 @@ def test_main_inputs_rename_optimum_names_and_report_dtype_clashes():
 
 
 def test_output_names_drop_presents_without_a_cached_branch():
-    from onnxmerge.merge.splice import _output_names
+    from onnxmerge.merge._splice import _output_names
 
     parts, _ = tm.export_parts()
     decoder = parts[1]
@@ -398,7 +398,7 @@ def test_output_names_drop_presents_without_a_cached_branch():
 
 
 def test_hidden_state_problems_name_the_files():
-    from onnxmerge.merge.splice import _hidden_state_problems
+    from onnxmerge.merge._splice import _hidden_state_problems
 
     parts, _ = tm.export_parts()
     encoder, decoder, with_past = parts
@@ -412,7 +412,7 @@ def test_hidden_state_problems_name_the_files():
 
 def test_two_files_defining_one_local_function_are_refused():
     from onnxmerge.errors import IncompatibleModelsError
-    from onnxmerge.merge.splice import _local_functions
+    from onnxmerge.merge._splice import _local_functions
 
     text = """
 <ir_version: 8, opset_import: ["" : 17, "local" : 1]>

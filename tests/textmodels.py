@@ -467,7 +467,7 @@ def write_export(
 
 def session(path_or_bytes, *, optimize: bool = False):
     """An onnxruntime CPU session, graph optimisations off unless asked."""
-    from onnxmerge.runtime.ort import open_session, session_options
+    from onnxmerge.runtime._ort import open_session, session_options
 
     return open_session(path_or_bytes, session_options(optimize=optimize))
 
@@ -633,8 +633,8 @@ def export_parts(*, with_past_seed: int | None = None) -> tuple[list, dict]:
     """
     import onnx_ir as ir
 
-    from onnxmerge.merge.parts import parts_of_file
-    from onnxmerge.merge.roles import Role
+    from onnxmerge.merge._parts import parts_of_file
+    from onnxmerge.merge._roles import Role
 
     weights = make_weights()
     past_weights = make_weights(with_past_seed) if with_past_seed is not None else weights

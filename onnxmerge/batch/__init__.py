@@ -17,9 +17,9 @@ import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from onnxmerge.batch.runners import run_pool, run_ray, run_serial
-from onnxmerge.batch.sources import Job, plan
-from onnxmerge.batch.task import (
+from onnxmerge.batch._runners import run_pool, run_ray, run_serial
+from onnxmerge.batch._sources import Job, plan
+from onnxmerge.batch._task import (
     CONVERTED,
     FAILED,
     SKIPPED,

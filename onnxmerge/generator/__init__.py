@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from onnxmerge.generator.build import (
+from onnxmerge.generator._build import (
     DEFAULT_OUTPUT_NAME,
     MAX_NEW_TOKENS,
     SEQUENCES,

@@ -2,7 +2,7 @@
 model, the checkpoint analysis and the orchestration that runs them with the rewrite passes.
 
 The orchestrator is imported when one of its names is first asked for, so that a module that only
-loads files (``merge.load``) does not pull in the rest of the stage.
+loads files (``merge._load``) does not pull in the rest of the stage.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from onnxmerge.merge.load import find_checkpoint, load_export
-    from onnxmerge.merge.orchestrate import (
+    from onnxmerge.merge._load import find_checkpoint, load_export
+    from onnxmerge.merge._orchestrate import (
         DEFAULT_OUTPUT_NAME,
         MergeResult,
         merge_seq2seq,
@@ -32,11 +32,11 @@ __all__ = [
 
 def __getattr__(name: str):
     if name in ("find_checkpoint", "load_export"):
-        from onnxmerge.merge import load
+        from onnxmerge.merge import _load as load
 
         return getattr(load, name)
     if name in __all__:
-        from onnxmerge.merge import orchestrate
+        from onnxmerge.merge import _orchestrate as orchestrate
 
         return getattr(orchestrate, name)
     raise AttributeError(f"module 'onnxmerge.merge' has no attribute {name!r}")

@@ -21,10 +21,10 @@ import numpy as np
 import onnx_ir as ir
 
 from onnxmerge import contract, model_io
-from onnxmerge.merge.roles import Role
+from onnxmerge.merge._roles import Role
 from onnxmerge.passes import tied_head
-from onnxmerge.runtime.memory import release_free_heap
-from onnxmerge.runtime.ort import open_session
+from onnxmerge.runtime._memory import release_free_heap
+from onnxmerge.runtime._ort import open_session
 from onnxmerge.samples import empty_pasts, one_run_options, sample_inputs
 
 logger = logging.getLogger(__name__)

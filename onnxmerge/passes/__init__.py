@@ -6,7 +6,7 @@
   ``MergeEqualConstantNodes``, ``DropInitializerAliases``, ``RemoveUnusedInitializers``
 - ``tied_head``: ``GemmForTransposedWeights``
 
-The quantization pass lives with the rest of quantization (``onnxmerge.quantization.rewrite``).
+The quantization pass lives with the rest of quantization (``onnxmerge.quantization._rewrite``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Orchestration of quantization: load a merged file, store its weights quantized, check, save.
 
-The arithmetic lives in ``quant_math``, the graph rewrite in ``quant_rewrite``; this module only
+The arithmetic lives in ``_codes``, the graph rewrite in ``_rewrite``; this module only
 calls them in order, with the same safety as a merge (inputs untouched, all-or-nothing output).
 """
 
@@ -23,8 +23,8 @@ from onnxmerge.errors import (
     QuantizationError,
 )
 from onnxmerge.passes import dedup
-from onnxmerge.quantization import rewrite as quant_rewrite
-from onnxmerge.quantization.codes import INT8_PEAK
+from onnxmerge.quantization import _rewrite
+from onnxmerge.quantization._codes import INT8_PEAK
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ class QuantizeResult:
     precision: dict[str, str]
     bytes_before: int
     bytes_after: int
-    weights: tuple[quant_rewrite.QuantizedWeight, ...]
+    weights: tuple[_rewrite.QuantizedWeight, ...]
 
 
 def default_output(source: Path, weights: str) -> Path:
@@ -164,7 +164,7 @@ def _quantize_file(
             "float32 file it came from"
         )
     if weights == "int4" or encoder == "int4":
-        quant_rewrite.raise_opset_for_int4(model)
+        _rewrite.raise_opset_for_int4(model)
     encoder_nodes = inspection.encoder_nodes(model)
 
     def precision_of(weight: ir.Value) -> str:
@@ -177,7 +177,7 @@ def _quantize_file(
     quantized, *_ = passes.run(
         model,
         (
-            quant_rewrite.QuantizeWeights(precision_of),
+            _rewrite.QuantizeWeights(precision_of),
             # Equal scales or zero points (e.g. of two zero-initialized layers) are stored once.
             dedup.DeduplicateInitializers(),
             dedup.RemoveUnusedInitializers(),

@@ -343,7 +343,7 @@ def _log_softmax_kernel() -> Any:
         return None
     import onnx.helper
 
-    from onnxmerge.runtime.ort import open_session, session_options
+    from onnxmerge.runtime._ort import open_session, session_options
 
     def value(name: str) -> onnx.ValueInfoProto:
         return onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, ["rows", "vocab"])

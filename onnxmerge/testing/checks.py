@@ -8,7 +8,7 @@ import onnx_ir as ir
 
 from onnxmerge.passes.base import name_of, tensor_of
 from onnxmerge.passes.dedup import MIN_SHARED_BYTES, SharedTensor, _array, _digest
-from onnxmerge.quantization.codes import Quantized
+from onnxmerge.quantization._codes import Quantized
 
 __all__ = ["dequantize", "expand", "find_duplicates"]
 

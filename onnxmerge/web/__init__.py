@@ -7,6 +7,6 @@ pins onnxruntime-web and a JavaScript tokenizer.
 
 from __future__ import annotations
 
-from onnxmerge.web.static_site import build_site
+from onnxmerge.web._static_site import build_site
 
 __all__ = ["build_site"]

@@ -24,8 +24,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from onnxmerge.batch import manifest
-from onnxmerge.batch.sources import EXPORT, PYTORCH, Job, fingerprint
+from onnxmerge.batch import _manifest as manifest
+from onnxmerge.batch._sources import EXPORT, PYTORCH, Job, fingerprint
 from onnxmerge.errors import ExportFolderError, InvalidMergedModelError, OnnxMergeError
 
 logger = logging.getLogger(__name__)
@@ -200,8 +200,7 @@ def _timed(seconds: dict[str, float], stage: str) -> Iterator[None]:
 
 
 def _convert(job: Job, staging: Path, options: Options, seconds: dict[str, float]) -> dict:
-    from onnxmerge.merge import merge_seq2seq_with_report
-    from onnxmerge.merge.load import find_checkpoint
+    from onnxmerge.merge import find_checkpoint, merge_seq2seq_with_report
     from onnxmerge.verify import verify
 
     check_features(options)

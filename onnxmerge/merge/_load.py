@@ -10,8 +10,8 @@ import onnx_ir as ir
 
 from onnxmerge import export_layout, model_io
 from onnxmerge.errors import ExportFolderError, InvalidMergedModelError
-from onnxmerge.merge import roles
-from onnxmerge.merge.roles import Role
+from onnxmerge.merge import _roles as roles
+from onnxmerge.merge._roles import Role
 
 __all__ = ["CHECKPOINT_NAMES", "find_checkpoint", "load_export"]
 

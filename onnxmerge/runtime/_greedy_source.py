@@ -7,7 +7,7 @@ boolean input ``FLAG``: the embedding's rows quantized to int8 (a quarter of the
 the integer matrix product, with the head's input as the extra output ``HIDDEN``. The tables
 :func:`row_tables` returns bound how far each int8 logit can be from the float one, so the
 runtime computes float logits only for the tokens that can still be the largest
-(``onnxmerge/runtime/greedy_head.py``).
+(``onnxmerge/runtime/_greedy_head.py``).
 
 The graph this makes is for onnxruntime on one machine: session-cache entries hold it, merged
 files never do.
@@ -28,7 +28,7 @@ from onnxmerge import contract as c
 from onnxmerge.model_io import load_model
 from onnxmerge.passes import NoMatch, initializer, is_op, name_of, tensor_of
 from onnxmerge.quantization import INT8_PEAK
-from onnxmerge.runtime.greedy_head import FLAG, HIDDEN, write_tables
+from onnxmerge.runtime._greedy_head import FLAG, HIDDEN, write_tables
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ the name, so a changed file gets a new entry, which replaces the old one. An ent
 load is rebuilt; a cache that cannot be used leaves the model opening as without one.
 
 Where a float32 model's head is tied, the graph saved is that of the model with a greedy head
-(``onnxmerge/runtime/greedy_source.py``), and the entry holds the tables that go with it.
+(``onnxmerge/runtime/_greedy_source.py``), and the entry holds the tables that go with it.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from onnxmerge.runtime.ort import open_session, processor
+from onnxmerge.runtime._ort import open_session, processor
 
 logger = logging.getLogger(__name__)
 
@@ -105,10 +105,10 @@ def open_with_cache(
 
 
 def _greedy_source(model: Path, building: Path) -> Any:
-    """The model with a greedy head (``runtime/greedy_source.py``), written in ``building``;
+    """The model with a greedy head (``runtime/_greedy_source.py``), written in ``building``;
     None where its head does not allow one or it cannot be written."""
     try:
-        from onnxmerge.runtime.greedy_source import (
+        from onnxmerge.runtime._greedy_source import (
             write_greedy_source,  # onnx-ir: only when writing
         )
 

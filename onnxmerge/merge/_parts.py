@@ -11,7 +11,7 @@ import onnx_ir as ir
 
 from onnxmerge import contract
 from onnxmerge.errors import ExportFolderError
-from onnxmerge.merge.roles import Role
+from onnxmerge.merge._roles import Role
 from onnxmerge.passes.base import name_of
 from onnxmerge.passes.dims import DimSource
 

@@ -12,11 +12,11 @@ import numpy as np
 
 from onnxmerge import contract as c
 from onnxmerge.errors import GenerationError
-from onnxmerge.runtime import corpus
-from onnxmerge.runtime.greedy_head import GreedyHead, LogitBounds
+from onnxmerge.runtime import _corpus as corpus
+from onnxmerge.runtime._greedy_head import GreedyHead, LogitBounds
+from onnxmerge.runtime._search import GreedyRunner, beam_search, greedy_or_sample
+from onnxmerge.runtime._session import Cache, MergedSession, StepOutput
 from onnxmerge.runtime.processors import build_processors
-from onnxmerge.runtime.search import GreedyRunner, beam_search, greedy_or_sample
-from onnxmerge.runtime.session import Cache, MergedSession, StepOutput
 from onnxmerge.settings import GENERATE_KEYWORDS, SCHEMA, GenerationSettings, resolve_settings
 
 logger = logging.getLogger(__name__)
@@ -533,7 +533,7 @@ class Seq2SeqModel:
         """Tokenize ``texts``, generate in length-sorted batches (``max_batch_size=``,
         ``batch_type=`` as for :meth:`generate_many`), decode; see
         :class:`onnxmerge.runtime.TextGenerator`."""
-        from onnxmerge.runtime.text import TextGenerator
+        from onnxmerge.runtime._text import TextGenerator
 
         if tokenizer is None and self._tokenizer is None:
             self._tokenizer = TextGenerator.load_tokenizer(self.path.parent)

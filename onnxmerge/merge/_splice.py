@@ -19,8 +19,8 @@ from onnxmerge import contract
 from onnxmerge._version import __version__
 from onnxmerge.errors import ExportFolderError, IncompatibleModelsError
 from onnxmerge.merge._cross_attention import CrossAttention
-from onnxmerge.merge.parts import Part
-from onnxmerge.merge.roles import Role
+from onnxmerge.merge._parts import Part
+from onnxmerge.merge._roles import Role
 from onnxmerge.passes import base as passes_base
 from onnxmerge.passes.base import name_of
 

@@ -19,10 +19,10 @@ import numpy as np
 
 from onnxmerge import contract as c
 from onnxmerge.errors import GenerationError, InvalidMergedModelError, MissingDependencyError
-from onnxmerge.runtime import ort
-from onnxmerge.runtime.greedy_head import FLAG, HIDDEN, GreedyHead
-from onnxmerge.runtime.memory import release_free_heap, release_mapped_weights
-from onnxmerge.runtime.session_cache import open_with_cache
+from onnxmerge.runtime import _ort as ort
+from onnxmerge.runtime._greedy_head import FLAG, HIDDEN, GreedyHead
+from onnxmerge.runtime._memory import release_free_heap, release_mapped_weights
+from onnxmerge.runtime._session_cache import open_with_cache
 
 logger = logging.getLogger(__name__)
 
@@ -158,7 +158,7 @@ class MergedSession:
         options = session_options if session_options is not None else ort.session_options()
         try:
             if backend == "openvino":
-                from onnxmerge.runtime.openvino import OpenVinoSession
+                from onnxmerge.runtime._openvino import OpenVinoSession
 
                 threads = getattr(session_options, "intra_op_num_threads", 0)
                 self.session, self.opened = OpenVinoSession(self.path, threads), self.path

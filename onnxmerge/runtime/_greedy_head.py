@@ -1,7 +1,7 @@
 """Exact greedy tokens from a session-cache entry's int8 head and the float rows of a few tokens.
 
 A cached step run with ``FLAG`` set returns int8 logits (the embedding's rows quantized to int8,
-see ``runtime/greedy_source.py``) and the head's input ``HIDDEN``. For each token the tables
+see ``runtime/_greedy_source.py``) and the head's input ``HIDDEN``. For each token the tables
 bound how far its int8 logit can be from the float one: the rows' quantization error, the
 input's (quantized per tensor to uint8, off by at most half a step) and the rounding of both
 products. After the logits processors, which map each score through a non-decreasing

@@ -28,8 +28,9 @@ from onnxmerge.errors import (
     OnnxMergeError,
     RefusedOutputError,
 )
+from onnxmerge.generator import _processor_nodes as processors
+from onnxmerge.generator import _search_nodes as search
 from onnxmerge.generator import audio as audio_front
-from onnxmerge.generator import processors, search
 from onnxmerge.generator._ops import Names, Ops, typed_input
 from onnxmerge.passes import base as passes_base
 from onnxmerge.passes.base import name_of

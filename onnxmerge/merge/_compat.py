@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from onnxmerge.merge.parts import Part
-from onnxmerge.merge.roles import Role
+from onnxmerge.merge._parts import Part
+from onnxmerge.merge._roles import Role
 from onnxmerge.passes import dedup
 from onnxmerge.passes.base import tensor_of
 

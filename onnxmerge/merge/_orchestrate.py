@@ -20,11 +20,13 @@ from onnxmerge.errors import (
     ExportFolderError,
     IncompatibleModelsError,
 )
-from onnxmerge.merge import _first_step, compat, splice
+from onnxmerge.merge import _compat as compat
+from onnxmerge.merge import _first_step
+from onnxmerge.merge import _splice as splice
 from onnxmerge.merge._cross_attention import CrossAttention, find_cross_attention
-from onnxmerge.merge.load import find_checkpoint, load_export
-from onnxmerge.merge.parts import Part, dim_sources, parts_of_file
-from onnxmerge.merge.roles import Role
+from onnxmerge.merge._load import find_checkpoint, load_export
+from onnxmerge.merge._parts import Part, dim_sources, parts_of_file
+from onnxmerge.merge._roles import Role
 from onnxmerge.passes import dedup, dims, reshape_targets, tied_head
 from onnxmerge.passes.base import NoMatch
 

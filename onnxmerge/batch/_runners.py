@@ -17,8 +17,8 @@ from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wai
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
-from onnxmerge.batch.sources import Job
-from onnxmerge.batch.task import ModelResult, Options, convert_one, failed, proc_bytes
+from onnxmerge.batch._sources import Job
+from onnxmerge.batch._task import ModelResult, Options, convert_one, failed, proc_bytes
 from onnxmerge.errors import OnnxMergeError
 
 Task = Callable[[Job, str, Options], ModelResult]

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import onnx_ir as ir
 
-from onnxmerge.generator import processors
+from onnxmerge.generator import _processor_nodes as processors
 from onnxmerge.generator._ops import Ops
 from onnxmerge.settings import GenerationSettings
 

@@ -36,7 +36,7 @@ from onnxmerge.passes.base import (
     replace_result,
     tensor_of,
 )
-from onnxmerge.quantization import codes as quant_math
+from onnxmerge.quantization import _codes
 
 logger = logging.getLogger(__name__)
 
@@ -345,7 +345,7 @@ def _rewrite_integer(
         # int4 ones would be dequantized whole at every step.
         precision = "int8"
     axis = _block_axis(weight) if precision == "int4" else _channel_axis(weight)
-    q = quant_math.quantize(array, precision, axis)
+    q = _codes.quantize(array, precision, axis)
     codes_type = {"int8": ir.DataType.INT8, "uint8": ir.DataType.UINT8, "int4": ir.DataType.INT4}
     codes = rewriter.initializer(f"{weight.name}_{precision}", q.codes, codes_type[precision])
     scale = rewriter.initializer(f"{weight.name}_scale", q.scale.astype(np.float32))

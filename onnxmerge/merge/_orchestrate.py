@@ -197,22 +197,14 @@ def merge_seq2seq_with_report(
     step("deduplicating")
     rewrites = passes.run(model, (separate_dims, *rewrite_steps(cross is not None)))
     shared = passes.records(rewrites)
-    configs = {
-        contract.META_CONFIG: _read_json(layout.config_dir / "config.json"),
-        contract.META_GENERATION_CONFIG: _read_json(layout.config_dir / "generation_config.json"),
-        contract.META_SOURCES: export_layout.sources_record(layout, files_read),
-    }
+    configs = _configs(layout, files_read)
     config = configs[contract.META_CONFIG]
-    problems = compat.checkpoint_problems(
-        parts, origins, list(shared), json.loads(config) if config else None
+    _judge(
+        compat.checkpoint_problems(
+            parts, origins, list(shared), json.loads(config) if config else None
+        ),
+        force,
     )
-    if problems and not force:
-        raise IncompatibleModelsError(
-            "the files do not come from one model (pass force=True / --force to merge anyway):",
-            problems,
-        )
-    for problem in problems:
-        logger.warning("merging anyway: %s", problem)
     model.metadata_props.update({key: text for key, text in configs.items() if text is not None})
     step("saving and checking")
     verdict = _save_checked(
@@ -242,17 +234,63 @@ def merge_seq2seq_with_report(
         )._replace_reason(f"the first step of version 3 is not proven: {verdict.reason}")
     if verdict is not None:
         format_reason += f"; a prompt is fed one token per step ({verdict.reason})"
-    output_bytes = model_io.file_bytes(output, model_io.data_files_of(output))
+    result = _report(
+        model, output, layout, chosen, data_files, tensors_in, shared, rewrites, format_reason
+    )
+    logger.info(
+        "merged %d files (%d bytes) into %s (%d bytes); %d tensors shared, %d transposed",
+        len(result.inputs),
+        result.input_bytes,
+        output,
+        result.output_bytes,
+        len(result.shared),
+        len(result.transposed),
+    )
+    return result
+
+
+def _configs(layout: export_layout.ExportLayout, files_read: list[Path]) -> dict[str, str | None]:
+    """The metadata a merged file carries from its folder: the configs and the files read."""
+    return {
+        contract.META_CONFIG: _read_json(layout.config_dir / "config.json"),
+        contract.META_GENERATION_CONFIG: _read_json(layout.config_dir / "generation_config.json"),
+        contract.META_SOURCES: export_layout.sources_record(layout, files_read),
+    }
+
+
+def _judge(problems: list[str], force: bool) -> None:
+    """Refuse files that do not come from one model, unless forced (then say so in the log)."""
+    if problems and not force:
+        raise IncompatibleModelsError(
+            "the files do not come from one model (pass force=True / --force to merge anyway):",
+            problems,
+        )
+    for problem in problems:
+        logger.warning("merging anyway: %s", problem)
+
+
+def _report(
+    model: ir.Model,
+    output: Path,
+    layout: export_layout.ExportLayout,
+    chosen: dict[Role, Path],
+    data_files: dict[Path, set[Path]],
+    tensors_in: int,
+    shared: tuple[dedup.SharedTensor, ...],
+    rewrites: tuple[passes.StepResult, ...],
+    format_reason: str,
+) -> MergeResult:
+    """The numbers of a merge whose file is written."""
     inputs = tuple(
         InputFile(path, role.value, model_io.file_bytes(path, data_files[path]))
         for role, path in chosen.items()
     )
     checkpoint = find_checkpoint(layout.config_dir)
-    result = MergeResult(
+    return MergeResult(
         path=output,
         layout=model.metadata_props[contract.META_LAYOUT],
         inputs=inputs,
-        output_bytes=output_bytes,
+        output_bytes=model_io.file_bytes(output, model_io.data_files_of(output)),
         tensors_in=tensors_in,
         tensors_out=len(model.graph.initializers),
         shared=shared,
@@ -265,16 +303,6 @@ def merge_seq2seq_with_report(
         config_dir=layout.config_dir,
         dtypes_present=layout.present,
     )
-    logger.info(
-        "merged %d files (%d bytes) into %s (%d bytes); %d tensors shared, %d transposed",
-        len(inputs),
-        result.input_bytes,
-        output,
-        output_bytes,
-        len(result.shared),
-        len(result.transposed),
-    )
-    return result
 
 
 def _save_checked(

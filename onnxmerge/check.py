@@ -25,7 +25,7 @@ import onnx_ir as ir
 from onnxmerge import contract, model_io
 from onnxmerge.errors import InvalidMergedModelError, MergedModelRunError
 from onnxmerge.runtime._ort import open_session
-from onnxmerge.samples import empty_pasts, one_run_options, sample_inputs
+from onnxmerge.samples import first_step_feeds, one_run_options, sample_inputs
 
 __all__ = ["check_written_model", "run_once", "unknown_operators"]
 
@@ -157,8 +157,7 @@ def run_once(path: Path, sources: Sequence[Path] = ()) -> None:
     first = dict(feeds, **{contract.DECODER_INPUT_IDS: ids})
     has_past = contract.USE_CACHE_BRANCH in inputs
     if has_past:
-        first[contract.USE_CACHE_BRANCH] = np.array([False])
-        first.update(empty_pasts(session, _BATCH))
+        first.update(first_step_feeds(session, _BATCH))
     names = [o.name for o in session.get_outputs()]
     try:
         outputs = dict(zip(names, session.run(None, first), strict=True))

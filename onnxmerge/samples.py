@@ -170,9 +170,10 @@ def _encoder_input_names(session) -> list[str]:
     return json.loads(meta.get(contract.META_ENCODER_INPUTS, "[]"))
 
 
-def empty_pasts(session, rows: int) -> dict[str, np.ndarray]:
-    """Zero-length ``past_key_values.*`` for a first step of ``rows`` rows (docs/format.md)."""
-    feeds: dict[str, np.ndarray] = {}
+def first_step_feeds(session, rows: int) -> dict[str, np.ndarray]:
+    """``use_cache_branch`` False and zero-length ``past_key_values.*``: a first step of ``rows``
+    rows (docs/format.md)."""
+    feeds: dict[str, np.ndarray] = {contract.USE_CACHE_BRANCH: np.array([False])}
     for info in session.get_inputs():
         if contract.is_past_name(info.name):
             dims = [d if isinstance(d, int) and d > 0 else 1 for d in info.shape]

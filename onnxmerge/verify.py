@@ -14,7 +14,7 @@ from onnxmerge import contract
 from onnxmerge.errors import ExportFolderError, InvalidMergedModelError
 from onnxmerge.merge._roles import Role
 from onnxmerge.runtime._ort import ORT_TO_NUMPY, open_session, session_options
-from onnxmerge.samples import empty_pasts, sample_inputs
+from onnxmerge.samples import first_step_feeds, sample_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -118,8 +118,7 @@ def verify(
     has_past = contract.USE_CACHE_BRANCH in input_names
     first_feed = dict(feeds, decoder_input_ids=decoder_ids)
     if has_past:
-        first_feed[contract.USE_CACHE_BRANCH] = np.array([False])
-        first_feed.update(empty_pasts(model, batch))
+        first_feed.update(first_step_feeds(model, batch))
     output_names = [o.name for o in model.get_outputs()]
     first = dict(zip(output_names, model.run(None, first_feed), strict=True))
     diffs = [_diff("first", n, first[n], ref) for n, ref in first_ref.items() if n in first]
@@ -162,9 +161,11 @@ def _run_decoder(chosen, optimized, ids, mask, hidden, past) -> dict[str, np.nda
     """Run the original decoder for a first step (``past`` None) or a cached step."""
     if Role.MERGED_DECODER in chosen:
         session = _session(chosen[Role.MERGED_DECODER], optimized)
-        feed = {contract.USE_CACHE_BRANCH: np.array([past is not None])}
-        if past is None:
-            feed.update(empty_pasts(session, ids.shape[0]))
+        feed = (
+            first_step_feeds(session, ids.shape[0])
+            if past is None
+            else {contract.USE_CACHE_BRANCH: np.array([True])}
+        )
         for info in session.get_inputs():
             if info.name == contract.OPTIMUM_ENCODER_HIDDEN_STATES and hidden is None:
                 dims = [d if isinstance(d, int) and d > 0 else 1 for d in info.shape]

@@ -25,7 +25,7 @@ from onnxmerge.merge._roles import Role
 from onnxmerge.passes import tied_head
 from onnxmerge.runtime._memory import release_free_heap
 from onnxmerge.runtime._ort import open_session
-from onnxmerge.samples import empty_pasts, one_run_options, sample_inputs
+from onnxmerge.samples import first_step_feeds, one_run_options, sample_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -79,9 +79,8 @@ def prove_first_step(path: Path, sources: Mapping[Role, Path]) -> Verdict:
 
 
 def _merged_first_step(session, feeds: dict, ids: np.ndarray) -> dict[str, np.ndarray]:
-    run = dict(feeds, **empty_pasts(session, ids.shape[0]))
+    run = dict(feeds, **first_step_feeds(session, ids.shape[0]))
     run[contract.DECODER_INPUT_IDS] = ids
-    run[contract.USE_CACHE_BRANCH] = np.array([False])
     names = [o.name for o in session.get_outputs()]
     return dict(zip(names, session.run(None, run), strict=True))
 
@@ -137,8 +136,7 @@ def _source_first_steps(
         if mask is not None:
             run[contract.OPTIMUM_ENCODER_ATTENTION_MASK] = mask
         if merged_decoder:
-            run.update(empty_pasts(decoder, ids.shape[0]))
-            run[contract.USE_CACHE_BRANCH] = np.array([False])
+            run.update(first_step_feeds(decoder, ids.shape[0]))
         run = {k: v for k, v in run.items() if k in inputs}
         results[n] = dict(zip(outputs, decoder.run(None, run), strict=True))
     return results

@@ -328,3 +328,12 @@ def test_beam_reorders_move_only_the_rows_that_change_in_the_runners_own_cache()
     steps.reorder(np.array([1, 0, 2, 3, 4, 5]), within_batch=True)
     np.testing.assert_array_equal(steps.cache.decoder[0], frozen[[1, 0, 2, 3, 4, 5]])
     assert steps.cache.decoder[0] is not frozen
+
+    # One buffer behind two tensors would be moved twice in place: it is reordered into new ones.
+    shared = decoder[1].copy()
+    steps._cache = Cache(attention_mask=None, decoder=(shared, shared), encoder=encoder)
+    rows = np.array([1, 0, 2, 3, 4, 5])
+    expected_shared = shared[rows]
+    steps.reorder(rows, within_batch=True)
+    for got in steps.cache.decoder:
+        np.testing.assert_array_equal(got, expected_shared)

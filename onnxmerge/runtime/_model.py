@@ -57,9 +57,10 @@ class _Steps:
         if not moved.size:
             return
         cache = self.cache
-        if within_batch and cache.decoder and all(t.flags.writeable for t in cache.decoder):
-            # The runner's own cache, which nothing else holds: only the rows that move are
-            # copied, each once (the right side is gathered before any row is overwritten).
+        own = [t for t in cache.decoder if t.flags.writeable]
+        if within_batch and own and len({t.ctypes.data for t in own}) == len(cache.decoder):
+            # The runner's own cache, which nothing else holds, one buffer a tensor: only the
+            # rows that move are copied, each once (the right side is gathered first).
             for tensor in cache.decoder:
                 tensor[moved] = tensor[rows[moved]]
             return

@@ -38,25 +38,22 @@ EXTERNAL_DATA_THRESHOLD = int(1.8 * 2**30)
 
 def tensor_protos(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
     """Every TensorProto of a graph and its subgraphs, sparse initializers included."""
-    yield from graph.initializer
-    for sparse in graph.sparse_initializer:
-        yield sparse.values
-        yield sparse.indices
-    for node in graph.node:
-        for attr in node.attribute:
-            if attr.HasField("t"):
-                yield attr.t
-            yield from attr.tensors
-            if attr.HasField("sparse_tensor"):
-                yield attr.sparse_tensor.values
-                yield attr.sparse_tensor.indices
-            for sparse in attr.sparse_tensors:
-                yield sparse.values
-                yield sparse.indices
-            if attr.HasField("g"):
-                yield from tensor_protos(attr.g)
-            for sub in attr.graphs:
-                yield from tensor_protos(sub)
+    for current in graph_protos(graph):
+        yield from current.initializer
+        for sparse in current.sparse_initializer:
+            yield sparse.values
+            yield sparse.indices
+        for node in current.node:
+            for attr in node.attribute:
+                if attr.HasField("t"):
+                    yield attr.t
+                yield from attr.tensors
+                if attr.HasField("sparse_tensor"):
+                    yield attr.sparse_tensor.values
+                    yield attr.sparse_tensor.indices
+                for sparse in attr.sparse_tensors:
+                    yield sparse.values
+                    yield sparse.indices
 
 
 def graph_protos(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:

@@ -36,13 +36,10 @@ class _Names:
         self.used = set(reserved)
 
     def claim(self, name: str, prefix: str) -> str:
-        candidate = name
-        counter = 0
-        while candidate in self.used:
-            counter += 1
-            candidate = f"{prefix}/{name}" if counter == 1 else f"{prefix}/{name}.{counter}"
-        self.used.add(candidate)
-        return candidate
+        if name in self.used:
+            name = passes_base.free_name(f"{prefix}/{name}", self.used)
+        self.used.add(name)
+        return name
 
 
 def _rename_part(part: Part, values: _Names, nodes: _Names) -> None:

@@ -6,12 +6,13 @@ ctranslate2's ``TransformersConverter`` with a synthetic vocabulary on the other
 ``bench_ctranslate2.py`` does. The corpus: seeded inputs of 5-64 ids whose lengths are drawn like
 sentences' (log-normal around 20 ids), each ending in eos. Greedy and 4 beams, exactly
 ``NEW_TOKENS`` new tokens per input (eos forbidden before that on both sides), 2 threads, each
-precision and side in a fresh process, alternated in the same run.
+side, precision and case in a fresh process, alternated in the same run.
 
 Each side's batching is its best on this machine: every candidate setting (``max_batch_size``
-with ``batch_type`` ``examples`` or ``tokens``) first runs the first ``TUNE_INPUTS`` inputs, the
-fastest runs the corpus. Reported per case: tokens per second (new tokens of the corpus over the
-corpus' wall time), the process' peak resident memory, the share of sampled inputs whose tokens
+with ``batch_type`` ``examples`` or ``tokens``) first runs the first ``TUNE_INPUTS`` inputs, in a
+process of its own; the fastest runs the corpus. Reported per case: tokens per second (new tokens
+of the corpus over the corpus' wall time), the peak resident memory of the process translating
+the corpus, the share of sampled inputs whose tokens
 equal those the same side generates for that input alone, and the share of positions where both
 sides agree. Our session opens through a session cache written beforehand (what every load after
 the first does); for greedy float32 that runs the int8 greedy head, which gives the float
@@ -23,6 +24,7 @@ Usage: python benchmarks/bench_corpus.py [--quick] [--inputs 1000]
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -124,38 +126,68 @@ class _CTranslate2:
         return [[self.index[t] for t in r.hypotheses[0]] for r in out]
 
 
-def worker(side: str, path: str, config: dict, count: int, threads: int, cache: str | None):
-    runner = _Ours(path, threads, cache) if side == "ours" else _CTranslate2(path, threads, config)
-    inputs = corpus(count, config)
-    tune = inputs[:TUNE_INPUTS]
+def _runner(side: str, path: str, config: dict, threads: int, cache: str | None):
+    return _Ours(path, threads, cache) if side == "ours" else _CTranslate2(path, threads, config)
+
+
+def tune(side: str, path: str, config: dict, count: int, threads: int, cache: str | None):
+    """Each case's fastest batching on the first ``TUNE_INPUTS`` inputs, and every time tried."""
+    runner = _runner(side, path, config, threads, cache)
+    tune_inputs = corpus(count, config)[:TUNE_INPUTS]
     cases = {}
     for name, beams in CASES:
-        runner.run(tune[:8], beams, "examples", 8)  # warm-up
+        runner.run(tune_inputs[:8], beams, "examples", 8)  # warm-up
         tried = {}
         for batch_type, size in CANDIDATES:
             start = time.perf_counter()
-            runner.run(tune, beams, batch_type, size)
+            runner.run(tune_inputs, beams, batch_type, size)
             tried[f"{batch_type} {size}"] = time.perf_counter() - start
-        best = min(tried, key=tried.get)
-        batch_type, size = best.split()
-        start = time.perf_counter()
-        tokens = runner.run(inputs, beams, batch_type, int(size))
-        seconds = time.perf_counter() - start
-        alone = {i: runner.run([inputs[i]], beams, "examples", 1)[0] for i in sampled(count)}
-        cases[name] = {
-            "s": seconds,
-            "tokens_per_s": sum(map(len, tokens)) / seconds,
-            "batching": best,
-            "tuning_s": tried,
-            "tokens": tokens,
-            "same_as_alone": sum(alone[i] == tokens[i] for i in alone) / len(alone),
-            "differs_alone": [i for i in alone if alone[i] != tokens[i]],
-        }
+        cases[name] = {"batching": min(tried, key=tried.get), "tuning_s": tried}
+    return {"cases": cases}
+
+
+def translate(
+    side: str,
+    path: str,
+    config: dict,
+    count: int,
+    threads: int,
+    cache: str | None,
+    case: str,
+    batching: str,
+):
+    """The corpus in one case and batching, in a process of its own: its peak memory is that of
+    translating the corpus, not of the tuning's larger batches."""
+    runner = _runner(side, path, config, threads, cache)
+    beams = dict(CASES)[case]
+    batch_type, size = batching.split()
+    inputs = corpus(count, config)
+    runner.run(inputs[:8], beams, "examples", 8)  # warm-up
+    start = time.perf_counter()
+    tokens = runner.run(inputs, beams, batch_type, int(size))
+    seconds = time.perf_counter() - start
     peak = _common.self_rss_bytes()["peak_rss_bytes"]
-    return {"peak_rss_mb": peak / 1e6, "cases": cases}
+    alone = {i: runner.run([inputs[i]], beams, "examples", 1)[0] for i in sampled(count)}
+    return {
+        "s": seconds,
+        "tokens_per_s": sum(map(len, tokens)) / seconds,
+        "tokens": tokens,
+        "peak_rss_mb": peak / 1e6,
+        "same_as_alone": sum(alone[i] == tokens[i] for i in alone) / len(alone),
+        "differs_alone": [i for i in alone if alone[i] != tokens[i]],
+    }
 
 
-def _child(side: str, path: Path, config: dict, count: int, threads: int, cache: Path | None):
+def _child(
+    side: str,
+    path: Path,
+    config: dict,
+    count: int,
+    threads: int,
+    cache: Path | None,
+    case: str | None = None,
+    batching: str | None = None,
+):
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     if side == "ctranslate2":
         # OpenMP's threads sleep rather than spin while they wait: on a shared machine
@@ -164,10 +196,17 @@ def _child(side: str, path: Path, config: dict, count: int, threads: int, cache:
     argv = [sys.executable, __file__, "--worker", side, "--path", str(path)]
     argv += ["--config", json.dumps(config), "--inputs", str(count), "--threads", str(threads)]
     argv += ["--session-cache", str(cache)] if cache else []
+    argv += ["--case", case, "--batching", batching] if case and batching else []
     result = subprocess.run(
         argv, check=True, capture_output=True, text=True, env=env, cwd=REPO_ROOT
     )
     return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def side_results(tuned: dict, runs: dict) -> dict:
+    """One side's cases (its tuning and its corpus run) and the larger peak of its cases."""
+    cases = {case: {**runs[case], **tuned["cases"][case]} for case in runs}
+    return {"peak_rss_mb": max(c["peak_rss_mb"] for c in cases.values()), "cases": cases}
 
 
 # -- the parent ------------------------------------------------------------------------------------
@@ -263,12 +302,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = _common.arguments(__doc__, "corpus", "tiny Marian model, 48 inputs")
     parser.add_argument("--inputs", type=int, default=1000, help="inputs in the corpus")
     _common.worker_arguments(parser)
+    parser.add_argument("--case", choices=[c for c, _ in CASES], help=argparse.SUPPRESS)
+    parser.add_argument("--batching", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         config = json.loads(args.config)
-        result = worker(
-            args.worker, args.path, config, args.inputs, args.threads, args.session_cache
-        )
+        given = (args.worker, args.path, config, args.inputs, args.threads, args.session_cache)
+        result = translate(*given, args.case, args.batching) if args.case else tune(*given)
         print(json.dumps(result))
         return 0
     if args.quick:
@@ -292,10 +332,18 @@ def main(argv: list[str] | None = None) -> int:
         ct2 = convert_ctranslate2(export.pytorch_dir, scratch, config)
         precisions = {}
         for precision in ("float32", "int8"):
-            theirs = _child("ctranslate2", ct2[precision], config, args.inputs, args.threads, None)
-            mine = _child(
-                "ours", ours[precision], config, args.inputs, args.threads, caches[precision]
-            )
+            sides = {
+                "ctranslate2": (ct2[precision], config, args.inputs, args.threads, None),
+                "ours": (ours[precision], config, args.inputs, args.threads, caches[precision]),
+            }
+            tuned = {side: _child(side, *given) for side, given in sides.items()}
+            runs: dict[str, dict] = {side: {} for side in sides}
+            for case, _ in CASES:
+                for side, given in sides.items():  # alternated, case by case
+                    batching = tuned[side]["cases"][case]["batching"]
+                    runs[side][case] = _child(side, *given, case, batching)
+            theirs = side_results(tuned["ctranslate2"], runs["ctranslate2"])
+            mine = side_results(tuned["ours"], runs["ours"])
             precisions[precision] = {
                 **compare(mine, theirs, TARGETS[precision]),
                 "ours": _without_tokens(mine),
@@ -322,7 +370,8 @@ def main(argv: list[str] | None = None) -> int:
             "ours": "Seq2SeqModel.generate_many through a session cache written beforehand",
             "ctranslate2": "Translator.translate_batch(max_batch_size, batch_type), "
             "inter_threads=1, OMP_WAIT_POLICY=PASSIVE",
-            "peak_rss": "VmHWM of each side's process (one per precision, both cases)",
+            "peak_rss": "VmHWM of the process translating the corpus, one per side, precision "
+            "and case (the tuning runs in processes of its own); the larger of the two cases",
         },
         "precisions": precisions,
         "seconds": time.perf_counter() - started,

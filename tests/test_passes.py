@@ -8,7 +8,7 @@ import onnx_ir as ir
 import pytest
 
 from onnxmerge import merge, merge_seq2seq_with_report, passes
-from onnxmerge.passes import dedup, tied_head
+from onnxmerge.passes import dedup, tied_head, zero_bias
 from onnxmerge.quantization import _rewrite as quant_rewrite
 from tests import textmodels as tm
 
@@ -179,6 +179,51 @@ g (float[2, 16] x) => (float[2, 96] y) {
     np.testing.assert_allclose(got, 2 * x @ embedding.T, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("weight", ["w", "wt"])
+def test_a_zero_bias_after_a_product_is_dropped_and_the_output_keeps_its_name(weight):
+    model = _model(
+        f"""
+g (float[2, 3, 16] x) => (float[2, 3, 96] logits) {{
+  wt = Transpose <perm = [1, 0]> (embedding)
+  product = MatMul(x, {weight})
+  logits = Add(product, bias)
+}}""",
+        {"w": _matrix(16, 96), "embedding": _matrix(96, 16), "bias": np.zeros((1, 96), np.float32)},
+    )
+    _run_once(zero_bias.DropZeroBias(), model, {"x": _matrix(2, 3, 16)}, "zero_biases_dropped")
+
+    assert "Add" not in _ops(model)
+    assert [v.name for v in model.graph.outputs] == ["logits"]
+    assert model.graph.outputs[0].producer().op_type == "MatMul"
+    onnx.checker.check_model(ir.serde.serialize_model(model), full_check=True)
+
+
+@pytest.mark.parametrize(
+    ("bias", "why"),
+    [
+        (np.full((1, 96), 0.5, np.float32), "not all zeros"),
+        (np.zeros((3, 96), np.float32), "may broadcast"),
+        (np.zeros((1,), np.float32), "may broadcast"),
+        (np.zeros((1, 1, 1, 96), np.float32), "may add dimensions"),
+    ],
+)
+def test_a_bias_that_may_change_the_result_stays(bias, why, caplog):
+    model = _model(
+        """
+g (float[2, 3, 16] x) => (float[2, 3, 96] y) {
+  product = MatMul(x, w)
+  y = Add(product, bias)
+}""",
+        {"w": _matrix(16, 96), "bias": bias},
+    )
+    with caplog.at_level("DEBUG", logger="onnxmerge.passes.zero_bias"):
+        result = zero_bias.DropZeroBias()(model)
+
+    assert (result.count, result.modified) == (0, False)
+    assert "Add" in _ops(model)
+    assert why in caplog.text
+
+
 def test_quantize_weights_stores_int8_codes_and_reports_each_weight():
     weight = _matrix(16, 16)
     model = _model("g (float[2, 16] x) => (float[2, 16] y) { y = MatMul(x, w) }", {"w": weight})
@@ -231,6 +276,7 @@ def test_merge_result_reports_every_pass(tmp_path, format):
         "nodes_hoisted",
         "nodes_merged",
         "aliases_dropped",
+        "zero_biases_dropped",
         "initializers_removed_unused",
         "matmuls_to_gemm",
     ]

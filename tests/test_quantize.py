@@ -125,6 +125,43 @@ def test_int4_pass_raises_an_opset_that_keeps_its_meaning(opset, raised):
     assert model.ir_version == (10 if raised else 8)
 
 
+def _tied_head_model(*, unflattened_by_shape_of_x: bool) -> ir.Model:
+    """A tied head as ``passes.tied_head`` writes it, or with a constant target in its last
+    Reshape: the same numbers, in a form the int8 rewrite does not unwrap."""
+    from onnxmerge.passes import initializer, tied_head
+
+    rng = np.random.default_rng(5)
+    model = tm.ir_from_text(
+        """<ir_version: 8, opset_import: ["" : 17]>
+g (float[2, 3, 16] x) => (float[2, 3, 96] logits) {
+  wt = Transpose <perm = [1, 0]> (embedding)
+  logits = MatMul(x, wt)
+}""",
+        {"embedding": rng.standard_normal((96, 16)).astype(np.float32)},
+    )
+    tied_head.GemmForTransposedWeights()(model)
+    if not unflattened_by_shape_of_x:
+        target = initializer(model.graph, "fixed", np.array([2, 3, 96], np.int64))
+        model.graph.outputs[0].producer().replace_input_with(1, target)
+    return model
+
+
+def test_int8_tied_head_writes_the_logits_without_a_reshape_copy():
+    feeds = {"x": np.random.default_rng(6).standard_normal((2, 3, 16)).astype(np.float32)}
+    unwrapped = _tied_head_model(unflattened_by_shape_of_x=True)
+    kept = _tied_head_model(unflattened_by_shape_of_x=False)
+    for model in (unwrapped, kept):
+        quant_rewrite.QuantizeWeights(lambda _: "int8")(model)
+
+    assert unwrapped.graph.outputs[0].producer().op_type == "Mul"
+    ops = {n.op_type for n in tm.all_nodes(unwrapped)}
+    assert not {"Gemm", "Reshape", "Shape", "Slice", "Concat"} & ops
+    assert kept.graph.outputs[0].producer().op_type == "Reshape"
+    onnx.checker.check_model(ir.serde.serialize_model(unwrapped), full_check=True)
+    # One quantization scale over the same elements, an exact integer product: the same bits.
+    np.testing.assert_array_equal(tm.run_model(unwrapped, feeds)[0], tm.run_model(kept, feeds)[0])
+
+
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_weights_shared_by_both_branches_are_quantized_once(precision):
     proto, table, w = _shared_model()

@@ -27,7 +27,7 @@ from onnxmerge.merge._cross_attention import CrossAttention, find_cross_attentio
 from onnxmerge.merge._load import find_checkpoint, load_export
 from onnxmerge.merge._parts import Part, dim_sources, parts_of_file
 from onnxmerge.merge._roles import Role
-from onnxmerge.passes import dedup, dims, reshape_targets, tied_head
+from onnxmerge.passes import dedup, dims, reshape_targets, tied_head, zero_bias
 from onnxmerge.passes.base import NoMatch
 
 logger = logging.getLogger(__name__)
@@ -391,7 +391,14 @@ def rewrite_steps(one_decoder: bool = False) -> tuple[ir.passes.InPlacePass, ...
     store_once = dedup.store_once_steps()
     fold = reshape_targets.FoldReshapeTargets()
     ordered = (*store_once[:2], fold, *store_once[2:]) if one_decoder else (fold, *store_once)
-    return (*ordered, tied_head.GemmForTransposedWeights())
+    # Dropping zero biases leaves their tensors unread: before the unread ones are removed.
+    *rewrites, remove_unused = ordered
+    return (
+        *rewrites,
+        zero_bias.DropZeroBias(),
+        remove_unused,
+        tied_head.GemmForTransposedWeights(),
+    )
 
 
 def _read_json(path: Path) -> str | None:

@@ -4,6 +4,7 @@
 - ``reshape_targets``: ``FoldReshapeTargets``
 - ``dedup``: ``LiftLargeConstants``, ``DeduplicateInitializers``, ``HoistConstantNodes``,
   ``MergeEqualConstantNodes``, ``DropInitializerAliases``, ``RemoveUnusedInitializers``
+- ``zero_bias``: ``DropZeroBias``
 - ``tied_head``: ``GemmForTransposedWeights``
 
 The quantization pass lives with the rest of quantization (``onnxmerge.quantization._rewrite``).

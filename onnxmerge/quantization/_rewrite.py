@@ -221,13 +221,67 @@ class _Rewriter:
     def integer_matmul(
         self, node: ir.Node, codes: ir.Value, scale: ir.Value, zero: ir.Value | None
     ):
-        quant = self.node("DynamicQuantizeLinear", [node.inputs[0]], ["x_q", "x_scale", "x_zero"])
+        rows, replaced, left = node.inputs[0], node, []
+        around = _flattened_around(node)
+        if around is not None:
+            # The product of the unflattened rows is the logits themselves: the last Mul writes
+            # them, where a Reshape would copy them on every step.
+            rows, replaced = around
+            left = [node, *(v.producer() for v in replaced.inputs[1:] if v is not None)]
+        quant = self.node("DynamicQuantizeLinear", [rows], ["x_q", "x_scale", "x_zero"])
         x_q, x_scale, x_zero = quant.outputs
         product = self.node("MatMulInteger", [x_q, codes, x_zero, zero], ["product"])
         as_float = self.node("Cast", [product.outputs[0]], ["product_float"], to=ir.DataType.FLOAT)
         scales = self.node("Mul", [x_scale, scale], ["scales"])
         result = self.node("Mul", [as_float.outputs[0], scales.outputs[0]], ["result"])
-        replace_result(node, [quant, product, as_float, scales, result], result.outputs[0])
+        replace_result(replaced, [quant, product, as_float, scales, result], result.outputs[0])
+        for unread in left:
+            if unread is not None:
+                _remove_unread(unread)
+
+
+def _flattened_around(gemm: ir.Node) -> tuple[ir.Value, ir.Node] | None:
+    """``Reshape(x, [-1, K]) -> gemm -> Reshape(to x's leading dims and the width)``, the form
+    ``passes.tied_head`` gives the head: ``x`` and the last Reshape."""
+    flatten = gemm.inputs[0].producer() if gemm.inputs[0] is not None else None
+    if not is_op(flatten, "Reshape") or flatten.inputs[1] is None:
+        return None
+    target = flatten.inputs[1].const_value
+    rows = flatten.inputs[0]
+    if rows is None or target is None or target.numpy().tolist()[:1] != [-1]:
+        return None
+    uses = list(gemm.outputs[0].uses())
+    if len(uses) != 1 or uses[0].idx != 0 or not is_op(uses[0].node, "Reshape"):
+        return None
+    unflatten = uses[0].node
+    shape = unflatten.inputs[1]
+    concat = shape.producer() if shape is not None else None
+    if not is_op(concat, "Concat") or len(concat.inputs) != 2 or concat.inputs[0] is None:
+        return None
+    leading = concat.inputs[0].producer()
+    if not is_op(leading, "Slice") or leading.inputs[0] is None:
+        return None
+    source = leading.inputs[0].producer()
+    bounds = [
+        v.const_value.numpy().tolist() if v is not None and v.const_value else None
+        for v in leading.inputs[1:]
+    ]
+    if not is_op(source, "Shape") or source.inputs[0] is not rows or bounds != [[0], [-1]]:
+        return None
+    return rows, unflatten
+
+
+def _remove_unread(node: ir.Node) -> None:
+    """Remove ``node`` and then each producer of its inputs that nothing reads any more."""
+    graph = graph_of(node)
+    if any(v.uses() or v in graph.outputs for v in node.outputs):
+        return
+    inputs = [v for v in node.inputs if v is not None and v.producer() is not None]
+    graph.remove(node, safe=True)
+    for value in inputs:
+        producer = value.producer()
+        if producer is not None and producer.graph is graph:
+            _remove_unread(producer)
 
 
 def _default_opset(model: ir.Model) -> int:

@@ -222,6 +222,12 @@ class MergedSession:
                 [c.LOGITS] + self.present_decoder_names + self.present_encoder_names
             )
             self._next_outputs = [c.LOGITS] + self.present_decoder_names
+            # Format 3's cached steps return the past cross-attention tensors as they came in.
+            self._passed_through = (
+                dict(zip(self.present_encoder_names, self.past_encoder_names, strict=True))
+                if self.info.one_decoder
+                else None
+            )
             self._past_shapes = {
                 name: self._past_shape(name)
                 for name in self.past_decoder_names + self.past_encoder_names
@@ -273,8 +279,42 @@ class MergedSession:
 
     # -- steps ----------------------------------------------------------------------------------
 
-    def _run(self, output_names: list[str], feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-        return self.session.run(output_names, feeds)
+    def _run(
+        self,
+        output_names: list[str],
+        feeds: dict[str, np.ndarray],
+        passed_through: Mapping[str, str] | None = None,
+    ) -> list[np.ndarray]:
+        """``session.run``; ``passed_through`` maps outputs that return an input unchanged to that
+        input. onnxruntime writes such an output into the input's own buffer, which it then skips
+        copying: format 3's cross-attention keys and values, every cached step."""
+        if not passed_through or self.backend != "onnxruntime":
+            return self.session.run(output_names, feeds)
+        import onnxruntime
+
+        session: Any = self.session  # an InferenceSession: the backend is onnxruntime
+        binding = session.io_binding()
+        for name in output_names:
+            binding.bind_output(name)
+        shared, kept = {}, []  # kept: what onnxruntime reads in place lives until the run ends
+        for name, array in feeds.items():
+            # onnxruntime writes the same values back: only into an array it may write into.
+            if (
+                name in passed_through.values()
+                and array.flags.writeable
+                and array.flags.c_contiguous
+            ):
+                shared[name] = onnxruntime.OrtValue.ortvalue_from_numpy(array)
+                binding.bind_ortvalue_input(name, shared[name])
+            else:
+                kept.append(np.ascontiguousarray(array))
+                binding.bind_cpu_input(name, kept[-1])
+        for output, source in passed_through.items():
+            if source in shared:
+                binding.bind_ortvalue_output(output, shared[source])
+        session.run_with_iobinding(binding)
+        values = binding.get_outputs()
+        return [values[i].numpy() for i in range(len(output_names))]
 
     def first_step(
         self, encoder_inputs: Mapping[str, np.ndarray], decoder_input_ids: np.ndarray
@@ -353,7 +393,9 @@ class MergedSession:
         feeds.update(zip(self.past_encoder_names, cache.encoder, strict=True))
         if self._has_flag:
             feeds[FLAG] = self._true if greedy else self._false
-        results = self._run(self._greedy_outputs if greedy else self._next_outputs, feeds)
+        results = self._run(
+            self._greedy_outputs if greedy else self._next_outputs, feeds, self._passed_through
+        )
         layers = len(self.present_decoder_names)
         new_cache = Cache(
             attention_mask=mask, decoder=tuple(results[1 : 1 + layers]), encoder=cache.encoder

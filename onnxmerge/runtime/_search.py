@@ -78,6 +78,7 @@ def greedy_or_sample(
     unfinished = np.ones(rows, dtype=bool)
     logits: np.ndarray | TokenPicker = runner.start()
     while True:
+        scores = None
         if not isinstance(logits, np.ndarray):  # a greedy head's bounds: greedy search only
             tokens = logits.argmax(processors, sequences[:, :cur_len])
         else:
@@ -95,6 +96,7 @@ def greedy_or_sample(
             unfinished[:] = False
         if not unfinished.any():
             break
+        del logits, scores  # [rows, vocab] each: gone before the next step allocates its own
         logits = runner.advance(tokens)
     return sequences[:, :cur_len]
 
@@ -109,15 +111,16 @@ _SLABS = 32  # few enough that the tiny test models' beams * vocab take the fast
 
 
 def _topk_indices(values: np.ndarray, k: int) -> np.ndarray:
-    """Indices of the k largest values per row, largest first, lower index first on ties.
+    """Indices of the k largest values per row, largest first, lower index first on ties, NaN
+    last: ``np.argsort(-values, axis=1, kind="stable")[:, :k]``, without sorting whole rows.
 
-    The same indices as ``_topk_by_partition``, without partitioning whole rows (beam search
-    asks for 2 * beams of beams * vocab every step). The first ``width`` columns are viewed as
-    ``_SLABS`` slabs; the maximum over slabs of each column group is a value of the row, so
-    the k-th largest of these maxima bounds the row's k-th largest from below, and only the
-    groups that reach it, and the columns past ``width``, hold candidates. A NaN, too many
-    candidates (a row of -inf) or a tie at the k-th place go to ``_topk_by_partition``, so
-    ties keep its pick.
+    Beam search asks for 2 * beams of beams * vocab every step. The first ``width`` columns are
+    viewed as ``_SLABS`` slabs; the maximum over slabs of each column group is a value of the
+    row, so the k-th largest of these maxima bounds the row's k-th largest from below, and only
+    the groups that reach it, and the columns past ``width``, hold candidates. Rows whose bound
+    is -inf (a forced token masks all but a few) take their finite values and then the first
+    -inf columns; rows with a NaN, or too many candidates at a finite bound, go to
+    ``_topk_by_partition``, row by row.
     """
     rows, n = values.shape
     group_count = n // _SLABS
@@ -126,37 +129,56 @@ def _topk_indices(values: np.ndarray, k: int) -> np.ndarray:
     width = _SLABS * group_count
     groups = values[:, :width].reshape(rows, _SLABS, group_count)  # column: slab, then group
     group_max = groups.max(axis=1)
-    if np.isnan(group_max).any():
-        return _topk_by_partition(values, k)
     bound = np.partition(group_max, -k, axis=1)[:, -k, None]
+    reaching = group_max >= bound
+    nan = np.isnan(group_max).any(axis=1) | np.isnan(values[:, width:]).any(axis=1)
+    masked = ~nan & (bound[:, 0] == -np.inf)
+    slow = nan | masked | (reaching.sum(axis=1) > 16 * k)
+    reaching[slow] = False
     # np.nonzero on 2-D masks costs ten times a flat one here.
-    row, group = np.divmod(np.flatnonzero(group_max >= bound), group_count)
-    if row.size > 16 * k * rows:
-        return _topk_by_partition(values, k)
+    row, group = np.divmod(np.flatnonzero(reaching), group_count)
     hit, slab = np.divmod(np.flatnonzero(groups[row, :, group] >= bound[row]), _SLABS)
     tail_row, tail_col = np.nonzero(values[:, width:] >= bound)
-    row = np.concatenate((row[hit], tail_row))
-    col = np.concatenate((slab * group_count + group[hit], tail_col + width))
-    picked = values[row, col]
-    order = np.lexsort((col, -picked, row))  # by row, largest first, lower index first
+    tail = ~slow[tail_row]
+    row = np.concatenate((row[hit], tail_row[tail]))
+    col = np.concatenate((slab * group_count + group[hit], tail_col[tail] + width))
+    order = np.lexsort((col, -values[row, col], row))  # by row, largest first, lower index first
     counts = np.bincount(row, minlength=rows)
-    first = np.cumsum(counts) - counts
-    top = order[first[:, None] + np.arange(k)]
-    runner_up = order[np.minimum(first + k, row.size - 1)]
-    if np.any((counts > k) & (picked[top[:, -1]] == picked[runner_up])):
-        return _topk_by_partition(values, k)
-    return col[top]
+    fast = np.flatnonzero(~slow)  # each has at least k candidates: k groups reach the bound
+    result = np.empty((rows, k), dtype=np.int64)
+    result[fast] = col[order[(np.cumsum(counts) - counts)[fast, None] + np.arange(k)]]
+    for r in np.flatnonzero(masked):
+        result[r] = _topk_of_few_finite(values[r], k)
+    partitioned = slow & ~masked
+    if partitioned.any():
+        result[partitioned] = _topk_by_partition(values[partitioned], k)
+    return result
+
+
+def _topk_of_few_finite(row: np.ndarray, k: int) -> np.ndarray:
+    """``_topk_indices`` of one row without NaN whose k-th largest may be -inf: its finite values
+    by size, then the first -inf columns."""
+    finite = np.flatnonzero(row > -np.inf)
+    finite = finite[np.argsort(-row[finite], kind="stable")][:k]
+    return np.concatenate((finite, np.flatnonzero(row == -np.inf)[: k - finite.size]))
 
 
 def _topk_by_partition(values: np.ndarray, k: int) -> np.ndarray:
-    """Indices of the k largest values per row, largest first, lower index first on ties
-    within the k; which of the values tied at the k-th place are kept is argpartition's choice."""
-    if k < values.shape[1]:
-        part = np.argpartition(-values, k - 1, axis=1)[:, :k]
-        part.sort(axis=1)
-        order = np.argsort(-_gather(values, part), axis=1, kind="stable")
-        return _gather(part, order)
-    return np.argsort(-values, axis=1, kind="stable")[:, :k]
+    """``_topk_indices`` by partitioning whole rows: where the k-th largest value ties with
+    values the partition left out, the lower indices are taken instead."""
+    if k >= values.shape[1]:
+        return np.argsort(-values, axis=1, kind="stable")[:, :k]
+    keys = -values  # ascending; NaN sorts last
+    part = np.argpartition(keys, k - 1, axis=1)[:, :k]
+    part.sort(axis=1)
+    picked = _gather(keys, part)
+    kth = np.sort(picked, axis=1)[:, -1:]  # the k-th smallest key, NaN where fewer numbers
+    tied = (keys == kth).sum(axis=1) > (picked == kth).sum(axis=1)
+    for r in np.flatnonzero(tied):  # the partition took other columns of the tie than the first
+        ahead = np.flatnonzero(keys[r] < kth[r])
+        part[r] = np.concatenate((ahead, np.flatnonzero(keys[r] == kth[r])[: k - ahead.size]))
+    order = np.argsort(_gather(keys, part), axis=1, kind="stable")
+    return _gather(part, order)
 
 
 @dataclass(frozen=True)
@@ -221,6 +243,8 @@ def beam_search(
     while True:
         log_probs = _beam_log_probs(cfg, beams, cur_len, logits, processors)
         candidates = _top_candidates(cfg, beams, cur_len, log_probs, settings.do_sample, rng)
+        # [rows, vocab] each: gone before the next step allocates its own (at 800 rows, 380 MB).
+        del logits, log_probs
         _keep_running(cfg, beams, candidates)
         _keep_finished(cfg, beams, candidates, cur_len)
         cur_len += 1

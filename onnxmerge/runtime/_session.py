@@ -222,10 +222,15 @@ class MergedSession:
                 [c.LOGITS] + self.present_decoder_names + self.present_encoder_names
             )
             self._next_outputs = [c.LOGITS] + self.present_decoder_names
-            # Format 3's cached steps return the past cross-attention tensors as they came in.
+            # Format 3's cached steps return the past cross-attention tensors as they came in;
+            # on another device than the CPU, binding them to numpy arrays would copy them.
+            session: Any = self.session
+            on_cpu = backend == "onnxruntime" and session.get_providers() == [
+                "CPUExecutionProvider"
+            ]
             self._passed_through = (
                 dict(zip(self.present_encoder_names, self.past_encoder_names, strict=True))
-                if self.info.one_decoder
+                if self.info.one_decoder and on_cpu
                 else None
             )
             self._past_shapes = {
@@ -288,7 +293,7 @@ class MergedSession:
         """``session.run``; ``passed_through`` maps outputs that return an input unchanged to that
         input. onnxruntime writes such an output into the input's own buffer, which it then skips
         copying: format 3's cross-attention keys and values, every cached step."""
-        if not passed_through or self.backend != "onnxruntime":
+        if not passed_through:
             return self.session.run(output_names, feeds)
         import onnxruntime
 

@@ -338,7 +338,8 @@ def numpy_log_softmax(scores: np.ndarray) -> np.ndarray:
 @functools.cache
 def _log_softmax_kernel() -> Any:
     """A session of one ``LogSoftmax`` over ``[rows, vocab]`` float32, or None without
-    onnxruntime. One thread that does not spin: it runs between the model's own runs."""
+    onnxruntime. Two threads that do not spin, since it runs between the model's own runs: on 2
+    cores, 1.4 ms against 2.2 ms with one thread for 64 rows of 59514."""
     if importlib.util.find_spec("onnxruntime") is None:
         return None
     import onnx.helper
@@ -356,7 +357,7 @@ def _log_softmax_kernel() -> Any:
     )
     model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 13)])
     model.ir_version = 8
-    return open_session(model.SerializeToString(), session_options(threads=1, spinning=False))
+    return open_session(model.SerializeToString(), session_options(threads=2, spinning=False))
 
 
 class ProcessorList(list):

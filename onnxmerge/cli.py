@@ -690,7 +690,7 @@ def _copy_tokenizer(source: Path, export_dir: Path) -> None:
 
 _DEMO_SIZE_NOTE = (
     "(The demo model has 0.25 M parameters, so the graph itself is a large share of its size;\n"
-    " on opus-mt-fr-en the merged file is 1.003x the checkpoint: docs/benchmarks.md)"
+    " on opus-mt-fr-en the merged file is 1.002x the checkpoint: docs/benchmarks.md)"
 )
 
 

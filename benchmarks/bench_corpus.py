@@ -9,14 +9,15 @@ sentences' (log-normal around 20 ids), each ending in eos. Greedy and 4 beams, e
 side, precision and case in a fresh process, alternated in the same run.
 
 Each side's batching is its best on this machine: every candidate setting (``max_batch_size``
-with ``batch_type`` ``examples`` or ``tokens``) first runs the first ``TUNE_INPUTS`` inputs, in a
-process of its own; the fastest runs the corpus. Reported per case: tokens per second (new tokens
-of the corpus over the corpus' wall time), the peak resident memory of the process translating
-the corpus, the share of sampled inputs whose tokens
-equal those the same side generates for that input alone, and the share of positions where both
-sides agree. Our session opens through a session cache written beforehand (what every load after
-the first does); for greedy float32 that runs the int8 greedy head, which gives the float
-head's tokens (``docs/runtime.md``).
+with ``batch_type`` ``examples`` or ``tokens``) translates the whole corpus, each in a process of
+its own, and the fastest counts. A sample of the corpus would not do: its batches are cut from a
+few inputs, with more padding than the corpus' length-sorted ones, which favours small batches.
+Reported per case and setting: tokens per second (new tokens of the corpus over the corpus' wall
+time) and the peak resident memory of the process translating the corpus; for the fastest, the
+share of sampled inputs whose tokens equal those the same side generates for that input alone,
+and the share of positions where both sides agree. Our session opens through a session cache
+written beforehand (what every load after the first does); for greedy float32 that runs the int8
+greedy head, which gives the float head's tokens (``docs/runtime.md``).
 
 Usage: python benchmarks/bench_corpus.py [--quick] [--inputs 1000]
     [--out benchmarks/out/corpus.json]
@@ -48,7 +49,6 @@ from benchmarks.bench_ctranslate2 import (  # noqa: E402
 NEW_TOKENS = 24
 CASES = (("greedy", 1), ("beam4", 4))
 CANDIDATES = (("examples", 16), ("examples", 64), ("tokens", 1024))
-TUNE_INPUTS = 128  # enough for each candidate's batches to be sorted by length as in the corpus
 ALONE_SAMPLE = 24  # inputs generated alone as well, spread over the corpus
 TARGETS = {  # ours / CTranslate2 tokens per second, at least; peak memory, at most
     "float32": {"greedy": 1.2, "beam4": 1.2, "peak_rss": 1.2},
@@ -130,22 +130,6 @@ def _runner(side: str, path: str, config: dict, threads: int, cache: str | None)
     return _Ours(path, threads, cache) if side == "ours" else _CTranslate2(path, threads, config)
 
 
-def tune(side: str, path: str, config: dict, count: int, threads: int, cache: str | None):
-    """Each case's fastest batching on the first ``TUNE_INPUTS`` inputs, and every time tried."""
-    runner = _runner(side, path, config, threads, cache)
-    tune_inputs = corpus(count, config)[:TUNE_INPUTS]
-    cases = {}
-    for name, beams in CASES:
-        runner.run(tune_inputs[:8], beams, "examples", 8)  # warm-up
-        tried = {}
-        for batch_type, size in CANDIDATES:
-            start = time.perf_counter()
-            runner.run(tune_inputs, beams, batch_type, size)
-            tried[f"{batch_type} {size}"] = time.perf_counter() - start
-        cases[name] = {"batching": min(tried, key=tried.get), "tuning_s": tried}
-    return {"cases": cases}
-
-
 def translate(
     side: str,
     path: str,
@@ -156,8 +140,7 @@ def translate(
     case: str,
     batching: str,
 ):
-    """The corpus in one case and batching, in a process of its own: its peak memory is that of
-    translating the corpus, not of the tuning's larger batches."""
+    """The corpus in one case and batching, in a process of its own: its time and peak memory."""
     runner = _runner(side, path, config, threads, cache)
     beams = dict(CASES)[case]
     batch_type, size = batching.split()
@@ -166,16 +149,22 @@ def translate(
     start = time.perf_counter()
     tokens = runner.run(inputs, beams, batch_type, int(size))
     seconds = time.perf_counter() - start
-    peak = _common.self_rss_bytes()["peak_rss_bytes"]
-    alone = {i: runner.run([inputs[i]], beams, "examples", 1)[0] for i in sampled(count)}
     return {
         "s": seconds,
         "tokens_per_s": sum(map(len, tokens)) / seconds,
         "tokens": tokens,
-        "peak_rss_mb": peak / 1e6,
-        "same_as_alone": sum(alone[i] == tokens[i] for i in alone) / len(alone),
-        "differs_alone": [i for i in alone if alone[i] != tokens[i]],
+        "peak_rss_mb": _common.self_rss_bytes()["peak_rss_bytes"] / 1e6,
     }
+
+
+def alone(
+    side: str, path: str, config: dict, count: int, threads: int, cache: str | None, case: str
+):
+    """The sampled inputs' tokens, each generated alone."""
+    runner = _runner(side, path, config, threads, cache)
+    inputs = corpus(count, config)
+    beams = dict(CASES)[case]
+    return {str(i): runner.run([inputs[i]], beams, "examples", 1)[0] for i in sampled(count)}
 
 
 def _child(
@@ -185,9 +174,10 @@ def _child(
     count: int,
     threads: int,
     cache: Path | None,
-    case: str | None = None,
+    case: str,
     batching: str | None = None,
 ):
+    """A worker: the corpus with ``batching``, or without it the sampled inputs alone."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     if side == "ctranslate2":
         # OpenMP's threads sleep rather than spin while they wait: on a shared machine
@@ -196,16 +186,30 @@ def _child(
     argv = [sys.executable, __file__, "--worker", side, "--path", str(path)]
     argv += ["--config", json.dumps(config), "--inputs", str(count), "--threads", str(threads)]
     argv += ["--session-cache", str(cache)] if cache else []
-    argv += ["--case", case, "--batching", batching] if case and batching else []
+    argv += ["--case", case] + (["--batching", batching] if batching else [])
     result = subprocess.run(
         argv, check=True, capture_output=True, text=True, env=env, cwd=REPO_ROOT
     )
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def side_results(tuned: dict, runs: dict) -> dict:
-    """One side's cases (its tuning and its corpus run) and the larger peak of its cases."""
-    cases = {case: {**runs[case], **tuned["cases"][case]} for case in runs}
+def best_of(tried: dict[str, dict], alone_tokens: dict[str, list[int]]) -> dict:
+    """A case's fastest setting with its tokens, every setting's speed and peak, and how many
+    sampled inputs got their alone tokens."""
+    name = max(tried, key=lambda k: tried[k]["tokens_per_s"])
+    best = tried[name]
+    same = [int(i) for i, t in alone_tokens.items() if best["tokens"][int(i)] == t]
+    return {
+        **best,
+        "batching": name,
+        "settings": {k: {n: v for n, v in r.items() if n != "tokens"} for k, r in tried.items()},
+        "same_as_alone": len(same) / len(alone_tokens),
+        "differs_alone": [int(i) for i in alone_tokens if int(i) not in same],
+    }
+
+
+def side_results(cases: dict[str, dict]) -> dict:
+    """One side's cases and the larger peak of its fastest settings."""
     return {"peak_rss_mb": max(c["peak_rss_mb"] for c in cases.values()), "cases": cases}
 
 
@@ -265,7 +269,8 @@ def markdown(data: dict) -> list[str]:
         f"{s['new_tokens_per_input']} new tokens each, {s['threads']} threads "
         "(`benchmarks/bench_corpus.py`). Ours: "
         f"{s['ours']}; CTranslate2: {s['ctranslate2']}. Each side's batching is the fastest of "
-        f"{', '.join(s['candidates'])} on the first {s['tuned_on_inputs']} inputs. Tokens/s is "
+        f"{', '.join(s['candidates'])}, each over the whole corpus in a process of its own (the "
+        "second table has them all; a sample would favour small batches). Tokens/s is "
         "new tokens over the corpus' wall time; the ratio is onnxmerge / CTranslate2, above 1 is "
         "better (for memory, below 1). *Alone* is the share of "
         f"{s['alone_sample']} sampled inputs whose tokens equal those the same side generates "
@@ -297,6 +302,23 @@ def markdown(data: dict) -> list[str]:
                 f"| {theirs['same_as_alone']:.2f} | {ours['same_as_alone']:.2f} "
                 f"| {p['token_agreement'][case]:.2f} |"
             )
+    lines += [
+        "",
+        "Every setting, tokens/s (peak memory):",
+        "",
+        "| precision | search | side | " + " | ".join(s["candidates"]) + " |",
+        "|---|---|---|" + "---:|" * len(s["candidates"]),
+    ]
+    for precision, p in data["precisions"].items():
+        for case in p["ours"]["cases"]:
+            for side in ("ctranslate2", "ours"):
+                tried = p[side]["cases"][case]["settings"]
+                cells = [
+                    f"{tried[c]['tokens_per_s']:.0f} ({tried[c]['peak_rss_mb']:.0f} MB)"
+                    for c in s["candidates"]
+                ]
+                name = "CTranslate2" if side == "ctranslate2" else "onnxmerge"
+                lines.append(f"| {precision} | {case} | {name} | " + " | ".join(cells) + " |")
     return [*lines, ""]
 
 
@@ -310,7 +332,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         config = json.loads(args.config)
         given = (args.worker, args.path, config, args.inputs, args.threads, args.session_cache)
-        result = translate(*given, args.case, args.batching) if args.case else tune(*given)
+        if args.batching:
+            result = translate(*given, args.case, args.batching)
+        else:
+            result = alone(*given, args.case)
         print(json.dumps(result))
         return 0
     if args.quick:
@@ -338,14 +363,18 @@ def main(argv: list[str] | None = None) -> int:
                 "ctranslate2": (ct2[precision], config, args.inputs, args.threads, None),
                 "ours": (ours[precision], config, args.inputs, args.threads, caches[precision]),
             }
-            tuned = {side: _child(side, *given) for side, given in sides.items()}
-            runs: dict[str, dict] = {side: {} for side in sides}
+            cases: dict[str, dict] = {side: {} for side in sides}
             for case, _ in CASES:
-                for side, given in sides.items():  # alternated, case by case
-                    batching = tuned[side]["cases"][case]["batching"]
-                    runs[side][case] = _child(side, *given, case, batching)
-            theirs = side_results(tuned["ctranslate2"], runs["ctranslate2"])
-            mine = side_results(tuned["ours"], runs["ours"])
+                tried: dict[str, dict] = {side: {} for side in sides}
+                for batch_type, size in CANDIDATES:
+                    for side, given in sides.items():  # alternated, setting by setting
+                        tried[side][f"{batch_type} {size}"] = _child(
+                            side, *given, case, f"{batch_type} {size}"
+                        )
+                for side, given in sides.items():
+                    cases[side][case] = best_of(tried[side], _child(side, *given, case))
+            theirs = side_results(cases["ctranslate2"])
+            mine = side_results(cases["ours"])
             precisions[precision] = {
                 **compare(mine, theirs, TARGETS[precision]),
                 "ours": _without_tokens(mine),
@@ -367,13 +396,12 @@ def main(argv: list[str] | None = None) -> int:
             "new_tokens_per_input": NEW_TOKENS,
             "threads": args.threads,
             "candidates": [f"{t} {s}" for t, s in CANDIDATES],
-            "tuned_on_inputs": min(TUNE_INPUTS, args.inputs),
             "alone_sample": len(sampled(args.inputs)),
             "ours": "Seq2SeqModel.generate_many through a session cache written beforehand",
             "ctranslate2": "Translator.translate_batch(max_batch_size, batch_type), "
             "inter_threads=1, OMP_WAIT_POLICY=PASSIVE",
-            "peak_rss": "VmHWM of the process translating the corpus, one per side, precision "
-            "and case (the tuning runs in processes of its own); the larger of the two cases",
+            "peak_rss": "VmHWM of the process translating the corpus, one per side, precision, "
+            "case and setting; the larger of the two cases' fastest settings",
         },
         "precisions": precisions,
         "seconds": time.perf_counter() - started,

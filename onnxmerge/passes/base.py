@@ -69,14 +69,16 @@ def records(results: Iterable[StepResult]) -> tuple:
 
 
 def replace_result(old: ir.Node, new_nodes: list[ir.Node], result: ir.Value) -> None:
-    """Put ``new_nodes`` where ``old`` was; ``result`` takes the place of its one output.
+    """Put ``new_nodes`` where ``old`` was; ``result`` (new, or a value already in the graph)
+    takes the place of its one output, keeping the type and shape it has.
 
     A graph output keeps its name, so the graph's interface does not change.
     """
     graph = graph_of(old)
-    graph.insert_before(old, new_nodes)
+    if new_nodes:
+        graph.insert_before(old, new_nodes)
     output = old.outputs[0]
-    result.type, result.shape = output.type, output.shape
+    result.type, result.shape = result.type or output.type, result.shape or output.shape
     is_output = output in graph.outputs
     if is_output:
         graph.outputs[graph.outputs.index(output)] = result

@@ -14,7 +14,7 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
-from onnxmerge.passes.base import NoMatch, StepResult, is_op
+from onnxmerge.passes.base import NoMatch, StepResult, is_op, replace_result
 
 logger = logging.getLogger(__name__)
 
@@ -33,18 +33,7 @@ def drop_zero_bias(model: ir.Model) -> int:
             if is_op(node, "Add"):
                 logger.debug("%s stays: %s", node.name, found)
             continue
-        graph = node.graph
-        assert graph is not None  # the iterator visits nodes in graphs
-        output = node.outputs[0]
-        found.type = found.type or output.type
-        found.shape = found.shape or output.shape
-        if output in graph.outputs:
-            # The graph's interface keeps its name: the product's value takes it.
-            graph.outputs[graph.outputs.index(output)] = found
-            name, output.name = output.name, None
-            found.name = name
-        ir.convenience.replace_all_uses_with(output, found)
-        graph.remove(node, safe=True)
+        replace_result(node, [], found)
         dropped += 1
     return dropped
 

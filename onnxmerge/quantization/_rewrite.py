@@ -263,7 +263,7 @@ def _flattened_around(gemm: ir.Node) -> tuple[ir.Value, ir.Node] | None:
         return None
     source = leading.inputs[0].producer()
     bounds = [
-        v.const_value.numpy().tolist() if v is not None and v.const_value else None
+        v.const_value.numpy().tolist() if v is not None and v.const_value is not None else None
         for v in leading.inputs[1:]
     ]
     if not is_op(source, "Shape") or source.inputs[0] is not rows or bounds != [[0], [-1]]:

@@ -995,9 +995,10 @@ def _merge_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--format",
         type=int,
-        choices=(2, 3),
-        help="3: one decoder for every step; 2: the two decoders of versions 1 and 2 "
-        "(default: 3 where the merge proves it, else 2)",
+        choices=(2, 3, 4),
+        help="4: one decoder for every step, its cross-attention cache once per input; 3: "
+        "the same with that cache once per row; 2: the two decoders of versions 1 and 2 "
+        "(default: 4, else 3, where the merge proves it, else 2)",
     )
     p.add_argument(
         "--generation",

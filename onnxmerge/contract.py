@@ -15,7 +15,10 @@ FORMAT_VERSION = "1"
 QUANTIZED_FORMAT_VERSION = "2"
 # Version 3: one decoder for every step; the If only chooses the cross-attention keys/values.
 ONE_DECODER_FORMAT_VERSION = "3"
-READABLE_FORMAT_VERSIONS = (FORMAT_VERSION, QUANTIZED_FORMAT_VERSION, ONE_DECODER_FORMAT_VERSION)
+# Version 4: version 3 whose cross-attention keys/values may be fed once per input (beams share).
+PER_INPUT_FORMAT_VERSION = "4"
+ONE_DECODER_FORMAT_VERSIONS = (ONE_DECODER_FORMAT_VERSION, PER_INPUT_FORMAT_VERSION)
+READABLE_FORMAT_VERSIONS = (FORMAT_VERSION, QUANTIZED_FORMAT_VERSION, *ONE_DECODER_FORMAT_VERSIONS)
 
 # metadata_props keys
 META_FORMAT_VERSION = "onnxmerge.format_version"
@@ -25,7 +28,7 @@ META_GENERATION_CONFIG = "onnxmerge.generation_config"
 META_ENCODER_INPUTS = "onnxmerge.encoder_inputs"
 META_GENERATOR = "onnxmerge.generator"  # a generator model (docs/generator.md), not a merged one
 MAX_NEW_TOKENS = "max_new_tokens"  # the generator's input besides the encoder's
-META_PRECISION = "onnxmerge.precision"  # versions 2, 3: precision per part (docs/format.md)
+META_PRECISION = "onnxmerge.precision"  # versions 2-4: precision per part (docs/format.md)
 # Version 3, only where a first step of several tokens differs from the decoder without past:
 # "1", the prompt is fed one token per step.
 META_PROMPT_TOKENS_PER_STEP = "onnxmerge.prompt_tokens_per_step"
@@ -130,8 +133,14 @@ class ContractInfo:
 
     @property
     def one_decoder(self) -> bool:
-        """Version 3: the decoder with past runs every step, the first one included."""
-        return self.format_version == ONE_DECODER_FORMAT_VERSION
+        """Versions 3 and 4: the decoder with past runs every step, the first one included."""
+        return self.format_version in ONE_DECODER_FORMAT_VERSIONS
+
+    @property
+    def cross_attention_per_input(self) -> bool:
+        """Version 4: ``past_key_values.*.encoder.*`` may hold one row per input, which
+        ``rows / their rows`` consecutive decoder rows read."""
+        return self.format_version == PER_INPUT_FORMAT_VERSION
 
 
 def read_contract(
@@ -197,6 +206,8 @@ __all__ = [
     "FORMAT_VERSION",
     "QUANTIZED_FORMAT_VERSION",
     "ONE_DECODER_FORMAT_VERSION",
+    "PER_INPUT_FORMAT_VERSION",
+    "ONE_DECODER_FORMAT_VERSIONS",
     "READABLE_FORMAT_VERSIONS",
     "META_FORMAT_VERSION",
     "META_LAYOUT",

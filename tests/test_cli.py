@@ -310,7 +310,7 @@ def test_inspect_shows_the_contract_metadata_and_sizes(merged_model) -> None:
         ("input", "use_cache_branch"),
         ("output", "logits"),
         ("output", "present.0.decoder.value"),
-        ("onnxmerge.format_version", "3"),
+        ("onnxmerge.format_version", "4"),
         ("onnxmerge.layout", "with_past"),
     ):
         assert row in rows, row
@@ -341,7 +341,7 @@ def test_inspect_json_matches_the_file(merged_model) -> None:
     assert sum(found["bytes_by_part"].values()) == sum(
         numpy_helper.to_array(t).nbytes for t in model.graph.initializer
     )
-    assert found["metadata"]["onnxmerge.format_version"] == "3"
+    assert found["metadata"]["onnxmerge.format_version"] == "4"
     encoder_inputs = json.loads(found["metadata"]["onnxmerge.encoder_inputs"])
     assert encoder_inputs == ["input_ids", "attention_mask"]
     assert {"name", "type", "shape"} == set(found["inputs"][0])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
@@ -27,12 +28,38 @@ def _merge(export, tmp_path, **kwargs):
     return merge_seq2seq_with_report(export.onnx_dir, tmp_path / "model.onnx", **kwargs)
 
 
+def _per_input_steps_match_per_row_steps(path, inputs: int = 2, beams: int = 3) -> None:
+    """A cached step fed the encoder cache once per input gives the logits of one fed it once per
+    row, as versions 3 and 4 both take it."""
+    from onnxmerge.runtime._session import MergedSession
+    from onnxmerge.samples import sample_inputs
+
+    session = MergedSession(path)
+    rng = np.random.default_rng(3)
+    feeds, vocab = sample_inputs(
+        session.session, path, session.info.config, batch=inputs, length=6, rng=rng
+    )
+    first = session.first_step(feeds, rng.integers(0, vocab, (inputs, 1)))
+    shared = first.cache.expand(beams)
+    assert shared.encoder[0].shape[0] == inputs
+    per_row = dataclasses.replace(first.cache, per_input=False).expand(beams)
+    assert per_row.encoder[0].shape[0] == inputs * beams
+    tokens = rng.integers(0, vocab, (inputs * beams, 1))
+    a, b = session.next_step(tokens, shared), session.next_step(tokens, per_row)
+    np.testing.assert_allclose(a.logits, b.logits, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("arch", WITH_PAST)
 def test_merged_model_matches_the_original_files(tiny_export, arch, tmp_path):
     export = tiny_export(arch)
     result = _merge(export, tmp_path)
-    # Format 3, its first step proven against the decoder without past for 1 and 3 tokens.
-    assert (result.format_version, result.format_reason) == ("3", "one decoder for every step")
+    # Format 4: format 3, its first step proven against the decoder without past for 1 and 3
+    # tokens, whose every cross-attention product reads the encoder cache once per input.
+    assert (result.format_version, result.format_reason) == (
+        "4",
+        "one decoder for every step, its cross-attention keys and values once per input",
+    )
+    _per_input_steps_match_per_row_steps(result.path)
 
     report = verify(result.path, export.onnx_dir, tolerance=PARITY)
     assert {d.step for d in report.diffs} == {"first", "cached"}
@@ -73,7 +100,7 @@ def test_merged_model_interface_follows_the_contract(tiny_export, arch, tmp_path
         for p in ("decoder", "encoder")
         for k in ("key", "value")
     } == {n for n in outputs if contract.is_present_name(n)}
-    assert meta[contract.META_FORMAT_VERSION] == contract.ONE_DECODER_FORMAT_VERSION
+    assert meta[contract.META_FORMAT_VERSION] == contract.PER_INPUT_FORMAT_VERSION
     assert "model_type" in meta[contract.META_CONFIG]
     assert contract.META_GENERATION_CONFIG in meta
     encoder_inputs = contract.read_contract(meta, inputs, outputs).encoder_inputs

@@ -379,8 +379,8 @@ def test_encoder_keeps_its_own_precision(merged, tmp_path):
 
     path = quantize(merged("marian"), tmp_path / "m.onnx", weights="int8", encoder="fp32")
     meta = {p.key: p.value for p in onnx.load(str(path), load_external_data=False).metadata_props}
-    # A format 3 source stays format 3; its precision says what is quantized.
-    assert meta[contract.META_FORMAT_VERSION] == contract.ONE_DECODER_FORMAT_VERSION
+    # A format 4 source stays format 4; its precision says what is quantized.
+    assert meta[contract.META_FORMAT_VERSION] == contract.PER_INPUT_FORMAT_VERSION
     assert json.loads(meta[contract.META_PRECISION]) == {"encoder": "fp32", "decoder": "int8"}
     assert Seq2SeqModel(path).precision == {"encoder": "fp32", "decoder": "int8"}
     model = ir.load(path)

@@ -308,6 +308,33 @@ def test_cache_reorder_and_expand(merged):
     np.testing.assert_allclose(c.logits[::3], a.logits, atol=1e-5)
 
 
+def test_cached_steps_write_the_cache_into_two_buffers_by_turns(merged, monkeypatch):
+    """The runner's cached steps write their presents into its own two sets of buffers, each
+    step into the set its past is not in; the tokens are those of onnxruntime's own buffers."""
+    from onnxmerge.runtime import _model
+    from onnxmerge.runtime._session import MergedSession
+    from onnxmerge.testing import zoo
+
+    model, _, export = merged("marian")
+    inputs = zoo.sample_encoder_inputs(export, batch=2, seq=7, seed=4)
+    seen: list[tuple[int, ...]] = []
+    real_next = _model._PresentBuffers.next
+
+    def next_recorded(self, past):
+        arrays = real_next(self, past)
+        assert not any(np.shares_memory(a, p) for a in arrays for p in past)
+        seen.append(tuple(a.__array_interface__["data"][0] for a in arrays))
+        return arrays
+
+    monkeypatch.setattr(_model._PresentBuffers, "next", next_recorded)
+    settings = dict(num_beams=3, max_new_tokens=6, min_new_tokens=6)
+    written = model.generate(**inputs, **settings)
+    assert len(seen) == 5 and seen[0] != seen[1]
+    monkeypatch.setattr(MergedSession, "writes_into", property(lambda self: False))
+    assert np.array_equal(model.generate(**inputs, **settings), written)
+    assert len(seen) == 5  # onnxruntime's buffers, not the runner's
+
+
 # -- text ----------------------------------------------------------------------------------------
 
 

@@ -128,6 +128,22 @@ def test_log_softmax_matches_torch_closely():
     np.testing.assert_allclose(p.log_softmax(scores), expected, rtol=0, atol=1e-6)
 
 
+def test_log_softmax_in_place_writes_the_same_values_over_the_scores():
+    pytest.importorskip("onnxruntime")
+    _, scores = _inputs(0)
+    expected = p.log_softmax(scores.copy())
+    own = scores.copy()
+    assert p.log_softmax(own, in_place=True) is own
+    np.testing.assert_array_equal(own, expected)
+    # An array it may not write into, or a strided view, gets a new one.
+    frozen = scores.copy()
+    frozen.flags.writeable = False
+    for given in (frozen, np.repeat(scores, 2, axis=1)[:, ::2]):
+        result = p.log_softmax(given, in_place=True)
+        assert not np.shares_memory(result, given)
+        np.testing.assert_array_equal(result, expected)
+
+
 def test_sample_tokens_follow_the_distribution_and_skip_zero_probability():
     probs = np.array([[0.0, 0.2, 0.0, 0.8, 0.0]] * 20000, dtype=np.float32)
     draws = sample_tokens(probs, np.random.default_rng(0))

@@ -379,17 +379,22 @@ def _assemble_one_decoder(
     mask = inputs.get(contract.ATTENTION_MASK)
     cached_mask = mask
     encoder_presents = [cross[n] for n in encoder_names]
+    # Format 4: every beam reads its input's cross-attention row, which is then not repeated.
+    repeat_rows: Callable[[ir.Value], ir.Value] = lambda v: v  # noqa: E731
     if num_beams > 1:
         repeat = _beam_repeater(main, batch, num_beams)
-        encoder_presents = [repeat(v) for v in encoder_presents]
+        if info.cross_attention_per_input:
+            repeat_rows = repeat
+        else:
+            encoder_presents = [repeat(v) for v in encoder_presents]
         cached_mask = repeat(mask) if mask is not None else None
         encoder_ids = repeat(encoder_ids) if encoder_ids is not None else None
     for value in if_node.outputs:
         _redirect(value, decoder_all, encoder_presents[encoder_names.index(name_of(value))])
-    # Each layer's self-attention past starts empty: its cross key/value's rows and heads.
+    # Each layer's self-attention past starts empty: its cross key/value's heads, one row a beam.
     empty_past = []
     for present in encoder_presents:
-        empty = main.slice(present, 0, 0, axis=2)
+        empty = repeat_rows(main.slice(present, 0, 0, axis=2))
         empty.type = cross[encoder_names[0]].type
         empty_past.append(empty)
     if prompt and len(prompt) > 1 and info.prompt_tokens_per_step == 1:

@@ -27,15 +27,15 @@ from onnxmerge.merge._cross_attention import CrossAttention, find_cross_attentio
 from onnxmerge.merge._load import find_checkpoint, load_export
 from onnxmerge.merge._parts import Part, dim_sources, parts_of_file
 from onnxmerge.merge._roles import Role
-from onnxmerge.passes import dedup, dims, reshape_targets, tied_head, zero_bias
+from onnxmerge.passes import dedup, dims, per_input, reshape_targets, tied_head, zero_bias
 from onnxmerge.passes.base import NoMatch
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_OUTPUT_NAME = "model.onnx"
-# ``format``: 3 is the one-decoder form; 1 and 2 name the two-decoder form (version 1, and 2 once
-# quantized).
-FORMATS = (1, 2, 3)
+# ``format``: 4 is the one-decoder form whose cross-attention cache may hold one row per input, 3
+# the one-decoder form; 1 and 2 name the two-decoder form (version 1, and 2 once quantized).
+FORMATS = (1, 2, 3, 4)
 
 
 class _FirstStepDiffers(Exception):
@@ -197,6 +197,9 @@ def merge_seq2seq_with_report(
     step("deduplicating")
     rewrites = passes.run(model, (separate_dims, *rewrite_steps(cross is not None)))
     shared = passes.records(rewrites)
+    if cross is not None and format != 3:
+        rewrites += passes.run(model, (per_input.CrossAttentionPerInput(),))
+        format_reason = _per_input(model, rewrites[-1], format, export_dir, format_reason)
     configs = _configs(layout, files_read)
     config = configs[contract.META_CONFIG]
     _judge(
@@ -217,9 +220,9 @@ def merge_seq2seq_with_report(
         protected=frozenset(f.resolve() for f in files_read),
     )
     if verdict is not None and not verdict.holds:
-        if format == 3:
+        if format in (3, 4):
             raise IncompatibleModelsError(
-                f"{export_dir} cannot be merged as format 3: {verdict.reason}; merge with "
+                f"{export_dir} cannot be merged as format {format}: {verdict.reason}; merge with "
                 "format 2 (--format 2)"
             )
         logger.info("writing format 2: %s", verdict.reason)
@@ -372,13 +375,28 @@ def _one_decoder_part(parts: list[Part], format: int | None) -> tuple[CrossAtten
         else NoMatch(f"{decoder.source.name} returns no cross-attention keys and values")
     )
     if isinstance(found, NoMatch):
-        if format == 3:
+        if format in (3, 4):
             raise IncompatibleModelsError(
-                f"the export cannot be merged as format 3: {found.reason}; merge with format 2 "
-                "(--format 2)"
+                f"the export cannot be merged as format {format}: {found.reason}; merge with "
+                "format 2 (--format 2)"
             )
         return None, f"format 2, since {found.reason}"
     return found, "one decoder for every step"
+
+
+def _per_input(
+    model: ir.Model, result: passes.StepResult, format: int | None, export_dir: Path, reason: str
+) -> str:
+    """Version 4 where every cross-attention product reads one row per input; the reason."""
+    if result.count:
+        model.metadata_props[contract.META_FORMAT_VERSION] = contract.PER_INPUT_FORMAT_VERSION
+        return f"{reason}, its cross-attention keys and values once per input"
+    why = result.records[0] if result.records else "nothing to rewrite"
+    if format == 4:
+        raise IncompatibleModelsError(
+            f"{export_dir} cannot be merged as format 4: {why}; merge with format 3 (--format 3)"
+        )
+    return f"{reason}; its cross-attention keys and values once per row (not format 4: {why})"
 
 
 def rewrite_steps(one_decoder: bool = False) -> tuple[ir.passes.InPlacePass, ...]:

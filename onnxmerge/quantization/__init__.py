@@ -185,7 +185,7 @@ def _quantize_file(
     )
     done = quantized.records
     precision = {"encoder": encoder, "decoder": weights}
-    if meta[contract.META_FORMAT_VERSION] != contract.ONE_DECODER_FORMAT_VERSION:
+    if meta[contract.META_FORMAT_VERSION] not in contract.ONE_DECODER_FORMAT_VERSIONS:
         meta[contract.META_FORMAT_VERSION] = contract.QUANTIZED_FORMAT_VERSION
     meta[contract.META_PRECISION] = json.dumps(precision, sort_keys=True)
     inputs_read = frozenset(f.resolve() for f in (source, *data_files))

@@ -30,6 +30,7 @@ class _Steps:
         self.encoder_inputs = encoder_inputs
         self.prompt = prompt
         self._cache: Cache | None = None
+        self._presents = _PresentBuffers() if session.writes_into else None
 
     @property
     def cache(self) -> Cache:
@@ -44,7 +45,8 @@ class _Steps:
 
     def _next(self, tokens: np.ndarray, *, greedy: bool) -> StepOutput:
         ids = np.ascontiguousarray(tokens, dtype=np.int64).reshape(-1, 1)
-        out = self.session.next_step(ids, self.cache, greedy=greedy)
+        into = self._presents.next(self.cache.decoder) if self._presents else None
+        out = self.session.next_step(ids, self.cache, greedy=greedy, into=into)
         self._cache = out.cache
         return out
 
@@ -65,6 +67,38 @@ class _Steps:
                 tensor[moved] = tensor[rows[moved]]
             return
         self._cache = cache.reorder(rows, encoder=not within_batch)
+
+
+class _PresentBuffers:
+    """Two sets of buffers, one per ``present.*.decoder.*``, that cached steps write into by
+    turns: each step reads its past from one and writes its present into the other.
+
+    onnxruntime would allocate every present in its arena, one position longer each step than
+    the last, and a freed past cannot hold the next present: the arena grows by the cache's size
+    again and again over a search. A buffer's pages become resident only as the cache grows into
+    them; one is replaced, by one twice as long, where the cache outgrows it.
+    """
+
+    def __init__(self) -> None:
+        self._sets: list[list[np.ndarray]] = [[], []]
+        self._turn = 0
+
+    def next(self, past: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """Arrays for the presents of a step after ``past``; never the memory ``past`` is in,
+        which the step before wrote at most."""
+        self._turn = 1 - self._turn
+        flat = self._sets[self._turn]
+        arrays = []
+        for i, tensor in enumerate(past):
+            rows, heads, length, width = tensor.shape
+            shape = (rows, heads, length + 1, width)
+            size = rows * heads * (length + 1) * width
+            if i == len(flat):
+                flat.append(np.empty(0, tensor.dtype))
+            if flat[i].size < size or flat[i].dtype != tensor.dtype:
+                flat[i] = np.empty(max(size, 2 * flat[i].size), tensor.dtype)
+            arrays.append(flat[i][:size].reshape(shape))
+        return arrays
 
 
 class _Runner(_Steps):

@@ -308,7 +308,8 @@ def _beam_log_probs(
     """Processed log-probabilities plus each beam's score: ``[batch, beams * vocab]``."""
     batch, num_beams = cfg.batch, cfg.num_beams
     flat_running = beams.running_sequences[:, :, :cur_len].reshape(batch * num_beams, cur_len)
-    log_probs = log_softmax(logits.astype(np.float32, copy=False))
+    # Over the logits themselves: the runner's own array, which nothing reads after this.
+    log_probs = log_softmax(logits.astype(np.float32, copy=False), in_place=True)
     log_probs = processors(flat_running, log_probs)
     vocab = log_probs.shape[1]
     # In place: log_probs is this step's own array, and a copy would cost a pass over it.

@@ -42,7 +42,9 @@ class Cache:
     key, value, ...), ``[rows, heads, length, head_dim]``. Without past: ``tokens`` holds the
     decoder prefix so far and ``encoder_inputs`` the inputs the encoder is re-run on.
     Methods return new caches; a cache is never changed in place (beam search in ``generate()``
-    moves rows within the arrays of the cache only it holds).
+    moves rows within the arrays of the cache only it holds). ``per_input`` (format version 4):
+    ``encoder`` may hold fewer rows, one per input, which ``rows / their rows`` consecutive
+    decoder rows read; expanding to beams then leaves them as they are.
     """
 
     attention_mask: np.ndarray | None
@@ -50,6 +52,7 @@ class Cache:
     encoder: tuple[np.ndarray, ...] = ()
     tokens: np.ndarray | None = None
     encoder_inputs: Mapping[str, np.ndarray] | None = None
+    per_input: bool = False
 
     @property
     def rows(self) -> int:
@@ -94,8 +97,25 @@ class Cache:
         return Cache(
             attention_mask=mask,
             decoder=tuple(take(t) for t in self.decoder),
-            encoder=tuple(take(t) for t in self.encoder) if encoder else self.encoder,
+            encoder=self._encoder_rows(idx) if encoder else self.encoder,
+            per_input=self.per_input,
         )
+
+    def _encoder_rows(self, idx: np.ndarray) -> tuple[np.ndarray, ...]:
+        """The encoder tensors for decoder rows ``idx``: one row per run of rows that read the
+        same input, where the cache may hold them so and the runs are of one length."""
+        if not self.encoder:
+            return self.encoder
+        if not self.per_input:
+            return tuple(np.take(t, idx, axis=0) for t in self.encoder)
+        held = self.encoder[0].shape[0]
+        inputs = idx // (self.rows // held)
+        starts = np.flatnonzero(np.diff(inputs, prepend=-1))
+        runs = np.diff(np.append(starts, inputs.size))
+        picked = inputs[starts] if runs.size and (runs == runs[0]).all() else inputs
+        if np.array_equal(picked, np.arange(held)):
+            return self.encoder
+        return tuple(np.take(t, picked, axis=0) for t in self.encoder)
 
     def expand(self, n: int) -> Cache:
         """Every row repeated ``n`` times in place (row r becomes rows r*n ... r*n+n-1)."""
@@ -204,6 +224,7 @@ class MergedSession:
         self.past_encoder_names = c.past_names(layers, "encoder")
         self.present_decoder_names = c.present_names(layers, "decoder")
         self.present_encoder_names = c.present_names(layers, "encoder")
+        self._passed_through: dict[str, str] | None = None
         if self.has_past:
             absent = [
                 n
@@ -282,6 +303,11 @@ class MergedSession:
             result[name] = np.zeros((rows, *middle, 0), dtype=spec.dtype)
         return result
 
+    @property
+    def writes_into(self) -> bool:
+        """Whether ``next_step(into=...)`` writes the presents into the caller's arrays."""
+        return bool(self._passed_through)
+
     # -- steps ----------------------------------------------------------------------------------
 
     def _run(
@@ -289,18 +315,27 @@ class MergedSession:
         output_names: list[str],
         feeds: dict[str, np.ndarray],
         passed_through: Mapping[str, str] | None = None,
+        into: Mapping[str, np.ndarray] | None = None,
     ) -> list[np.ndarray]:
         """``session.run``; ``passed_through`` maps outputs that return an input unchanged to that
         input. onnxruntime writes such an output into the input's own buffer, which it then skips
-        copying: format 3's cross-attention keys and values, every cached step."""
+        copying: format 3's cross-attention keys and values, every cached step. ``into`` gives
+        outputs arrays of their shape to be written into (only with ``passed_through``)."""
         if not passed_through:
             return self.session.run(output_names, feeds)
         import onnxruntime
 
         session: Any = self.session  # an InferenceSession: the backend is onnxruntime
         binding = session.io_binding()
+        into = into or {}
         for name in output_names:
-            binding.bind_output(name)
+            if name in into:
+                array = into[name]
+                binding.bind_output(
+                    name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data
+                )
+            else:
+                binding.bind_output(name)
         shared, kept = {}, []  # kept: what onnxruntime reads in place lives until the run ends
         for name, array in feeds.items():
             # onnxruntime writes the same values back: only into an array it may write into.
@@ -319,7 +354,10 @@ class MergedSession:
                 binding.bind_ortvalue_output(output, shared[source])
         session.run_with_iobinding(binding)
         values = binding.get_outputs()
-        return [values[i].numpy() for i in range(len(output_names))]
+        return [
+            into[name] if name in into else values[i].numpy()
+            for i, name in enumerate(output_names)
+        ]
 
     def first_step(
         self, encoder_inputs: Mapping[str, np.ndarray], decoder_input_ids: np.ndarray
@@ -358,6 +396,7 @@ class MergedSession:
             attention_mask=mask,
             decoder=tuple(results[1 : 1 + n]),
             encoder=tuple(results[1 + n :]),
+            per_input=self.info.cross_attention_per_input,
         )
         return StepOutput(results[0], cache)
 
@@ -368,11 +407,14 @@ class MergedSession:
         attention_mask: np.ndarray | None = None,
         *,
         greedy: bool = False,
+        into: Sequence[np.ndarray] | None = None,
     ) -> StepOutput:
         """Feed new tokens ``[rows, n]`` after the cached prefix.
 
         ``greedy=True`` (only where ``greedy_head`` is not None) returns the int8 head's logits
-        and the head's input as ``hidden``, for :class:`GreedyHead`.
+        and the head's input as ``hidden``, for :class:`GreedyHead`. ``into`` (where
+        ``writes_into`` is True): an array per ``present.*.decoder.*``, of its shape, written
+        with it and returned as the new cache's.
         """
         if greedy and self.greedy_head is None:
             raise GenerationError(f"{self.path}: this session has no greedy head")
@@ -398,11 +440,18 @@ class MergedSession:
         feeds.update(zip(self.past_encoder_names, cache.encoder, strict=True))
         if self._has_flag:
             feeds[FLAG] = self._true if greedy else self._false
+        written = dict(zip(self.present_decoder_names, into, strict=True)) if into else None
         results = self._run(
-            self._greedy_outputs if greedy else self._next_outputs, feeds, self._passed_through
+            self._greedy_outputs if greedy else self._next_outputs,
+            feeds,
+            self._passed_through,
+            written,
         )
         layers = len(self.present_decoder_names)
         new_cache = Cache(
-            attention_mask=mask, decoder=tuple(results[1 : 1 + layers]), encoder=cache.encoder
+            attention_mask=mask,
+            decoder=tuple(results[1 : 1 + layers]),
+            encoder=cache.encoder,
+            per_input=cache.per_input,
         )
         return StepOutput(results[0], new_cache, results[-1] if greedy else None)

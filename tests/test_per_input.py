@@ -194,3 +194,50 @@ def test_format_4_is_refused_with_the_reason_where_the_pass_does_not_hold(
     result = merge_seq2seq_with_report(folder, tmp_path / "v3.onnx")
     assert result.format_version == contract.ONE_DECODER_FORMAT_VERSION
     assert "a test said no" in result.format_reason
+
+
+def _repeated_for_beams(graph) -> list[str]:
+    """What the beam generator's main graph repeats for the beams: the op type that produced each
+    value gathered by the beam rows (``Range / num_beams``), or ``input`` for a graph input."""
+    producers = {o: n for n in graph.node for o in n.output}
+
+    def op(name: str) -> str:
+        return producers[name].op_type if name in producers else "input"
+
+    rows = {
+        n.output[0]
+        for n in graph.node
+        if n.op_type == "Div" and n.input[0] in producers and op(n.input[0]) == "Range"
+    }
+    return [op(n.input[0]) for n in graph.node if n.op_type == "Gather" and n.input[1] in rows]
+
+
+def test_a_beam_generator_of_version_4_keeps_one_row_per_input(tmp_path, tiny_export):
+    """Built from a version 4 file, the generator's loop reads each input's cross-attention keys
+    and values as the encoder wrote them (not repeated for the beams), with the same tokens."""
+    import onnx
+
+    from onnxmerge import build_generator
+    from onnxmerge.runtime._ort import open_session
+
+    folder = tiny_export("marian").onnx_dir
+    ids = np.array([[5, 9, 14, 3, 2], [7, 8, 2, 0, 0]], np.int64)
+    feeds = {
+        "input_ids": ids,
+        "attention_mask": (ids != 0).astype(np.int64),
+        contract.MAX_NEW_TOKENS: np.array(6, np.int64),
+    }
+    tokens, repeated = [], []
+    for format in (3, 4):
+        merged = merge_seq2seq_with_report(folder, tmp_path / f"v{format}.onnx", format=format)
+        path = build_generator(
+            merged.path, tmp_path / f"g{format}.onnx", search="beam", num_beams=3
+        )
+        repeated.append(_repeated_for_beams(onnx.load(str(path), load_external_data=False).graph))
+        tokens.append(open_session(path).run(None, feeds)[0])
+    np.testing.assert_array_equal(tokens[1], tokens[0])
+    # Format 3 repeats the cross-attention tensors; format 4 only the inputs, the prompt and the
+    # empty pasts.
+    cross = [[op for op in ops if op not in ("input", "Expand", "Slice")] for ops in repeated]
+    assert len(cross[0]) >= 2 and cross[1] == []
+    assert "Slice" in repeated[1]

@@ -30,7 +30,7 @@ class _Steps:
         self.encoder_inputs = encoder_inputs
         self.prompt = prompt
         self._cache: Cache | None = None
-        self._presents = _PresentBuffers() if session.writes_into else None
+        self._presents: _PresentBuffers | None = None
 
     @property
     def cache(self) -> Cache:
@@ -41,6 +41,7 @@ class _Steps:
     def start(self) -> np.ndarray:
         out = self.session.first_step(self.encoder_inputs, self.prompt)
         self._cache = out.cache
+        self._presents = _PresentBuffers() if self.session.writes_into else None
         return out.logits[:, -1, :]
 
     def _next(self, tokens: np.ndarray, *, greedy: bool) -> StepOutput:

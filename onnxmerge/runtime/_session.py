@@ -355,8 +355,7 @@ class MergedSession:
         session.run_with_iobinding(binding)
         values = binding.get_outputs()
         return [
-            into[name] if name in into else values[i].numpy()
-            for i, name in enumerate(output_names)
+            into[name] if name in into else values[i].numpy() for i, name in enumerate(output_names)
         ]
 
     def first_step(

@@ -17,10 +17,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import onnx_ir as ir
 
-from onnxmerge.passes.base import NoMatch, is_op
+from onnxmerge.passes.base import NoMatch, constant_array, is_op
 
 
 @dataclass(frozen=True)
@@ -164,7 +163,7 @@ def _batch_only(shape: ir.Node, readers: set[ir.Node]) -> str | None:
         if reader not in readers:
             continue
         if is_op(reader, "Gather") and use.idx == 0:
-            index = _constant(reader.inputs[1])
+            index = constant_array(reader.inputs[1])
             axis = reader.attributes.get("axis")
             if (
                 index is not None
@@ -175,7 +174,7 @@ def _batch_only(shape: ir.Node, readers: set[ir.Node]) -> str | None:
                 continue
             return "an element other than the first is gathered"
         if is_op(reader, "Slice") and use.idx == 0:
-            starts, ends = _constant(reader.inputs[1]), _constant(reader.inputs[2])
+            starts, ends = constant_array(reader.inputs[1]), constant_array(reader.inputs[2])
             if (
                 starts is not None
                 and ends is not None
@@ -185,17 +184,6 @@ def _batch_only(shape: ir.Node, readers: set[ir.Node]) -> str | None:
                 continue
             return "it is sliced beyond the first element"
         return f"{reader.op_type} reads the whole shape"
-    return None
-
-
-def _constant(value: ir.Value | None) -> np.ndarray | None:
-    if value is None:
-        return None
-    if value.const_value is not None:
-        return value.const_value.numpy()
-    producer = value.producer()
-    if producer is not None and is_op(producer, "Constant") and "value" in producer.attributes:
-        return producer.attributes["value"].as_tensor().numpy()
     return None
 
 

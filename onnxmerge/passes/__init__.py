@@ -15,6 +15,7 @@ from __future__ import annotations
 from onnxmerge.passes.base import (
     NoMatch,
     StepResult,
+    constant_array,
     counts,
     free_name,
     graph_of,
@@ -30,6 +31,7 @@ from onnxmerge.passes.base import (
 __all__ = [
     "NoMatch",
     "StepResult",
+    "constant_array",
     "counts",
     "free_name",
     "graph_of",

@@ -103,6 +103,18 @@ def initializer(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
     return graph.initializers[name]
 
 
+def constant_array(value: ir.Value | None) -> np.ndarray | None:
+    """The value of an initializer or of a standard ``Constant`` node's ``value``, else None."""
+    if value is None:
+        return None
+    if value.const_value is not None:
+        return value.const_value.numpy()
+    producer = value.producer()
+    if producer is not None and is_op(producer, "Constant") and "value" in producer.attributes:
+        return producer.attributes["value"].as_tensor().numpy()
+    return None
+
+
 def tensor_of(value: ir.Value) -> ir.TensorProtocol:
     """The tensor of an initializer that holds one (the passes read no other)."""
     if value.const_value is None:

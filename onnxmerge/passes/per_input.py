@@ -22,7 +22,7 @@ import numpy as np
 import onnx_ir as ir
 
 from onnxmerge import contract
-from onnxmerge.passes.base import NoMatch, StepResult, initializer, is_op, node
+from onnxmerge.passes.base import NoMatch, StepResult, constant_array, initializer, is_op, node
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ def _batch_read(shape: ir.Node) -> str | None:
         gather = use.node
         if not is_op(gather, "Gather") or use.idx != 0:
             return f"gives its shape to {gather.op_type}"
-        indices = _constant(gather.inputs[1])
+        indices = constant_array(gather.inputs[1])
         if indices is None:
             return "gives its shape to a Gather of indices that are not constant"
         if (indices % 4 == 0).any():
@@ -122,23 +122,12 @@ def _keeps_rows(user: ir.Node, idx: int) -> str | None:
     if is_op(user, "Transpose"):
         perm = user.attributes.get("perm")
         return None if perm is not None and list(perm.value)[0] == 0 else "moves the batch"
-    constant = _constant(user.inputs[1 - idx]) if len(user.inputs) == 2 else None
+    constant = constant_array(user.inputs[1 - idx]) if len(user.inputs) == 2 else None
     if constant is None or constant.size != 1:
         return "scales it by more than one number"
     if user.op_type == "Div" and idx == 1:
         return "divides by it"
     return None
-
-
-def _constant(value: ir.Value | None) -> np.ndarray | None:
-    """The value of an initializer or of a ``Constant`` node's ``value``, else None."""
-    if value is None:
-        return None
-    tensor = value.const_value
-    producer = value.producer()
-    if tensor is None and is_op(producer, "Constant") and "value" in producer.attributes:
-        tensor = producer.attributes["value"].value
-    return None if tensor is None else np.asarray(tensor.numpy())
 
 
 def _fold(

@@ -66,6 +66,12 @@ def open_session(
     )
 
 
+def bind_output_into(binding: Any, name: str, array: np.ndarray) -> None:
+    """Have onnxruntime write output ``name`` into ``array``, a contiguous CPU numpy array of
+    the output's shape, which the caller keeps alive until the run ends."""
+    binding.bind_output(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
+
+
 @functools.cache
 def processor() -> tuple[str, frozenset[str] | None]:
     """The processor's model name and instruction sets, which onnxruntime's kernels are chosen

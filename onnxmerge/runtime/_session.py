@@ -330,10 +330,7 @@ class MergedSession:
         into = into or {}
         for name in output_names:
             if name in into:
-                array = into[name]
-                binding.bind_output(
-                    name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data
-                )
+                ort.bind_output_into(binding, name, into[name])
             else:
                 binding.bind_output(name)
         shared, kept = {}, []  # kept: what onnxruntime reads in place lives until the run ends

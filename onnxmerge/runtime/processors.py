@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from onnxmerge.errors import GenerationError
+from onnxmerge.runtime._ort import bind_output_into, open_session, session_options
 
 if TYPE_CHECKING:
     from onnxmerge.settings import GenerationSettings
@@ -326,7 +327,7 @@ def log_softmax(scores: np.ndarray, *, in_place: bool = False) -> np.ndarray:
         return kernel.run(None, {"scores": rows})[0].reshape(scores.shape)
     binding = kernel.io_binding()
     binding.bind_cpu_input("scores", rows)
-    binding.bind_output("log_probs", "cpu", 0, rows.dtype, list(rows.shape), rows.ctypes.data)
+    bind_output_into(binding, "log_probs", rows)
     kernel.run_with_iobinding(binding)
     return scores
 
@@ -352,8 +353,6 @@ def _log_softmax_kernel() -> Any:
     if importlib.util.find_spec("onnxruntime") is None:
         return None
     import onnx.helper
-
-    from onnxmerge.runtime._ort import open_session, session_options
 
     def value(name: str) -> onnx.ValueInfoProto:
         return onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, ["rows", "vocab"])

@@ -310,7 +310,8 @@ def test_cache_reorder_and_expand(merged):
 
 def test_cached_steps_write_the_cache_into_two_buffers_by_turns(merged, monkeypatch):
     """The runner's cached steps write their presents into its own two sets of buffers, each
-    step into the set its past is not in; the tokens are those of onnxruntime's own buffers."""
+    step into the set its past is not in, each set mapped once for the whole search; the tokens
+    are those of onnxruntime's own buffers."""
     from onnxmerge.runtime import _model
     from onnxmerge.runtime._session import MergedSession
     from onnxmerge.testing import zoo
@@ -330,6 +331,7 @@ def test_cached_steps_write_the_cache_into_two_buffers_by_turns(merged, monkeypa
     settings = dict(num_beams=3, max_new_tokens=6, min_new_tokens=6)
     written = model.generate(**inputs, **settings)
     assert len(seen) == 5 and seen[0] != seen[1]
+    assert all(seen[i] == seen[i - 2] for i in range(2, len(seen)))  # never moved to grow
     monkeypatch.setattr(MergedSession, "writes_into", property(lambda self: False))
     assert np.array_equal(model.generate(**inputs, **settings), written)
     assert len(seen) == 5  # onnxruntime's buffers, not the runner's

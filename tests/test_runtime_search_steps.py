@@ -328,7 +328,7 @@ def test_beam_reorders_move_only_the_rows_that_change_in_the_runners_own_cache()
     decoder = tuple(rng.standard_normal((6, 2, 3, 4)).astype(np.float32) for _ in range(2))
     encoder = (rng.standard_normal((6, 2, 5, 4)).astype(np.float32),)
     expected = [t.copy() for t in decoder]
-    steps = _Steps(session=None, encoder_inputs={}, prompt=np.zeros((6, 1), np.int64))
+    steps = _Steps(session=None, encoder_inputs={}, prompt=np.zeros((6, 1), np.int64), max_length=8)
     steps._cache = Cache(attention_mask=None, decoder=decoder, encoder=encoder)
     for rows in ([1, 0, 2, 2, 5, 4], [0, 0, 0, 3, 3, 3], [2, 0, 1, 3, 4, 5]):  # cycles, copies
         rows = np.array(rows)

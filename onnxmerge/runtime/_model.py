@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import mmap
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -25,10 +26,13 @@ logger = logging.getLogger(__name__)
 class _Steps:
     """A session and its cache, stepped by the search loops through the runners below."""
 
-    def __init__(self, session: MergedSession, encoder_inputs: dict, prompt: np.ndarray):
+    def __init__(
+        self, session: MergedSession, encoder_inputs: dict, prompt: np.ndarray, max_length: int
+    ):
         self.session = session
         self.encoder_inputs = encoder_inputs
         self.prompt = prompt
+        self.max_length = max_length
         self._cache: Cache | None = None
         self._presents: _PresentBuffers | None = None
 
@@ -41,7 +45,8 @@ class _Steps:
     def start(self) -> np.ndarray:
         out = self.session.first_step(self.encoder_inputs, self.prompt)
         self._cache = out.cache
-        self._presents = _PresentBuffers() if self.session.writes_into else None
+        writes = self.session.writes_into
+        self._presents = _PresentBuffers(self.max_length) if writes else None
         return out.logits[:, -1, :]
 
     def _next(self, tokens: np.ndarray, *, greedy: bool) -> StepOutput:
@@ -76,11 +81,14 @@ class _PresentBuffers:
 
     onnxruntime would allocate every present in its arena, one position longer each step than
     the last, and a freed past cannot hold the next present: the arena grows by the cache's size
-    again and again over a search. A buffer's pages become resident only as the cache grows into
-    them; one is replaced, by one twice as long, where the cache outgrows it.
+    again and again over a search. Each buffer is mapped once, long enough for ``positions``
+    (the search's max_length), and its pages become resident only as the cache grows into
+    them: no page is written twice for the first time, and none is kept that the search ends
+    without.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, positions: int) -> None:
+        self._positions = positions
         self._sets: list[list[np.ndarray]] = [[], []]
         self._turn = 0
 
@@ -97,9 +105,29 @@ class _PresentBuffers:
             if i == len(flat):
                 flat.append(np.empty(0, tensor.dtype))
             if flat[i].size < size or flat[i].dtype != tensor.dtype:
-                flat[i] = np.empty(max(size, 2 * flat[i].size), tensor.dtype)
+                # Once per search, unless its rows change or it outgrows max_length.
+                longest = rows * heads * max(self._positions, length + 1) * width
+                flat[i] = _anonymous(max(longest, 2 * flat[i].size), tensor.dtype)
             arrays.append(flat[i][:size].reshape(shape))
         return arrays
+
+
+def _anonymous(size: int, dtype: np.dtype) -> np.ndarray:
+    """``np.empty(size, dtype)`` in a private anonymous mapping of its own: its pages are
+    resident only once written and go back to the system when the array is freed (malloc
+    serves sizes below its threshold, which freeing a mapping raises to 32 MB, from a heap that
+    keeps them)."""
+    nbytes = max(size * dtype.itemsize, 1)
+    try:
+        if hasattr(mmap, "MAP_ANONYMOUS"):  # POSIX; a plain anonymous mapping would be shared
+            buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        else:
+            buffer = mmap.mmap(-1, nbytes)
+    except OSError:  # a system that will not reserve this much address space
+        return np.empty(size, dtype)
+    if hasattr(mmap, "MADV_HUGEPAGE"):  # as numpy asks for its large arrays: fewer TLB misses
+        buffer.madvise(mmap.MADV_HUGEPAGE)
+    return np.frombuffer(buffer, dtype, count=size)
 
 
 class _Runner(_Steps):
@@ -114,9 +142,14 @@ class _GreedyHeadRunner(_Steps):
     (``GreedyRunner``): full logits only where the session gave no hidden state."""
 
     def __init__(
-        self, session: MergedSession, encoder_inputs: dict, prompt: np.ndarray, head: GreedyHead
+        self,
+        session: MergedSession,
+        encoder_inputs: dict,
+        prompt: np.ndarray,
+        max_length: int,
+        head: GreedyHead,
     ):
-        super().__init__(session, encoder_inputs, prompt)
+        super().__init__(session, encoder_inputs, prompt, max_length)
         self.head = head
 
     def advance(self, tokens: np.ndarray) -> np.ndarray | LogitBounds:
@@ -398,12 +431,12 @@ class Seq2SeqModel:
                 else None
             )
             runner: GreedyRunner = (
-                _GreedyHeadRunner(self._session, inputs, prompt, greedy_head)
+                _GreedyHeadRunner(self._session, inputs, prompt, settings.max_length, greedy_head)
                 if greedy_head is not None
-                else _Runner(self._session, inputs, prompt)
+                else _Runner(self._session, inputs, prompt, settings.max_length)
             )
             return greedy_or_sample(runner, prompt, settings, processors, rng)
-        runner = _Runner(self._session, inputs, prompt)
+        runner = _Runner(self._session, inputs, prompt, settings.max_length)
         return beam_search(runner, prompt, settings, processors, rng)
 
     def generate_many(

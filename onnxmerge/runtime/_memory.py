@@ -1,6 +1,8 @@
-"""Hand memory that onnxruntime no longer needs after loading back to the system (Linux only).
+"""Hand memory that onnxruntime no longer needs after loading back to the system (Linux only),
+and arrays whose memory goes back to the system when they are freed.
 
-Both steps are best effort: elsewhere, or where the C library lacks the call, they do nothing.
+The loading steps are best effort: elsewhere, or where the C library lacks the call, they do
+nothing.
 """
 
 from __future__ import annotations
@@ -8,9 +10,12 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import mmap
 import sys
 from collections.abc import Callable
 from pathlib import Path
+
+import numpy as np
 
 logger = logging.getLogger(__name__)
 
@@ -95,3 +100,21 @@ def release_mapped_weights(model: Path) -> int:
         else:  # pragma: no cover - the kernel refused; nothing is lost
             logger.debug("madvise failed: errno %d", ctypes.get_errno())
     return released
+
+
+def anonymous_array(size: int, dtype: np.dtype) -> np.ndarray:
+    """``np.empty(size, dtype)`` in a private anonymous mapping of its own: its pages are
+    resident only once written and go back to the system when the array is freed (malloc
+    serves sizes below its threshold, which freeing a mapping raises to 32 MB, from a heap that
+    keeps them)."""
+    nbytes = max(size * dtype.itemsize, 1)
+    try:
+        if hasattr(mmap, "MAP_ANONYMOUS"):  # POSIX; a plain anonymous mapping would be shared
+            buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        else:
+            buffer = mmap.mmap(-1, nbytes)
+    except OSError:  # a system that will not reserve this much address space
+        return np.empty(size, dtype)
+    if hasattr(mmap, "MADV_HUGEPAGE"):  # as numpy asks for its large arrays: fewer TLB misses
+        buffer.madvise(mmap.MADV_HUGEPAGE)
+    return np.frombuffer(buffer, dtype, count=size)

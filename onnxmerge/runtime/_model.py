@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import mmap
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -14,6 +13,7 @@ import numpy as np
 from onnxmerge import contract as c
 from onnxmerge.errors import GenerationError
 from onnxmerge.runtime import _corpus as corpus
+from onnxmerge.runtime import _memory as memory
 from onnxmerge.runtime._greedy_head import GreedyHead, LogitBounds
 from onnxmerge.runtime._search import GreedyRunner, beam_search, greedy_or_sample
 from onnxmerge.runtime._session import Cache, MergedSession, StepOutput
@@ -107,27 +107,9 @@ class _PresentBuffers:
             if flat[i].size < size or flat[i].dtype != tensor.dtype:
                 # Once per search, unless its rows change or it outgrows max_length.
                 longest = rows * heads * max(self._positions, length + 1) * width
-                flat[i] = _anonymous(max(longest, 2 * flat[i].size), tensor.dtype)
+                flat[i] = memory.anonymous_array(max(longest, 2 * flat[i].size), tensor.dtype)
             arrays.append(flat[i][:size].reshape(shape))
         return arrays
-
-
-def _anonymous(size: int, dtype: np.dtype) -> np.ndarray:
-    """``np.empty(size, dtype)`` in a private anonymous mapping of its own: its pages are
-    resident only once written and go back to the system when the array is freed (malloc
-    serves sizes below its threshold, which freeing a mapping raises to 32 MB, from a heap that
-    keeps them)."""
-    nbytes = max(size * dtype.itemsize, 1)
-    try:
-        if hasattr(mmap, "MAP_ANONYMOUS"):  # POSIX; a plain anonymous mapping would be shared
-            buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        else:
-            buffer = mmap.mmap(-1, nbytes)
-    except OSError:  # a system that will not reserve this much address space
-        return np.empty(size, dtype)
-    if hasattr(mmap, "MADV_HUGEPAGE"):  # as numpy asks for its large arrays: fewer TLB misses
-        buffer.madvise(mmap.MADV_HUGEPAGE)
-    return np.frombuffer(buffer, dtype, count=size)
 
 
 class _Runner(_Steps):

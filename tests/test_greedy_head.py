@@ -234,6 +234,20 @@ def test_a_head_without_a_bias_gives_the_float_heads_tokens(tmp_path_factory, tm
         np.testing.assert_array_equal(_generate(cached, **settings), _generate(plain, **settings))
 
 
+def test_a_bias_stored_as_one_by_one_by_vocab_gives_the_float_heads_tokens(tied, tmp_path):
+    # Marian's final_logits_bias is [1, vocab]; a Gemm's third operand takes no more axes.
+    proto = onnx.load(tied)
+    (bias,) = [t for t in proto.graph.initializer if t.name == tm.FINAL_BIAS]
+    bias.dims[:] = [1, 1, tm.VOCAB]
+    reshaped = tmp_path / "model.onnx"
+    onnx.save(proto, reshaped)
+    cached = Seq2SeqModel(reshaped, session_cache=tmp_path / "cache")
+    assert cached._session.greedy_head is not None
+    plain = Seq2SeqModel(tied)
+    for settings in (SETTINGS[0], SETTINGS[-1]):
+        np.testing.assert_array_equal(_generate(cached, **settings), _generate(plain, **settings))
+
+
 @pytest.mark.parametrize("damage", ["not an archive", "cut short", "another vocabulary"])
 def test_an_entry_whose_tables_do_not_read_runs_the_float_head(tied, tmp_path, damage):
     cache = tmp_path / "cache"
@@ -304,3 +318,29 @@ def test_the_rewrite_runs_in_a_process_that_imported_nothing_else(tied, tmp_path
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "True"
+
+
+def test_the_entrys_logits_leave_the_head_without_a_copy(tied, tmp_path):
+    # onnxruntime copies a graph output that a Reshape or an Add inside a branch makes: the
+    # logits of every step, [rows, vocab], once more.
+    model = Seq2SeqModel(tied, session_cache=tmp_path / "cache")
+    (entry,) = (tmp_path / "cache").iterdir()
+    graph = onnx.load(entry / "model.onnx", load_external_data=False).graph
+    (producer,) = [n for n in graph.node if "logits" in n.output]
+    assert producer.op_type == "If"
+    (float_head,) = [a.g for a in producer.attribute if a.name == "else_branch"]
+    assert [(n.op_type, len(n.input)) for n in float_head.node] == [("Gemm", 3)]
+    (logits,) = [o for o in graph.output if o.name == "logits"]
+    assert len(logits.type.tensor_type.shape.dim) == 2
+    # The runtime gives them the shape of every other model's: [rows, new tokens, vocab].
+    inputs = tm.sample_inputs(seed=5, batch=3)
+    step = model._session.first_step(
+        {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"]},
+        np.full((3, 1), 2, np.int64),
+    )
+    plain = Seq2SeqModel(tied)._session.first_step(
+        {"input_ids": inputs["input_ids"], "attention_mask": inputs["attention_mask"]},
+        np.full((3, 1), 2, np.int64),
+    )
+    assert step.logits.shape == plain.logits.shape == (3, 1, tm.VOCAB)
+    np.testing.assert_allclose(step.logits, plain.logits, rtol=1e-5, atol=1e-6)

@@ -206,6 +206,8 @@ class MergedSession:
             for i in inputs
         }
         self.output_names = [o.name for o in outputs]
+        # A session-cache entry with a greedy head returns [rows * new tokens, vocab].
+        self._flat_logits = any(o.name == c.LOGITS and len(o.shape) == 2 for o in outputs)
         self.encoder_input_names = self.info.encoder_inputs or tuple(
             name
             for name in self.inputs
@@ -394,7 +396,11 @@ class MergedSession:
             encoder=tuple(results[1 + n :]),
             per_input=self.info.cross_attention_per_input,
         )
-        return StepOutput(results[0], cache)
+        return StepOutput(self._logits(results[0], rows), cache)
+
+    def _logits(self, logits: np.ndarray, rows: int) -> np.ndarray:
+        """``[rows, new tokens, vocab]``, a view of ``logits`` where the graph returns them flat."""
+        return logits.reshape(rows, -1, logits.shape[-1]) if self._flat_logits else logits
 
     def next_step(
         self,
@@ -450,4 +456,6 @@ class MergedSession:
             encoder=cache.encoder,
             per_input=cache.per_input,
         )
-        return StepOutput(results[0], new_cache, results[-1] if greedy else None)
+        return StepOutput(
+            self._logits(results[0], rows), new_cache, results[-1] if greedy else None
+        )

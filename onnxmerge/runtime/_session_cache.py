@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 ENTRY_MODEL = "model.onnx"
 ENTRY_DATA = "model.onnx_data"
 # What an entry holds; a new layout gets new entries.
-ENTRY_LAYOUT = 2
+ENTRY_LAYOUT = 3  # 3: the greedy head returns its logits flat
 # Where the model with a greedy head is written for onnxruntime to optimize, inside the entry.
 _SOURCE = "source"
 # The session settings that decide the graph onnxruntime optimizes to. Config entries cannot be

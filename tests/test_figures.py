@@ -144,3 +144,56 @@ def test_readme_ctranslate2_ratios_are_the_ctranslate2_benchmark() -> None:
     readme = (REPO / "README.md").read_text(encoding="utf-8")
     for row in ctranslate2_readme_rows(_load("ctranslate2")["precisions"]):
         _assert_quoted(readme, row, "README.md")
+
+
+def corpus_memory_sentence(corpus: dict) -> str:
+    """runtime.md's figures of float32 beam 4 over the corpus, setting by setting."""
+    tried = corpus["precisions"]["float32"]["ours"]["cases"]["beam4"]["settings"]
+    by_examples = [(k.split()[1], r) for k, r in tried.items() if k.startswith("examples ")]
+    tokens = [(k.split()[1], r) for k, r in tried.items() if k.startswith("tokens ")]
+    (first, first_result), *rest = by_examples
+    (budget, budget_result), *_ = tokens
+    peaks = [f"{first_result['peak_rss_mb']:.0f} MB with `max_batch_size={first}` examples"]
+    peaks += [f"{r['peak_rss_mb']:.0f} MB with {n}" for n, r in rest]
+    peaks.append(f"{budget_result['peak_rss_mb']:.0f} MB with {int(budget):,} tokens")
+    speeds = [f"{r['tokens_per_s']:.0f}" for _, r in [*by_examples, *tokens]]
+    return (
+        f"peaked at {', '.join(peaks[:-1])} and {peaks[-1]}, "
+        f"for {', '.join(speeds[:-1])} and {speeds[-1]} tokens/s"
+    )
+
+
+def test_runtime_corpus_memory_is_the_corpus_benchmark() -> None:
+    runtime = " ".join((REPO / "docs" / "runtime.md").read_text(encoding="utf-8").split())
+    _assert_quoted(runtime, corpus_memory_sentence(_load("corpus")), "docs/runtime.md")
+
+
+CORPUS_ROWS = (("greedy tokens/s", "greedy"), ("beam-4 tokens/s", "beam4"))
+
+
+def corpus_readme_rows(precisions: dict) -> list[str]:
+    """The README's corpus table, row by row: fastest against fastest, then ours within the
+    memory target (with the batching that got there)."""
+
+    def within(case: str, precision: str) -> str:
+        point = precisions[precision]["within_peak"][case]
+        return "none fits" if point is None else f"{point['ratio']:.2f}× ({point['batching']})"
+
+    columns = ("float32", "int8")
+    rows = [
+        f"| {label} | " + " | ".join(f"{precisions[c]['ratios'][key]:.2f}×" for c in columns) + " |"
+        for label, key in (*CORPUS_ROWS, ("peak memory", "peak_rss"))
+    ]
+    rows += [
+        f"| {label}, within the memory target | "
+        + " | ".join(within(key, c) for c in columns)
+        + " |"
+        for label, key in CORPUS_ROWS
+    ]
+    return rows
+
+
+def test_readme_corpus_ratios_are_the_corpus_benchmark() -> None:
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    for row in corpus_readme_rows(_load("corpus")["precisions"]):
+        _assert_quoted(readme, row, "README.md")

@@ -130,14 +130,17 @@ CTRANSLATE2_ROWS = (
 )
 
 
+def ratio_rows(precisions: dict, columns: tuple[str, ...], rows: tuple) -> list[str]:
+    """Table rows of a benchmark's ratios: one row per (label, key), one column per precision."""
+    return [
+        f"| {label} | " + " | ".join(f"{precisions[c]['ratios'][key]:.2f}×" for c in columns) + " |"
+        for label, key in rows
+    ]
+
+
 def ctranslate2_readme_rows(precisions: dict) -> list[str]:
     """The README's table against CTranslate2, row by row, from the benchmark's ratios."""
-    return [
-        f"| {label} | "
-        + " | ".join(f"{precisions[c]['ratios'][key]:.2f}×" for c in CTRANSLATE2_COLUMNS)
-        + " |"
-        for label, key in CTRANSLATE2_ROWS
-    ]
+    return ratio_rows(precisions, CTRANSLATE2_COLUMNS, CTRANSLATE2_ROWS)
 
 
 def test_readme_ctranslate2_ratios_are_the_ctranslate2_benchmark() -> None:
@@ -146,21 +149,24 @@ def test_readme_ctranslate2_ratios_are_the_ctranslate2_benchmark() -> None:
         _assert_quoted(readme, row, "README.md")
 
 
+def _listed(items: list[str]) -> str:
+    return f"{', '.join(items[:-1])} and {items[-1]}"
+
+
 def corpus_memory_sentence(corpus: dict) -> str:
-    """runtime.md's figures of float32 beam 4 over the corpus, setting by setting."""
+    """runtime.md's figures of float32 beam 4 over the corpus, setting by setting (the candidates
+    by examples first, then the token budget)."""
     tried = corpus["precisions"]["float32"]["ours"]["cases"]["beam4"]["settings"]
-    by_examples = [(k.split()[1], r) for k, r in tried.items() if k.startswith("examples ")]
-    tokens = [(k.split()[1], r) for k, r in tried.items() if k.startswith("tokens ")]
-    (first, first_result), *rest = by_examples
-    (budget, budget_result), *_ = tokens
-    peaks = [f"{first_result['peak_rss_mb']:.0f} MB with `max_batch_size={first}` examples"]
-    peaks += [f"{r['peak_rss_mb']:.0f} MB with {n}" for n, r in rest]
-    peaks.append(f"{budget_result['peak_rss_mb']:.0f} MB with {int(budget):,} tokens")
-    speeds = [f"{r['tokens_per_s']:.0f}" for _, r in [*by_examples, *tokens]]
-    return (
-        f"peaked at {', '.join(peaks[:-1])} and {peaks[-1]}, "
-        f"for {', '.join(speeds[:-1])} and {speeds[-1]} tokens/s"
-    )
+    peaks = []
+    for name, result in tried.items():
+        batch_type, size = name.split()
+        if batch_type == "tokens":
+            label = f"{int(size):,} tokens"
+        else:
+            label = f"`max_batch_size={size}` examples" if not peaks else size
+        peaks.append(f"{result['peak_rss_mb']:.0f} MB with {label}")
+    speeds = [f"{r['tokens_per_s']:.0f}" for r in tried.values()]
+    return f"peaked at {_listed(peaks)}, for {_listed(speeds)} tokens/s"
 
 
 def test_runtime_corpus_memory_is_the_corpus_benchmark() -> None:
@@ -168,6 +174,7 @@ def test_runtime_corpus_memory_is_the_corpus_benchmark() -> None:
     _assert_quoted(runtime, corpus_memory_sentence(_load("corpus")), "docs/runtime.md")
 
 
+CORPUS_COLUMNS = ("float32", "int8")
 CORPUS_ROWS = (("greedy tokens/s", "greedy"), ("beam-4 tokens/s", "beam4"))
 
 
@@ -179,14 +186,10 @@ def corpus_readme_rows(precisions: dict) -> list[str]:
         point = precisions[precision]["within_peak"][case]
         return "none fits" if point is None else f"{point['ratio']:.2f}× ({point['batching']})"
 
-    columns = ("float32", "int8")
-    rows = [
-        f"| {label} | " + " | ".join(f"{precisions[c]['ratios'][key]:.2f}×" for c in columns) + " |"
-        for label, key in (*CORPUS_ROWS, ("peak memory", "peak_rss"))
-    ]
+    rows = ratio_rows(precisions, CORPUS_COLUMNS, (*CORPUS_ROWS, ("peak memory", "peak_rss")))
     rows += [
         f"| {label}, within the memory target | "
-        + " | ".join(within(key, c) for c in columns)
+        + " | ".join(within(key, c) for c in CORPUS_COLUMNS)
         + " |"
         for label, key in CORPUS_ROWS
     ]

@@ -198,5 +198,15 @@ def corpus_readme_rows(precisions: dict) -> list[str]:
 
 def test_readme_corpus_ratios_are_the_corpus_benchmark() -> None:
     readme = (REPO / "README.md").read_text(encoding="utf-8")
-    for row in corpus_readme_rows(_load("corpus")["precisions"]):
+    corpus = _load("corpus")
+    for row in corpus_readme_rows(corpus["precisions"]):
         _assert_quoted(readme, row, "README.md")
+    s = corpus["setting"]
+    setting = (
+        f"{s['inputs']:,} inputs of {s['source_ids']['min']}–{s['source_ids']['max']} ids, "
+        f"lengths drawn like sentences', {s['new_tokens_per_input']} new tokens each, "
+        f"{s['threads']} threads"
+    )
+    _assert_quoted(" ".join(readme.split()), setting, "README.md")
+    target = corpus["precisions"]["float32"]["targets"]["peak_rss"]
+    _assert_quoted(" ".join(readme.split()), f"within {target}× CTranslate2's", "README.md")

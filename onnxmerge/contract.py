@@ -83,6 +83,14 @@ def past_name_of(present: str) -> str:
     return past_name(*parsed[1:])
 
 
+def present_name_of(past: str) -> str:
+    """The present output that a step computes from ``past`` (a ``past_key_values.*`` input)."""
+    parsed = parse_cache_name(past)
+    if parsed is None:
+        raise ValueError(f"{past!r} is not a past/present name")
+    return present_name(*parsed[1:])
+
+
 def past_names(num_layers: int, part: str) -> list[str]:
     """Every layer's past key and value of ``part`` (decoder|encoder), in the graph's order."""
     return [past_name(i, part, k) for i in range(num_layers) for k in CACHE_KINDS]

@@ -308,33 +308,48 @@ def test_cache_reorder_and_expand(merged):
     np.testing.assert_allclose(c.logits[::3], a.logits, atol=1e-5)
 
 
-def test_cached_steps_write_the_cache_into_two_buffers_by_turns(merged, monkeypatch):
-    """The runner's cached steps write their presents into its own two sets of buffers, each
-    step into the set its past is not in, each set mapped once for the whole search; the tokens
-    are those of onnxruntime's own buffers."""
+def test_cached_steps_write_the_cache_into_a_ring_of_buffers(merged, monkeypatch):
+    """The runner's cached steps write their presents into its own buffers, each mapped once for
+    the whole search: layer i's where layer i - 1's pasts are, layer 0's into a spare layer, so
+    that no present lands on a past that its step reads later. The tokens are those of two sets
+    of buffers by turns and of onnxruntime's own buffers."""
     from onnxmerge.runtime import _model
     from onnxmerge.runtime._session import MergedSession
     from onnxmerge.testing import zoo
 
     model, _, export = merged("marian")
     inputs = zoo.sample_encoder_inputs(export, batch=2, seq=7, seed=4)
+    layers = model.info.num_layers
     seen: list[tuple[int, ...]] = []
     real_next = _model._PresentBuffers.next
 
     def next_recorded(self, past):
         arrays = real_next(self, past)
-        assert not any(np.shares_memory(a, p) for a in arrays for p in past)
+        for i, array in enumerate(arrays):
+            still_read = past[i // 2 * 2 :] if self._ring else past
+            assert not any(np.shares_memory(array, p) for p in still_read)
         seen.append(tuple(a.__array_interface__["data"][0] for a in arrays))
         return arrays
 
     monkeypatch.setattr(_model._PresentBuffers, "next", next_recorded)
-    settings = dict(num_beams=3, max_new_tokens=6, min_new_tokens=6)
+    steps = 2 * (layers + 1) + 1
+    settings = dict(num_beams=3, max_new_tokens=steps + 1, min_new_tokens=steps + 1)
+    assert model._session.pasts_die_by_layer
     written = model.generate(**inputs, **settings)
-    assert len(seen) == 5 and seen[0] != seen[1]
-    assert all(seen[i] == seen[i - 2] for i in range(2, len(seen)))  # never moved to grow
+    assert len(seen) == steps and len({a for s in seen for a in s}) == 2 * (layers + 1)
+    period = layers + 1  # never moved to grow
+    assert all(seen[i] == seen[i - period] for i in range(period, steps))
+
+    seen.clear()
+    monkeypatch.setitem(vars(model._session), "pasts_die_by_layer", False)  # a cached property
+    assert np.array_equal(model.generate(**inputs, **settings), written)
+    assert len({a for s in seen for a in s}) == 4 * layers
+    assert all(seen[i] == seen[i - 2] for i in range(2, steps))
+
+    seen.clear()
     monkeypatch.setattr(MergedSession, "writes_into", property(lambda self: False))
     assert np.array_equal(model.generate(**inputs, **settings), written)
-    assert len(seen) == 5  # onnxruntime's buffers, not the runner's
+    assert not seen  # onnxruntime's buffers, not the runner's
 
 
 # -- text ----------------------------------------------------------------------------------------

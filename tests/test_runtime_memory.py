@@ -76,3 +76,55 @@ def test_clean_pages_are_dropped_and_written_pages_kept(tmp_path):
         assert view[0] == 255 and bytes(view[1:]) == content[1:]
     finally:
         view.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and madvise are Linux's")
+def test_gathered_pages_drop_only_the_pages_of_their_tensors(tmp_path):
+    from onnxmerge.runtime._memory import GatheredPages
+
+    model = tmp_path / "model.onnx"
+    data = tmp_path / "model.onnx_data"
+    content = bytes(range(256)) * (8 * PAGE // 256)
+    data.write_bytes(content)
+    with data.open("rb") as f:
+        view = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    try:
+        start = next(s for s, _ in clean_file_mappings(is_data_file_of(model)))
+        # Pages 2-4 are the gathered tensor's; its first and last bytes share pages with others.
+        gathered = GatheredPages(model, [(data, 2 * PAGE - 8, 3 * PAGE + 16)])
+        assert gathered.regions == [(start + 2 * PAGE, start + 5 * PAGE)]
+        assert bytes(view) == content
+        gathered.drop()
+        assert _resident_kb(start) == (8 - 3) * PAGE // 1024
+        assert bytes(view) == content  # read back from the file
+        assert GatheredPages(model, [(tmp_path / "other.onnx_data", 0, PAGE)]).regions == []
+    finally:
+        view.close()
+
+
+GATHERS = """
+<ir_version: 9, opset_import: ["" : 18]>
+g (int64[3] ids, float[3,4] hidden) => (float[3,4] rows, float[3,5] logits, float[3,4] summed) {
+    rows = Gather(tied, ids)
+    logits = Gemm<transB = 1>(hidden, tied)
+    added_rows = Gather(added, ids)
+    summed = Add(added_rows, added)
+    packed = MatMul(hidden, weight)
+}
+"""
+
+
+def test_gathered_only_takes_weights_read_by_gathers_and_packed_products():
+    import numpy as np
+    import onnx
+    from onnx import numpy_helper
+
+    from onnxmerge.runtime._session import gathered_only
+
+    graph = onnx.parser.parse_model(GATHERS).graph
+    graph.initializer.extend(
+        numpy_helper.from_array(np.zeros(shape, np.float32), name)
+        for name, shape in (("tied", (5, 4)), ("added", (5, 4)), ("weight", (4, 4)))
+    )
+    # `added` is read whole by Add, `weight` gathered by none: their pages stay.
+    assert [t.name for t in gathered_only(graph)] == ["tied"]

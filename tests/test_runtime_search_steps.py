@@ -355,3 +355,112 @@ def test_beam_reorders_move_only_the_rows_that_change_in_the_runners_own_cache()
     steps.reorder(rows, within_batch=True)
     for got in steps.cache.decoder:
         np.testing.assert_array_equal(got, expected_shared)
+
+
+def _overlap(a: np.ndarray, b: np.ndarray) -> bool:
+    return bool(np.shares_memory(a, b))
+
+
+@pytest.mark.parametrize("ring", [False, True])
+def test_present_buffers_never_hold_a_past_that_the_step_reads_after_writing(ring):
+    from onnxmerge.runtime._model import _PresentBuffers
+
+    layers, rows = 3, 2
+    buffers = _PresentBuffers(6, vocab=5, logits_dtype=np.float32, ring=ring)
+    past = [np.zeros((rows, 2, 1, 4), np.float32) for _ in range(2 * layers)]
+    for _ in range(5):
+        presents = buffers.next(past)
+        for i, present in enumerate(presents):
+            assert present.shape == past[i].shape[:2] + (past[i].shape[2] + 1, 4)
+            assert not any(_overlap(present, other) for other in presents[:i])
+            # Layer i's nodes run after layers before it have read their pasts, not before
+            # its own and later layers' have: with the ring only those may be overwritten.
+            still_read = past[(i // 2) * 2 :] if ring else past
+            assert not any(_overlap(present, p) for p in still_read)
+        past = presents
+    tensors = len(buffers._slots)
+    assert tensors == (2 * (layers + 1) if ring else 4 * layers)
+
+
+def test_present_buffers_give_the_logits_one_array_every_step():
+    from onnxmerge.runtime._model import _PresentBuffers
+
+    buffers = _PresentBuffers(6, vocab=5, logits_dtype=np.float32)
+    first = buffers.logits(3, flat=False)
+    assert first.shape == (3, 1, 5) and buffers.logits(3, flat=True).shape == (3, 5)
+    assert _overlap(buffers.logits(3, flat=False), first)
+
+
+PAST_READER = """
+<ir_version: 9, opset_import: ["" : 18]>
+g (float[2] past, float[1] k, bool cond) => (float[3] present, float[2] other) {
+    shape = Shape(past)
+    present = Concat<axis = 0>(past, k)
+    other = READER
+}
+"""
+BRANCHES = (
+    "If<then_branch = t () => (float[2] x) { x = Neg(past) },"
+    " else_branch = e () => (float[1] y) { y = Identity(k) }>(cond)"
+)
+
+
+def _renamed(graph, names: dict[str, str]) -> None:
+    """The ONNX text parser takes no dots in names: give the graph the contract's names."""
+    for value in [*graph.input, *graph.output]:
+        value.name = names.get(value.name, value.name)
+    for node in graph.node:
+        node.input[:] = [names.get(n, n) for n in node.input]
+        node.output[:] = [names.get(n, n) for n in node.output]
+        for attribute in node.attribute:
+            if attribute.HasField("g"):
+                _renamed(attribute.g, names)
+
+
+@pytest.mark.parametrize(
+    "reader, dies",
+    [("Identity(k)", True), ("Neg(past)", False), (BRANCHES, False)],
+    ids=["shape and own present", "another node", "a branch"],
+)
+def test_pasts_die_by_layer_where_only_their_own_present_reads_them(reader, dies):
+    import onnx
+
+    from onnxmerge.runtime._session import pasts_read_only_into_presents
+
+    graph = onnx.parser.parse_model(PAST_READER.replace("READER", reader)).graph
+    past = "past_key_values.0.decoder.key"
+    _renamed(graph, {"past": past, "present": "present.0.decoder.key"})
+    assert pasts_read_only_into_presents(graph, [past]) is dies
+
+
+LAYERED = """
+<ir_version: 9, opset_import: ["" : 18]>
+g (float[1] p0k, float[1] p0v, float[1] p1k, float[1] p1v, float[1] x)
+    => (float[2] q0k, float[2] q0v, float[2] q1k, float[2] q1v) {
+    q0k = Concat<axis = 0>(p0k, x)
+    q0v = Concat<axis = 0>(p0v, x)
+    h = Add(q0k, q0v)
+    FIRST
+    q1k = Concat<axis = 0>(p1k, y)
+    q1v = Concat<axis = 0>(p1v, y)
+}
+"""
+
+
+@pytest.mark.parametrize(
+    "first, follows",
+    [
+        ("y = ReduceSum(h)", True),  # layer 1 reads layer 0's output
+        ("y = Identity(x)", False),  # layers side by side: any order may run
+        ("y = Identity(q0k)", False),  # layer 0's value may be written after layer 1's
+    ],
+)
+def test_presents_follow_layers_where_each_layer_needs_the_one_before(first, follows):
+    import onnx
+
+    from onnxmerge.runtime._session import presents_follow_layers
+
+    graph = onnx.parser.parse_model(LAYERED.replace("FIRST", first)).graph
+    names = {f"q{i}{k[0]}": f"present.{i}.decoder.{k}" for i in (0, 1) for k in ("key", "value")}
+    _renamed(graph, names)
+    assert presents_follow_layers(graph, list(names.values())) is follows

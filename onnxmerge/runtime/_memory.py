@@ -12,7 +12,7 @@ import ctypes.util
 import logging
 import mmap
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -49,19 +49,26 @@ def clean_file_mappings(
 ) -> list[tuple[int, int]]:
     """``(start, end)`` of this process's mappings of ``chosen`` files that hold no page of their
     own: every resident page is the file's, so dropping it loses nothing."""
+    return [(start, end) for start, end, _, _ in _clean_mappings(chosen, smaps)]
+
+
+def _clean_mappings(
+    chosen: Callable[[Path], bool], smaps: str = "/proc/self/smaps"
+) -> list[tuple[int, int, Path, int]]:
+    """``clean_file_mappings`` with each mapping's file and the file offset it starts at."""
     try:
         text = Path(smaps).read_text()
     except OSError:
         return []
     found = []
-    region: tuple[int, int] | None = None
+    region: tuple[int, int, Path, int] | None = None
     for line in text.splitlines():
         fields = line.split(maxsplit=5)
         if "-" in fields[0] and len(fields) >= 5:  # a mapping's header line
             region = None
             if len(fields) == 6 and "x" not in fields[1] and chosen(Path(fields[5])):
                 start, end = (int(x, 16) for x in fields[0].split("-"))
-                region = (start, end)
+                region = (start, end, Path(fields[5]), int(fields[2], 16))
         elif region is not None and fields[0] == "Anonymous:":
             # Pages written since mapping (copy on write) are the process's own: keep those.
             if fields[1] == "0":
@@ -89,17 +96,54 @@ def release_mapped_weights(model: Path) -> int:
     copies are what runs: only the embedding rows a step gathers are read again. Dropping clean
     pages costs nothing: they stay in the page cache, and a later read maps them back.
     """
+    regions = clean_file_mappings(is_data_file_of(model))
+    return _drop(regions)
+
+
+def _drop(regions: Sequence[tuple[int, int]]) -> int:
     libc = _libc()
     if libc is None:
         return 0
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     released = 0
-    for start, end in clean_file_mappings(is_data_file_of(model)):
+    for start, end in regions:
         if libc.madvise(start, end - start, _MADV_DONTNEED) == 0:
             released += end - start
         else:  # pragma: no cover - the kernel refused; nothing is lost
             logger.debug("madvise failed: errno %d", ctypes.get_errno())
     return released
+
+
+class GatheredPages:
+    """The mapped pages of weights that steps only gather rows of (an embedding whose other
+    reader, a tied head, runs from its pre-packed copy), dropped again after every step.
+
+    Each gathered row maps back the kernel's fault-around window of pages around it: over a
+    corpus of varied tokens the whole embedding becomes resident beside the head's packed copy,
+    twice what the weights need. Dropped after each step, only the rows of one step are.
+    ``tensors``: ``(file, offset, length)`` of each such weight in the model's data files.
+    """
+
+    def __init__(self, model: Path, tensors: Sequence[tuple[Path, int, int]]) -> None:
+        self.regions: list[tuple[int, int]] = []
+        if not tensors:
+            return
+        page = mmap.PAGESIZE
+        for start, end, path, offset in _clean_mappings(is_data_file_of(model)):
+            for file, at, length in tensors:
+                if file.resolve() != path.resolve():
+                    continue
+                # The whole pages of the tensor's bytes inside this mapping.
+                low = max(start, start + at - offset)
+                high = min(end, start + at + length - offset)
+                low = -(-low // page) * page
+                high = high // page * page
+                if high > low:
+                    self.regions.append((low, high))
+
+    def drop(self) -> None:
+        if self.regions:
+            _drop(self.regions)
 
 
 def anonymous_array(size: int, dtype: np.dtype) -> np.ndarray:

@@ -45,14 +45,19 @@ class _Steps:
     def start(self) -> np.ndarray:
         out = self.session.first_step(self.encoder_inputs, self.prompt)
         self._cache = out.cache
-        writes = self.session.writes_into
-        self._presents = _PresentBuffers(self.max_length) if writes else None
+        if self.session.writes_into:
+            vocab = out.logits.shape[-1]
+            ring = self.session.pasts_die_by_layer
+            self._presents = _PresentBuffers(self.max_length, vocab, out.logits.dtype, ring=ring)
         return out.logits[:, -1, :]
 
     def _next(self, tokens: np.ndarray, *, greedy: bool) -> StepOutput:
         ids = np.ascontiguousarray(tokens, dtype=np.int64).reshape(-1, 1)
-        into = self._presents.next(self.cache.decoder) if self._presents else None
-        out = self.session.next_step(ids, self.cache, greedy=greedy, into=into)
+        into = logits = None
+        if self._presents is not None:
+            into = self._presents.next(self.cache.decoder)
+            logits = self._presents.logits(ids.shape[0], flat=self.session.flat_logits)
+        out = self.session.next_step(ids, self.cache, greedy=greedy, into=into, logits_into=logits)
         self._cache = out.cache
         return out
 
@@ -76,39 +81,67 @@ class _Steps:
 
 
 class _PresentBuffers:
-    """Two sets of buffers, one per ``present.*.decoder.*``, that cached steps write into by
-    turns: each step reads its past from one and writes its present into the other.
+    """Buffers that cached steps write their presents (``present.*.decoder.*``) into, and one
+    that every step's logits are written into, which the search consumes before the next step.
+
+    A step reads its past from some of these buffers and writes its present into others. Where
+    the session's pasts die by layer (``MergedSession.pasts_die_by_layer``), they form a ring
+    one layer longer than the model: a step's presents of layer ``i`` go where the pasts of
+    layer ``i - 1`` are, layer 0's into the spare one, so the cache is held ``(layers + 1) /
+    layers`` times; otherwise two sets, by turns, hold it twice.
 
     onnxruntime would allocate every present in its arena, one position longer each step than
     the last, and a freed past cannot hold the next present: the arena grows by the cache's size
     again and again over a search. Each buffer is mapped once, long enough for ``positions``
     (the search's max_length), and its pages become resident only as the cache grows into
     them: no page is written twice for the first time, and none is kept that the search ends
-    without.
+    without. The logits would take the arena's largest block and a copy into numpy besides.
     """
 
-    def __init__(self, positions: int) -> None:
+    def __init__(
+        self, positions: int, vocab: int, logits_dtype: np.dtype, *, ring: bool = False
+    ) -> None:
         self._positions = positions
-        self._sets: list[list[np.ndarray]] = [[], []]
-        self._turn = 0
+        self._ring = ring
+        self._slots: list[np.ndarray] = []
+        self._step = 0
+        self._vocab = vocab
+        self._logits = np.empty(0, logits_dtype)
+
+    def logits(self, rows: int, *, flat: bool) -> np.ndarray:
+        """The array a step's logits for ``rows`` rows, one new token each, are written into;
+        the same memory every step."""
+        size = rows * self._vocab
+        if self._logits.size < size:  # once per search, unless its rows grow
+            self._logits = memory.anonymous_array(size, self._logits.dtype)
+        shape = (rows, self._vocab) if flat else (rows, 1, self._vocab)
+        return self._logits[:size].reshape(shape)
+
+    def _slot(self, tensor: int, tensors: int) -> int:
+        kinds = len(c.CACHE_KINDS)
+        if self._ring:
+            layers = tensors // kinds + 1
+            return (tensor // kinds - self._step) % layers * kinds + tensor % kinds
+        return self._step % 2 * tensors + tensor
 
     def next(self, past: Sequence[np.ndarray]) -> list[np.ndarray]:
-        """Arrays for the presents of a step after ``past``; never the memory ``past`` is in,
-        which the step before wrote at most."""
-        self._turn = 1 - self._turn
-        flat = self._sets[self._turn]
+        """Arrays for the presents of a step after ``past``; never memory that the step reads
+        after writing there (the step before wrote ``past`` at most)."""
         arrays = []
         for i, tensor in enumerate(past):
             rows, heads, length, width = tensor.shape
             shape = (rows, heads, length + 1, width)
             size = rows * heads * (length + 1) * width
-            if i == len(flat):
-                flat.append(np.empty(0, tensor.dtype))
-            if flat[i].size < size or flat[i].dtype != tensor.dtype:
+            slot = self._slot(i, len(past))
+            while slot >= len(self._slots):
+                self._slots.append(np.empty(0, tensor.dtype))
+            if self._slots[slot].size < size or self._slots[slot].dtype != tensor.dtype:
                 # Once per search, unless its rows change or it outgrows max_length.
                 longest = rows * heads * max(self._positions, length + 1) * width
-                flat[i] = memory.anonymous_array(max(longest, 2 * flat[i].size), tensor.dtype)
-            arrays.append(flat[i][:size].reshape(shape))
+                grown = max(longest, 2 * self._slots[slot].size)
+                self._slots[slot] = memory.anonymous_array(grown, tensor.dtype)
+            arrays.append(self._slots[slot][:size].reshape(shape))
+        self._step += 1
         return arrays
 
 

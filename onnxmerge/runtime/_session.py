@@ -8,20 +8,23 @@ pass them back without copying.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
 
 from onnxmerge import contract as c
+from onnxmerge._wire import load_skeleton
 from onnxmerge.errors import GenerationError, InvalidMergedModelError, MissingDependencyError
 from onnxmerge.runtime import _ort as ort
 from onnxmerge.runtime._greedy_head import FLAG, HIDDEN, GreedyHead
-from onnxmerge.runtime._memory import release_free_heap, release_mapped_weights
+from onnxmerge.runtime._memory import GatheredPages, release_free_heap, release_mapped_weights
 from onnxmerge.runtime._session_cache import open_with_cache
 
 logger = logging.getLogger(__name__)
@@ -132,6 +135,93 @@ class StepOutput:
     hidden: np.ndarray | None = None
 
 
+def pasts_read_only_into_presents(graph: onnx.GraphProto, pasts: Sequence[str]) -> bool:
+    """Whether every node of ``graph`` (and of its subgraphs) that reads one of ``pasts`` either
+    reads only its shape or computes that past's own present."""
+    names = set(pasts)
+    for node in _nodes(graph):
+        for name in names.intersection(node.input):
+            if node.op_type != "Shape" and c.present_name_of(name) not in node.output:
+                return False
+    return True
+
+
+def presents_follow_layers(graph: onnx.GraphProto, presents: Sequence[str]) -> bool:
+    """Whether the node that computes each present of layer ``i`` (``presents``: key, value per
+    layer, in order) needs, through the graph's data flow, the nodes that compute both presents
+    of layer ``i - 1``: then no order onnxruntime may run the nodes in writes a present of
+    layer ``i`` before those of layer ``i - 1`` are written. A node with subgraphs needs every
+    name they read from outside."""
+    producer: dict[str, int] = {}
+    needs: list[set[str]] = []
+    for index, node in enumerate(graph.node):
+        producer.update(dict.fromkeys(node.output, index))
+        needs.append(
+            {name for inner in _nodes_within(node) for name in inner.input} | set(node.input)
+        )
+    kinds = len(c.CACHE_KINDS)
+    if any(name not in producer for name in presents):
+        return False
+    for layer in range(1, len(presents) // kinds):
+        before = {producer[n] for n in presents[(layer - 1) * kinds : layer * kinds]}
+        for name in presents[layer * kinds : (layer + 1) * kinds]:
+            if not before <= _upstream(producer[name], needs, producer):
+                return False
+    return True
+
+
+def _upstream(start: int, needs: list[set[str]], producer: Mapping[str, int]) -> set[int]:
+    """The nodes that node ``start`` needs, directly or not."""
+    seen: set[int] = set()
+    todo = [start]
+    while todo:
+        for name in needs[todo.pop()]:
+            index = producer.get(name)
+            if index is not None and index not in seen:
+                seen.add(index)
+                todo.append(index)
+    return seen
+
+
+def _nodes_within(node: onnx.NodeProto) -> Iterator[onnx.NodeProto]:
+    for attribute in node.attribute:
+        inner = [attribute.g] if attribute.HasField("g") else []
+        for sub in [*inner, *attribute.graphs]:
+            yield from _nodes(sub)
+
+
+# (op_type, input index) of the readers whose weight onnxruntime's CPU kernels pre-pack.
+_PACKED_READS = {("MatMul", 1), ("Gemm", 1)}
+
+
+def gathered_only(graph: onnx.GraphProto) -> list[onnx.TensorProto]:
+    """The initializers of ``graph`` that a ``Gather`` reads rows of (its data input) and that
+    nothing else reads but as a weight that onnxruntime pre-packs (``_PACKED_READS``)."""
+    initializers = {t.name: t for t in graph.initializer}
+    reads: dict[str, set[tuple[str, int]]] = {}
+    for node in _nodes(graph):
+        for index, name in enumerate(node.input):
+            if name in initializers:
+                op = (
+                    node.op_type
+                    if node.domain in ("", "ai.onnx")
+                    else f"{node.domain}.{node.op_type}"
+                )
+                reads.setdefault(name, set()).add((op, index))
+    return [
+        initializers[name]
+        for name, how in reads.items()
+        if ("Gather", 0) in how and how <= {("Gather", 0), *_PACKED_READS}
+    ]
+
+
+def _nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
+    """Every node of ``graph`` and of the graphs inside its nodes."""
+    for node in graph.node:
+        yield node
+        yield from _nodes_within(node)
+
+
 # The runtimes a merged model can run on, and the package each needs.
 BACKENDS = {"onnxruntime": "onnxmerge[runtime]", "openvino": "openvino"}
 
@@ -207,7 +297,7 @@ class MergedSession:
         }
         self.output_names = [o.name for o in outputs]
         # A session-cache entry with a greedy head returns [rows * new tokens, vocab].
-        self._flat_logits = any(o.name == c.LOGITS and len(o.shape) == 2 for o in outputs)
+        self.flat_logits = any(o.name == c.LOGITS and len(o.shape) == 2 for o in outputs)
         self.encoder_input_names = self.info.encoder_inputs or tuple(
             name
             for name in self.inputs
@@ -267,6 +357,38 @@ class MergedSession:
         self.greedy_head = GreedyHead.load(self.opened.parent) if self._has_flag else None
         if self.greedy_head is not None:
             self._greedy_outputs = self._next_outputs + [HIDDEN]
+        # After the greedy head, whose rows of the embedding are mapped as well.
+        self._gathered = GatheredPages(self.opened, self._gathered_tensors(options))
+
+    @functools.cached_property
+    def _graph(self) -> onnx.GraphProto | None:
+        """The structure of the graph onnxruntime runs, or None where it cannot be read."""
+        try:
+            return load_skeleton(self.opened).graph
+        except Exception as error:  # the session runs it: a reader's limit, not a bad model
+            logger.debug("%s not read: %s", self.opened, error)
+            return None
+
+    def _gathered_tensors(self, options: Any) -> list[tuple[Path, int, int]]:
+        """Where the weights lie that steps only gather rows of, outside the runs' packed copies:
+        on onnxruntime's CPU provider, which packs MatMul and Gemm weights unless told not to."""
+        session: Any = self.session  # an InferenceSession where the backend is onnxruntime
+        if self.backend != "onnxruntime" or session.get_providers() != ["CPUExecutionProvider"]:
+            return []
+        if self._graph is None:
+            return []
+        try:
+            if options.get_session_config_entry("session.disable_prepacking") == "1":
+                return []
+        except Exception:  # onnxruntime raises where the entry was never set
+            pass
+        found = []
+        for tensor in gathered_only(self._graph):
+            where = {e.key: e.value for e in tensor.external_data}
+            if "location" in where and "length" in where:
+                file = self.opened.parent / where["location"]
+                found.append((file, int(where.get("offset", 0)), int(where["length"])))
+        return found
 
     # -- shapes ---------------------------------------------------------------------------------
 
@@ -310,6 +432,20 @@ class MergedSession:
         """Whether ``next_step(into=...)`` writes the presents into the caller's arrays."""
         return bool(self._passed_through)
 
+    @functools.cached_property
+    def pasts_die_by_layer(self) -> bool:
+        """Whether a step's presents of layer ``i`` may be written over the pasts of layers
+        before ``i``: the graph onnxruntime runs reads each decoder past only into its own
+        present (``pasts_read_only_into_presents``), and each layer's presents are computed
+        from the layer before's (``presents_follow_layers``), so those pasts have been read to
+        the end before a node of layer ``i`` writes."""
+        graph = self._graph
+        return (
+            graph is not None
+            and pasts_read_only_into_presents(graph, self.past_decoder_names)
+            and presents_follow_layers(graph, self.present_decoder_names)
+        )
+
     # -- steps ----------------------------------------------------------------------------------
 
     def _run(
@@ -323,6 +459,18 @@ class MergedSession:
         input. onnxruntime writes such an output into the input's own buffer, which it then skips
         copying: format 3's cross-attention keys and values, every cached step. ``into`` gives
         outputs arrays of their shape to be written into (only with ``passed_through``)."""
+        try:
+            return self._run_once(output_names, feeds, passed_through, into)
+        finally:
+            self._gathered.drop()
+
+    def _run_once(
+        self,
+        output_names: list[str],
+        feeds: dict[str, np.ndarray],
+        passed_through: Mapping[str, str] | None,
+        into: Mapping[str, np.ndarray] | None,
+    ) -> list[np.ndarray]:
         if not passed_through:
             return self.session.run(output_names, feeds)
         import onnxruntime
@@ -400,7 +548,7 @@ class MergedSession:
 
     def _logits(self, logits: np.ndarray, rows: int) -> np.ndarray:
         """``[rows, new tokens, vocab]``, a view of ``logits`` where the graph returns them flat."""
-        return logits.reshape(rows, -1, logits.shape[-1]) if self._flat_logits else logits
+        return logits.reshape(rows, -1, logits.shape[-1]) if self.flat_logits else logits
 
     def next_step(
         self,
@@ -410,13 +558,15 @@ class MergedSession:
         *,
         greedy: bool = False,
         into: Sequence[np.ndarray] | None = None,
+        logits_into: np.ndarray | None = None,
     ) -> StepOutput:
         """Feed new tokens ``[rows, n]`` after the cached prefix.
 
         ``greedy=True`` (only where ``greedy_head`` is not None) returns the int8 head's logits
         and the head's input as ``hidden``, for :class:`GreedyHead`. ``into`` (where
         ``writes_into`` is True): an array per ``present.*.decoder.*``, of its shape, written
-        with it and returned as the new cache's.
+        with it and returned as the new cache's; ``logits_into`` (with ``into``): an array of
+        the logits' shape (``[rows * n, vocab]`` where ``flat_logits``), written with them.
         """
         if greedy and self.greedy_head is None:
             raise GenerationError(f"{self.path}: this session has no greedy head")
@@ -443,6 +593,8 @@ class MergedSession:
         if self._has_flag:
             feeds[FLAG] = self._true if greedy else self._false
         written = dict(zip(self.present_decoder_names, into, strict=True)) if into else None
+        if written is not None and logits_into is not None:
+            written[c.LOGITS] = logits_into
         results = self._run(
             self._greedy_outputs if greedy else self._next_outputs,
             feeds,

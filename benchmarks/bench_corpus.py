@@ -49,7 +49,13 @@ from benchmarks.bench_ctranslate2 import (  # noqa: E402
 
 NEW_TOKENS = 24
 CASES = (("greedy", 1), ("beam4", 4))
-CANDIDATES = (("examples", 16), ("examples", 32), ("examples", 64), ("tokens", 1024))
+CANDIDATES = (
+    ("examples", 16),
+    ("examples", 32),
+    ("examples", 64),
+    ("examples", 128),
+    ("tokens", 1024),
+)
 ALONE_SAMPLE = 24  # inputs generated alone as well, spread over the corpus
 TARGETS = {  # ours / CTranslate2 tokens per second, at least; peak memory, at most
     "float32": {"greedy": 1.2, "beam4": 1.2, "peak_rss": 1.2},

@@ -425,7 +425,7 @@ def _renamed(graph, names: dict[str, str]) -> None:
 def test_pasts_die_by_layer_where_only_their_own_present_reads_them(reader, dies):
     import onnx
 
-    from onnxmerge.runtime._session import pasts_read_only_into_presents
+    from onnxmerge.runtime._graph_reads import pasts_read_only_into_presents
 
     graph = onnx.parser.parse_model(PAST_READER.replace("READER", reader)).graph
     past = "past_key_values.0.decoder.key"
@@ -458,7 +458,7 @@ g (float[1] p0k, float[1] p0v, float[1] p1k, float[1] p1v, float[1] x)
 def test_presents_follow_layers_where_each_layer_needs_the_one_before(first, follows):
     import onnx
 
-    from onnxmerge.runtime._session import presents_follow_layers
+    from onnxmerge.runtime._graph_reads import presents_follow_layers
 
     graph = onnx.parser.parse_model(LAYERED.replace("FIRST", first)).graph
     names = {f"q{i}{k[0]}": f"present.{i}.decoder.{k}" for i in (0, 1) for k in ("key", "value")}

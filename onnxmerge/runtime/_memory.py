@@ -11,6 +11,7 @@ import ctypes
 import ctypes.util
 import logging
 import mmap
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -122,10 +123,15 @@ class GatheredPages:
     corpus of varied tokens the whole embedding becomes resident beside the head's packed copy,
     twice what the weights need. Dropped after each step, only the rows of one step are.
     ``tensors``: ``(file, offset, length)`` of each such weight in the model's data files.
+
+    A region is dropped only while its mapping is still that file's (``/proc/self/map_files``):
+    a mapping another session held may be gone, and its addresses reused by memory that
+    dropping would zero.
     """
 
     def __init__(self, model: Path, tensors: Sequence[tuple[Path, int, int]]) -> None:
         self.regions: list[tuple[int, int]] = []
+        self._mappings: list[tuple[str, str]] = []  # per region: map_files entry, file
         if not tensors:
             return
         page = mmap.PAGESIZE
@@ -140,10 +146,23 @@ class GatheredPages:
                 high = high // page * page
                 if high > low:
                     self.regions.append((low, high))
+                    self._mappings.append((f"/proc/self/map_files/{start:x}-{end:x}", str(path)))
 
     def drop(self) -> None:
-        if self.regions:
-            _drop(self.regions)
+        if not self.regions:
+            return
+        kept = [i for i, (entry, path) in enumerate(self._mappings) if _maps(entry, path)]
+        if len(kept) < len(self.regions):  # gone for good: never dropped again
+            self.regions = [self.regions[i] for i in kept]
+            self._mappings = [self._mappings[i] for i in kept]
+        _drop(self.regions)
+
+
+def _maps(entry: str, path: str) -> bool:
+    try:
+        return os.readlink(entry) == path
+    except OSError:
+        return False
 
 
 def anonymous_array(size: int, dtype: np.dtype) -> np.ndarray:

@@ -1,0 +1,99 @@
+"""What the graph a session runs reads, by structure alone: which memory the runtime may write
+over (a step's presents over pasts read already) or hand back between runs (weights whose
+readers run from packed copies).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+
+import onnx
+
+from onnxmerge import contract as c
+
+
+def pasts_read_only_into_presents(graph: onnx.GraphProto, pasts: Sequence[str]) -> bool:
+    """Whether every node of ``graph`` (and of its subgraphs) that reads one of ``pasts`` either
+    reads only its shape or computes that past's own present."""
+    names = set(pasts)
+    for node in _nodes(graph):
+        for name in names.intersection(node.input):
+            if node.op_type != "Shape" and c.present_name_of(name) not in node.output:
+                return False
+    return True
+
+
+def presents_follow_layers(graph: onnx.GraphProto, presents: Sequence[str]) -> bool:
+    """Whether the node that computes each present of layer ``i`` (``presents``: key, value per
+    layer, in order) needs, through the graph's data flow, the nodes that compute both presents
+    of layer ``i - 1``: then no order onnxruntime may run the nodes in writes a present of
+    layer ``i`` before those of layer ``i - 1`` are written. A node with subgraphs needs every
+    name they read from outside."""
+    producer: dict[str, int] = {}
+    needs: list[set[str]] = []
+    for index, node in enumerate(graph.node):
+        producer.update(dict.fromkeys(node.output, index))
+        needs.append(
+            {name for inner in _nodes_within(node) for name in inner.input} | set(node.input)
+        )
+    kinds = len(c.CACHE_KINDS)
+    if any(name not in producer for name in presents):
+        return False
+    for layer in range(1, len(presents) // kinds):
+        before = {producer[n] for n in presents[(layer - 1) * kinds : layer * kinds]}
+        for name in presents[layer * kinds : (layer + 1) * kinds]:
+            if not before <= _upstream(producer[name], needs, producer):
+                return False
+    return True
+
+
+def _upstream(start: int, needs: list[set[str]], producer: Mapping[str, int]) -> set[int]:
+    """The nodes that node ``start`` needs, directly or not."""
+    seen: set[int] = set()
+    todo = [start]
+    while todo:
+        for name in needs[todo.pop()]:
+            index = producer.get(name)
+            if index is not None and index not in seen:
+                seen.add(index)
+                todo.append(index)
+    return seen
+
+
+def _nodes_within(node: onnx.NodeProto) -> Iterator[onnx.NodeProto]:
+    for attribute in node.attribute:
+        inner = [attribute.g] if attribute.HasField("g") else []
+        for sub in [*inner, *attribute.graphs]:
+            yield from _nodes(sub)
+
+
+# (op_type, input index) of the readers whose weight onnxruntime's CPU kernels pre-pack.
+_PACKED_READS = {("MatMul", 1), ("Gemm", 1)}
+
+
+def gathered_only(graph: onnx.GraphProto) -> list[onnx.TensorProto]:
+    """The initializers of ``graph`` that a ``Gather`` reads rows of (its data input) and that
+    nothing else reads but as a weight that onnxruntime pre-packs (``_PACKED_READS``)."""
+    initializers = {t.name: t for t in graph.initializer}
+    reads: dict[str, set[tuple[str, int]]] = {}
+    for node in _nodes(graph):
+        for index, name in enumerate(node.input):
+            if name in initializers:
+                op = (
+                    node.op_type
+                    if node.domain in ("", "ai.onnx")
+                    else f"{node.domain}.{node.op_type}"
+                )
+                reads.setdefault(name, set()).add((op, index))
+    return [
+        initializers[name]
+        for name, how in reads.items()
+        if ("Gather", 0) in how and how <= {("Gather", 0), *_PACKED_READS}
+    ]
+
+
+def _nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
+    """Every node of ``graph`` and of the graphs inside its nodes."""
+    for node in graph.node:
+        yield node
+        yield from _nodes_within(node)

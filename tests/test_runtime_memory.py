@@ -52,15 +52,19 @@ def _resident_kb(start: int) -> int:
     raise AssertionError("mapping not found")
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and madvise are Linux's")
-def test_clean_pages_are_dropped_and_written_pages_kept(tmp_path):
-    model = tmp_path / "model.onnx"
-    data = tmp_path / "model.onnx_data"
+def _mapped_data(folder: Path) -> tuple[Path, Path, bytes, mmap.mmap]:
+    """A model's data file of eight pages, mapped private and writable as onnxruntime maps
+    external data: the model's path, the file's, its bytes and the mapping."""
+    model, data = folder / "model.onnx", folder / "model.onnx_data"
     content = bytes(range(256)) * (8 * PAGE // 256)
     data.write_bytes(content)
     with data.open("rb") as f:
-        # Private and writable, as onnxruntime maps external data.
-        view = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        return model, data, content, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and madvise are Linux's")
+def test_clean_pages_are_dropped_and_written_pages_kept(tmp_path):
+    model, _, content, view = _mapped_data(tmp_path)
     try:
         start = next(s for s, _ in clean_file_mappings(is_data_file_of(model)))
         assert bytes(view) == content  # every page resident now
@@ -82,12 +86,7 @@ def test_clean_pages_are_dropped_and_written_pages_kept(tmp_path):
 def test_gathered_pages_drop_only_the_pages_of_their_tensors(tmp_path):
     from onnxmerge.runtime._memory import GatheredPages
 
-    model = tmp_path / "model.onnx"
-    data = tmp_path / "model.onnx_data"
-    content = bytes(range(256)) * (8 * PAGE // 256)
-    data.write_bytes(content)
-    with data.open("rb") as f:
-        view = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    model, data, content, view = _mapped_data(tmp_path)
     try:
         start = next(s for s, _ in clean_file_mappings(is_data_file_of(model)))
         # Pages 2-4 are the gathered tensor's; its first and last bytes share pages with others.

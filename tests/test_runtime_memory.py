@@ -105,6 +105,32 @@ def test_gathered_pages_drop_only_the_pages_of_their_tensors(tmp_path):
     assert gathered.regions == []
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and madvise are Linux's")
+def test_steps_dropping_pages_look_the_c_library_up_once(tmp_path, monkeypatch):
+    """Regression: every step's drop ran ``find_library``, which starts ldconfig each time."""
+    import ctypes.util
+
+    from onnxmerge.runtime import _memory
+    from onnxmerge.runtime._memory import GatheredPages
+
+    lookups = []
+    find_library = ctypes.util.find_library
+    monkeypatch.setattr(
+        ctypes.util, "find_library", lambda name: lookups.append(name) or find_library(name)
+    )
+    _memory._libc.cache_clear()
+    model, data, content, view = _mapped_data(tmp_path)
+    try:
+        gathered = GatheredPages(model, [(data, 0, 8 * PAGE)])
+        for _ in range(3):
+            assert bytes(view) == content
+            gathered.drop()
+        assert lookups == ["c"]
+    finally:
+        view.close()
+        _memory._libc.cache_clear()
+
+
 GATHERS = """
 <ir_version: 9, opset_import: ["" : 18]>
 g (int64[3] ids, float[3,4] hidden) => (float[3,4] rows, float[3,5] logits, float[3,4] summed) {

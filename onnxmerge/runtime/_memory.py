@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import mmap
 import os
@@ -23,13 +24,17 @@ logger = logging.getLogger(__name__)
 _MADV_DONTNEED = 4  # Linux's value on every architecture onnxruntime ships for
 
 
+@functools.cache
 def _libc() -> ctypes.CDLL | None:
+    # Once per process: find_library runs ldconfig in a child process, and steps drop pages.
     if not sys.platform.startswith("linux"):
         return None
     try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     except OSError:  # pragma: no cover - not glibc
         return None
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc
 
 
 def release_free_heap() -> None:
@@ -105,7 +110,6 @@ def _drop(regions: Sequence[tuple[int, int]]) -> int:
     libc = _libc()
     if libc is None:
         return 0
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     released = 0
     for start, end in regions:
         if libc.madvise(start, end - start, _MADV_DONTNEED) == 0:

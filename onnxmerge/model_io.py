@@ -61,11 +61,16 @@ def graph_protos(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
     Loop's body)."""
     yield graph
     for node in graph.node:
-        for attr in node.attribute:
-            if attr.HasField("g"):
-                yield from graph_protos(attr.g)
-            for sub in attr.graphs:
-                yield from graph_protos(sub)
+        for sub in node_subgraphs(node):
+            yield from graph_protos(sub)
+
+
+def node_subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
+    """The graphs in ``node``'s attributes, one level deep."""
+    for attr in node.attribute:
+        if attr.HasField("g"):
+            yield attr.g
+        yield from attr.graphs
 
 
 def _expected_nbytes(tensor: onnx.TensorProto, where: str) -> int:

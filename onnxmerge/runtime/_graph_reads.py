@@ -10,6 +10,7 @@ from collections.abc import Iterator, Mapping, Sequence
 import onnx
 
 from onnxmerge import contract as c
+from onnxmerge import model_io
 
 
 def pasts_read_only_into_presents(graph: onnx.GraphProto, pasts: Sequence[str]) -> bool:
@@ -61,10 +62,9 @@ def _upstream(start: int, needs: list[set[str]], producer: Mapping[str, int]) ->
 
 
 def _nodes_within(node: onnx.NodeProto) -> Iterator[onnx.NodeProto]:
-    for attribute in node.attribute:
-        inner = [attribute.g] if attribute.HasField("g") else []
-        for sub in [*inner, *attribute.graphs]:
-            yield from _nodes(sub)
+    """Every node of the graphs inside ``node``, at any depth."""
+    for sub in model_io.node_subgraphs(node):
+        yield from _nodes(sub)
 
 
 # (op_type, input index) of the readers whose weight onnxruntime's CPU kernels pre-pack.
@@ -94,6 +94,5 @@ def gathered_only(graph: onnx.GraphProto) -> list[onnx.TensorProto]:
 
 def _nodes(graph: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
     """Every node of ``graph`` and of the graphs inside its nodes."""
-    for node in graph.node:
-        yield node
-        yield from _nodes_within(node)
+    for inner in model_io.graph_protos(graph):
+        yield from inner.node

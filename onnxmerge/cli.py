@@ -312,6 +312,7 @@ def _quantize(source, output, args: argparse.Namespace):
         output,
         weights=args.weights,
         encoder=args.encoder,
+        activation_scale=args.activation_scale,
         overwrite=args.overwrite,
         external_data=True if args.external_data else None,
     )
@@ -957,7 +958,7 @@ def _external_data_argument(p: argparse.ArgumentParser) -> None:
 
 
 def _precision_arguments(p: argparse.ArgumentParser, *, required: bool) -> None:
-    from onnxmerge.contract import PRECISIONS, WEIGHT_PRECISIONS
+    from onnxmerge.contract import ACTIVATION_SCALES, PRECISIONS, WEIGHT_PRECISIONS
 
     p.add_argument(
         "--weights",
@@ -971,6 +972,13 @@ def _precision_arguments(p: argparse.ArgumentParser, *, required: bool) -> None:
         "--encoder",
         choices=PRECISIONS,
         help="precision of the encoder's own weights (default: docs/quantization.md)",
+    )
+    p.add_argument(
+        "--activation-scale",
+        choices=ACTIVATION_SCALES,
+        default="tensor",
+        help="how int8 and uint8 products scale their input: one scale for the batch (default), "
+        "or one per row, so that each input gets what it gets alone",
     )
 
 

@@ -37,6 +37,9 @@ META_SOURCES = "onnxmerge.sources"
 # The values META_PRECISION may hold, and those a whole file's weights can be quantized to.
 PRECISIONS = ("fp32", "fp16", "int8", "uint8", "int4")
 WEIGHT_PRECISIONS = ("int8", "uint8", "fp16", "int4")
+# How the products of int8 and uint8 weights quantize their input: one scale for the whole
+# tensor, or one per row (docs/quantization.md).
+ACTIVATION_SCALES = ("tensor", "row")
 
 LAYOUT_WITH_PAST = "with_past"
 LAYOUT_WITHOUT_PAST = "without_past"
@@ -229,6 +232,7 @@ __all__ = [
     "META_SOURCES",
     "PRECISIONS",
     "WEIGHT_PRECISIONS",
+    "ACTIVATION_SCALES",
     "LAYOUT_WITH_PAST",
     "LAYOUT_WITHOUT_PAST",
     "DECODER_INPUT_IDS",

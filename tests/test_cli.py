@@ -197,6 +197,28 @@ def test_quantize_external_data_writes_the_weights_beside_the_output(tmp_path) -
     assert json.loads(result.stdout)["bytes_after"] == output.stat().st_size + data.stat().st_size
 
 
+def test_quantize_with_row_activation_scales(tmp_path) -> None:
+    import onnx
+
+    from onnxmerge import merge_seq2seq
+    from onnxmerge.model_io import graph_protos
+    from tests import textmodels as tm
+
+    source = merge_seq2seq(tm.write_export(tmp_path / "export"))
+    output = tmp_path / "model_int8.onnx"
+    result = run("quantize", source, "-o", output, "--weights", "int8", "--activation-scale", "row")
+    assert result.returncode == EXIT_OK, result.stderr
+    model = onnx.load(output, load_external_data=False)
+    ops = {n.op_type for g in graph_protos(model.graph) for n in g.node}
+    assert {"MatMulInteger", "ReduceMax", "Round"} <= ops and "DynamicQuantizeLinear" not in ops
+
+    refused = run("quantize", source, "-o", tmp_path / "fp16.onnx", "--weights", "fp16",
+                  "--activation-scale", "row")  # fmt: skip
+    assert refused.returncode == EXIT_ERROR
+    assert "applies to the products of int8 and uint8 weights" in refused.stderr
+    assert not (tmp_path / "fp16.onnx").exists()
+
+
 def test_merge_with_generation_writes_the_loop_model(marian, tmp_path) -> None:
     import onnx
 

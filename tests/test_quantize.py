@@ -408,11 +408,73 @@ def test_refusals_name_the_problem(merged, tmp_path):
     before = source.read_bytes()
     with pytest.raises(QuantizationError, match="int8, uint8, fp16, int4"):
         quantize(source, tmp_path / "a.onnx", weights="int3")
+    with pytest.raises(QuantizationError, match="choose one of tensor, row"):
+        quantize(source, tmp_path / "a.onnx", activation_scale="column")
+    with pytest.raises(QuantizationError, match="applies to the products of int8 and uint8"):
+        quantize(source, tmp_path / "a.onnx", weights="fp16", activation_scale="row")
     once = quantize(source, tmp_path / "b.onnx", weights="int8")
     with pytest.raises(QuantizationError, match="already quantized"):
         quantize(once, tmp_path / "c.onnx", weights="int8")
     assert source.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b.onnx"]
+
+
+def _first_logits(path: Path, ids: np.ndarray) -> np.ndarray:
+    from onnxmerge.runtime import Seq2SeqModel
+
+    model = Seq2SeqModel(path)
+    start = np.full((len(ids), 1), model.resolve_settings().decoder_start_token_id, np.int64)
+    return model.first_step({"input_ids": ids}, start).logits
+
+
+@pytest.mark.parametrize("precision", ["int8", "uint8"])
+def test_row_scales_give_every_input_the_logits_it_gets_alone(
+    tiny_export, merged, precision, tmp_path
+):
+    from onnxmerge import quantize
+    from onnxmerge.verify import verify
+
+    ids = np.random.default_rng(3).integers(4, 90, size=(3, 7)).astype(np.int64)
+    ids[:, -1] = 2  # eos, as the tokenizer ends every input
+    alone_equal = {}
+    for scale in ("tensor", "row"):
+        path = quantize(
+            merged("marian"), tmp_path / f"{scale}.onnx", weights=precision, activation_scale=scale
+        )
+        batched = _first_logits(path, ids)
+        alone_equal[scale] = [
+            np.array_equal(batched[i], _first_logits(path, ids[i : i + 1])[0])
+            for i in range(len(ids))
+        ]
+        report = verify(path, tiny_export("marian").onnx_dir)
+        assert report.ok, [(d.name, d.max_abs_diff, d.reference_peak) for d in report.diffs]
+    assert alone_equal["row"] == [True, True, True]
+    # One scale over the batch: the rows below its largest value get other codes than alone.
+    assert not all(alone_equal["tensor"])
+
+
+def test_row_scales_quantize_each_row_on_its_own_and_zero_rows_to_zero():
+    rng = np.random.default_rng(5)
+    weight = rng.standard_normal((16, 24)).astype(np.float32)
+    model = tm.ir_from_text(
+        """<ir_version: 9, opset_import: ["" : 18]>
+g (float[4, 16] x) => (float[4, 24] y) {
+  y = MatMul(x, w)
+}""",
+        {"w": weight},
+    )
+    quant_rewrite.QuantizeWeights(lambda _: "int8", "row")(model)
+    ops = {n.op_type for n in tm.all_nodes(model)}
+    assert "MatMulInteger" in ops and "DynamicQuantizeLinear" not in ops
+    onnx.checker.check_model(ir.serde.serialize_model(model), full_check=True)
+    x = rng.standard_normal((4, 16)).astype(np.float32) * np.array([[1e-3], [1.0], [1e3], [0]])
+    x = x.astype(np.float32)
+    got = tm.run_model(model, {"x": x})[0]
+    assert not got[3].any()  # an all-zero row: its codes are the zero point, its product 0
+    # Each row within its own step: half of max|row| / 127 times the weights' column sums.
+    step = np.abs(x).max(axis=1, keepdims=True) / 127
+    bound = step / 2 * np.abs(weight).sum(axis=0) + 0.01 * np.abs(x @ weight) + 1e-6
+    assert np.all(np.abs(got - x @ weight) <= bound)
 
 
 # -- the shipped trained model ---------------------------------------------------------------
@@ -434,10 +496,12 @@ def demo_translations(demo_export, tmp_path_factory):
     made = {"fp32": Seq2SeqModel(merged).translate(sources)}
     for precision in PRECISIONS:
         made[precision] = Seq2SeqModel(quantize(merged, weights=precision)).translate(sources)
+    by_row = quantize(merged, folder / "model_int8_row.onnx", activation_scale="row")
+    made["int8 row"] = Seq2SeqModel(by_row).translate(sources)
     return made
 
 
-@pytest.mark.parametrize("precision", ["int8", "uint8", "fp16"])
+@pytest.mark.parametrize("precision", ["int8", "int8 row", "uint8", "fp16"])
 def test_demo_model_translates_held_out_numbers_as_fp32_does(demo_translations, precision):
     reference, got = demo_translations["fp32"], demo_translations[precision]
     same = sum(a == b for a, b in zip(reference, got, strict=True))

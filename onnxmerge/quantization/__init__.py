@@ -17,7 +17,7 @@ from pathlib import Path
 import onnx_ir as ir
 
 from onnxmerge import check, contract, inspection, model_io, passes
-from onnxmerge.contract import PRECISIONS, WEIGHT_PRECISIONS
+from onnxmerge.contract import ACTIVATION_SCALES, PRECISIONS, WEIGHT_PRECISIONS
 from onnxmerge.errors import (
     InvalidMergedModelError,
     QuantizationError,
@@ -54,6 +54,7 @@ def quantize(
     *,
     weights: str = "int8",
     encoder: str | None = None,
+    activation_scale: str = "tensor",
     overwrite: bool = False,
     external_data: bool | None = None,
 ) -> Path:
@@ -66,6 +67,7 @@ def quantize(
         output,
         weights=weights,
         encoder=encoder,
+        activation_scale=activation_scale,
         overwrite=overwrite,
         external_data=external_data,
     ).path
@@ -77,6 +79,7 @@ def quantize_with_report(
     *,
     weights: str = "int8",
     encoder: str | None = None,
+    activation_scale: str = "tensor",
     overwrite: bool = False,
     external_data: bool | None = None,
 ) -> QuantizeResult:
@@ -90,6 +93,10 @@ def quantize_with_report(
             weight (embedding, LM head, decoders; the encoder too unless ``encoder`` differs).
         encoder: the precision of the weights only the encoder reads: one of ``weights``' values
             or ``"fp32"``; by default ``weights`` (measured to keep quality: docs/quantization.md).
+        activation_scale: how the products of int8 and uint8 weights quantize their input:
+            ``"tensor"`` (default), one scale over the whole batch, so that a row's result may
+            change with the other rows of its batch; ``"row"``, one scale per row (per token),
+            so that every input gets what it gets alone, a little slower.
         overwrite: replace an existing output file.
         external_data: ``True`` stores the weights in ``<output>_data`` beside the model, which
             onnxruntime maps instead of parsing and copying: faster to load, and untouched
@@ -113,11 +120,31 @@ def quantize_with_report(
         raise QuantizationError(
             f"encoder={encoder!r} is not a precision; choose one of {', '.join(PRECISIONS)}"
         )
+    if activation_scale not in ACTIVATION_SCALES:
+        raise QuantizationError(
+            f"activation_scale={activation_scale!r} is not a choice; choose one of "
+            f"{', '.join(ACTIVATION_SCALES)}"
+        )
+    if activation_scale != "tensor" and not {weights, encoder} & _rewrite.INTEGER_MATMUL:
+        raise QuantizationError(
+            f"activation_scale={activation_scale!r} applies to the products of int8 and uint8 "
+            f"weights; these weights are {weights} (encoder {encoder}), whose products read float "
+            "inputs"
+        )
     output = Path(output) if output is not None else default_output(source, weights)
     model_io.check_output(output, _files_read(source), overwrite=overwrite)
+    options = _Options(weights, encoder, activation_scale, external_data)
     if source.is_dir():
-        return _quantize_export(source, output, weights, encoder, external_data)
-    return _quantize_file(source, output, weights, encoder, external_data)
+        return _quantize_export(source, output, options)
+    return _quantize_file(source, output, options)
+
+
+@dataclass(frozen=True)
+class _Options:
+    weights: str
+    encoder: str
+    activation_scale: str
+    external_data: bool | None
 
 
 def _files_read(source: Path) -> list[Path]:
@@ -131,23 +158,20 @@ def _files_read(source: Path) -> list[Path]:
     return [f for m in models if m.is_file() for f in (m, *model_io.data_files_of(m))]
 
 
-def _quantize_export(
-    folder: Path, output: Path, weights: str, encoder: str, external_data: bool | None
-) -> QuantizeResult:
+def _quantize_export(folder: Path, output: Path, options: _Options) -> QuantizeResult:
     from onnxmerge.merge import merge_seq2seq
 
     output.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=".onnxmerge-quantize.", dir=output.parent))
     try:
         merged = merge_seq2seq(folder, work / "model.onnx")
-        return _quantize_file(merged, output, weights, encoder, external_data)
+        return _quantize_file(merged, output, options)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def _quantize_file(
-    source: Path, output: Path, weights: str, encoder: str, external_data: bool | None
-) -> QuantizeResult:
+def _quantize_file(source: Path, output: Path, options: _Options) -> QuantizeResult:
+    weights, encoder, external_data = options.weights, options.encoder, options.external_data
     model, data_files = model_io.load_model(source)
     tolerated = check.unknown_operators([model])
     if external_data is None and data_files:
@@ -177,7 +201,7 @@ def _quantize_file(
     quantized, *_ = passes.run(
         model,
         (
-            _rewrite.QuantizeWeights(precision_of),
+            _rewrite.QuantizeWeights(precision_of, options.activation_scale),
             # Equal scales or zero points (e.g. of two zero-initialized layers) are stored once.
             dedup.DeduplicateInitializers(),
             dedup.RemoveUnusedInitializers(),

@@ -5,8 +5,9 @@ main graph. Each reader is rewritten in its own graph, so both ``If`` branches r
 tensors and nothing is computed on a branch that does not run:
 
 - ``Gather`` of embedding rows gathers codes and per-row scales, then dequantizes only those rows;
-- ``MatMul`` with an int8/uint8 weight quantizes its input on the fly (``DynamicQuantizeLinear``)
-  and multiplies integers (``MatMulInteger``), as onnxruntime's dynamic quantization does;
+- ``MatMul`` with an int8/uint8 weight quantizes its input on the fly and multiplies integers
+  (``MatMulInteger``): with one scale for the whole input (``DynamicQuantizeLinear``), as
+  onnxruntime's dynamic quantization does, or with one scale per row;
 - any other reader gets the weight through one ``DequantizeLinear`` per graph;
 - fp16 weights are widened by one ``Cast`` in the main graph, which runtimes fold at load.
 
@@ -51,6 +52,13 @@ _SAME_MEANING_SINCE = 18
 _ROWS, _COLUMNS = 0, 1
 # Precisions whose MatMuls multiply integers.
 INTEGER_MATMUL = frozenset({"int8", "uint8"})
+# With one scale per row (contract.ACTIVATION_SCALES), a row's codes do not depend on the other
+# rows of the batch as one scale for the whole tensor's do. onnxruntime's MatMulInteger takes one
+# input zero point only: a row's codes are symmetric around 128.
+_ROW_CODE_ZERO = 128
+_ROW_CODE_PEAK = 127.0
+# ReduceMax reads its axes from an input since opset 18, before from an attribute.
+_REDUCE_AXES_INPUT = 18
 
 
 @dataclass(frozen=True)
@@ -120,9 +128,10 @@ def _block_axis(weight: ir.Value) -> int:
 
 
 class _Rewriter:
-    def __init__(self, model: ir.Model):
+    def __init__(self, model: ir.Model, activation_scale: str = "tensor"):
         self.model = model
         self.main = model.graph
+        self.activation_scale = activation_scale
         self.names: set[str] = {
             v.name
             for node in ir.traversal.RecursiveGraphIterator(self.main)
@@ -228,16 +237,55 @@ class _Rewriter:
             # them, where a Reshape would copy them on every step.
             rows, replaced = around
             left = [node, *(v.producer() for v in replaced.inputs[1:] if v is not None)]
-        quant = self.node("DynamicQuantizeLinear", [rows], ["x_q", "x_scale", "x_zero"])
-        x_q, x_scale, x_zero = quant.outputs
+        assert rows is not None  # a MatMul's first input, or the rows its Reshape flattens
+        if self.activation_scale == "row":
+            quant, (x_q, x_scale, x_zero) = self.row_codes(rows)
+        else:
+            whole = self.node("DynamicQuantizeLinear", [rows], ["x_q", "x_scale", "x_zero"])
+            quant, (x_q, x_scale, x_zero) = [whole], whole.outputs
         product = self.node("MatMulInteger", [x_q, codes, x_zero, zero], ["product"])
         as_float = self.node("Cast", [product.outputs[0]], ["product_float"], to=ir.DataType.FLOAT)
-        scales = self.node("Mul", [x_scale, scale], ["scales"])
-        result = self.node("Mul", [as_float.outputs[0], scales.outputs[0]], ["result"])
-        replace_result(replaced, [quant, product, as_float, scales, result], result.outputs[0])
+        if self.activation_scale == "row":
+            # Row scales times the weight's, as a [rows, columns] product, would be one more
+            # tensor the size of the result (the logits, for the head).
+            by_row = self.node("Mul", [as_float.outputs[0], x_scale], ["by_row"])
+            result = self.node("Mul", [by_row.outputs[0], scale], ["result"])
+            scaling = [by_row, result]
+        else:
+            scales = self.node("Mul", [x_scale, scale], ["scales"])
+            result = self.node("Mul", [as_float.outputs[0], scales.outputs[0]], ["result"])
+            scaling = [scales, result]
+        replace_result(replaced, [*quant, product, as_float, *scaling], result.outputs[0])
         for unread in left:
             if unread is not None:
                 _remove_unread(unread)
+
+    def row_codes(self, rows: ir.Value) -> tuple[list[ir.Node], tuple[ir.Value, ...]]:
+        """uint8 codes of ``rows`` with one scale per row (the last axis): ``round(x / scale) +
+        128``, ``scale = max|x| / 127``; the nodes, then codes, scales and the zero point."""
+        tiny = self.constant("onnxmerge.q.tiny", np.array(np.finfo(np.float32).tiny, np.float32))
+        peak = self.constant("onnxmerge.q.row_peak", np.array(_ROW_CODE_PEAK, np.float32))
+        zero = self.constant("onnxmerge.q.row_zero", np.array(_ROW_CODE_ZERO, np.uint8))
+        shift = self.constant("onnxmerge.q.row_shift", np.array(_ROW_CODE_ZERO, np.float32))
+        low = self.constant("onnxmerge.q.code_low", np.array(0.0, np.float32))
+        high = self.constant("onnxmerge.q.code_high", np.array(255.0, np.float32))
+        nodes = [self.node("Abs", [rows], ["x_abs"])]
+        if _default_opset(self.model) >= _REDUCE_AXES_INPUT:
+            last_axis = self.constant("onnxmerge.last_axis", np.array([-1], np.int64))
+            peak_of = self.node("ReduceMax", [nodes[-1].outputs[0], last_axis], ["x_peak"])
+        else:
+            peak_of = self.node("ReduceMax", [nodes[-1].outputs[0]], ["x_peak"], axes=[-1])
+        nodes.append(peak_of)
+        # An all-zero row gets a tiny scale, not 0/0: its codes are the zero point.
+        nodes.append(self.node("Max", [nodes[-1].outputs[0], tiny], ["x_peak_positive"]))
+        nodes.append(self.node("Div", [nodes[-1].outputs[0], peak], ["x_scale"]))
+        x_scale = nodes[-1].outputs[0]
+        nodes.append(self.node("Div", [rows, x_scale], ["x_scaled"]))
+        nodes.append(self.node("Round", [nodes[-1].outputs[0]], ["x_rounded"]))
+        nodes.append(self.node("Add", [nodes[-1].outputs[0], shift], ["x_shifted"]))
+        nodes.append(self.node("Clip", [nodes[-1].outputs[0], low, high], ["x_clipped"]))
+        nodes.append(self.node("Cast", [nodes[-1].outputs[0]], ["x_q"], to=ir.DataType.UINT8))
+        return nodes, (nodes[-1].outputs[0], x_scale, zero)
 
 
 def _flattened_around(gemm: ir.Node) -> tuple[ir.Value, ir.Node] | None:
@@ -335,24 +383,26 @@ def quantizable(value: ir.Value) -> bool:
 class QuantizeWeights(ir.passes.InPlacePass):
     """:func:`quantize_weights` as a pass; its records are the weights it quantized."""
 
-    def __init__(self, precision_of: Callable[[ir.Value], str]):
+    def __init__(self, precision_of: Callable[[ir.Value], str], activation_scale: str = "tensor"):
         super().__init__()
         self.precision_of = precision_of
+        self.activation_scale = activation_scale
 
     def call(self, model: ir.Model) -> StepResult:
-        done = tuple(quantize_weights(model, self.precision_of))
+        done = tuple(quantize_weights(model, self.precision_of, self.activation_scale))
         return StepResult(model, bool(done), "weights_quantized", len(done), done)
 
 
 def quantize_weights(
-    model: ir.Model, precision_of: Callable[[ir.Value], str]
+    model: ir.Model, precision_of: Callable[[ir.Value], str], activation_scale: str = "tensor"
 ) -> list[QuantizedWeight]:
     """Store each large float weight of the main graph in ``precision_of(weight)``; return them.
 
     ``precision_of`` returns one of :data:`contract.PRECISIONS`; ``"fp32"`` leaves the weight
-    as it is. The caller raises the opset first when any weight becomes int4.
+    as it is. ``activation_scale`` (:data:`contract.ACTIVATION_SCALES`) is how integer products
+    scale their input. The caller raises the opset first when any weight becomes int4.
     """
-    rewriter = _Rewriter(model)
+    rewriter = _Rewriter(model, activation_scale)
     done: list[QuantizedWeight] = []
     for weight in [v for v in model.graph.initializers.values() if quantizable(v)]:
         precision = precision_of(weight)

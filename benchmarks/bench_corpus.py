@@ -20,6 +20,10 @@ within the memory target, against CTranslate2's fastest. Our session opens throu
 written beforehand (what every load after the first does); for greedy float32 that runs the int8
 greedy head, which gives the float head's tokens (``docs/runtime.md``).
 
+Then the int8 file quantized with one activation scale per row (``activation_scale="row"``), per
+case at our int8 file's fastest batching, beside the int8 file run again at that batching: its
+speed against the int8 file's and CTranslate2's int8, and how often its tokens equal alone.
+
 Usage: python benchmarks/bench_corpus.py [--quick] [--inputs 1000]
     [--out benchmarks/out/corpus.json]
 """
@@ -58,6 +62,7 @@ CANDIDATES = (
 )
 # --quick checks the pipeline, not which batching wins: one setting of each batch type.
 QUICK_CANDIDATES = (("examples", 16), ("tokens", 1024))
+ROW = "int8 row"  # the int8 file with one activation scale per row
 ALONE_SAMPLE = 24  # inputs generated alone as well, spread over the corpus
 TARGETS = {  # ours / CTranslate2 tokens per second, at least; peak memory, at most
     "float32": {"greedy": 1.2, "beam4": 1.2, "peak_rss": 1.2},
@@ -276,6 +281,53 @@ def within_peak(ours: dict, theirs: dict, peak_ratio: float) -> dict:
     return found
 
 
+def compare_row_scales(int8: dict, sides: dict[str, tuple]) -> dict:
+    """Per case, at the int8 file's fastest batching: the int8 file and the row-scaled one, run
+    one after the other, and the row-scaled one's sampled inputs alone."""
+    cases = {}
+    for case in int8["ours"]["cases"]:
+        batching = int8["ours"]["cases"][case]["batching"]
+        per_batch = _child(*sides["int8"], case, batching)
+        per_row = _child(*sides[ROW], case, batching)
+        found = best_of({batching: per_row}, _child(*sides[ROW], case))
+        theirs = int8["ctranslate2"]["cases"][case]["tokens_per_s"]
+        cases[case] = {
+            "batching": batching,
+            "tokens_per_s": per_row["tokens_per_s"],
+            "peak_rss_mb": per_row["peak_rss_mb"],
+            "per_batch_tokens_per_s": per_batch["tokens_per_s"],
+            "vs_per_batch": per_row["tokens_per_s"] / per_batch["tokens_per_s"],
+            "vs_ctranslate2": per_row["tokens_per_s"] / theirs,
+            "same_as_alone": found["same_as_alone"],
+            "differs_alone": found["differs_alone"],
+            "per_batch_same_as_alone": int8["ours"]["cases"][case]["same_as_alone"],
+        }
+    return {"file": "onnxmerge.quantize(weights='int8', activation_scale='row')", "cases": cases}
+
+
+def row_scales_markdown(data: dict) -> list[str]:
+    if "row_scales" not in data:
+        return []
+    lines = [
+        'int8 with one activation scale per row (`activation_scale="row"`, '
+        "[quantization.md](quantization.md#activation-scales-per-batch-or-per-row)), at our int8 "
+        "file's fastest batching, beside the int8 file (one scale per batch) run again at that "
+        "batching just before it; *alone* as above:",
+        "",
+        "| search | batching | per batch tokens/s | per row tokens/s | per row / per batch "
+        "| per row / CTranslate2 int8 | peak MB per row | alone: per batch | alone: per row |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for case, r in data["row_scales"]["cases"].items():
+        lines.append(
+            f"| {case} | {r['batching']} | {r['per_batch_tokens_per_s']:.1f} "
+            f"| {r['tokens_per_s']:.1f} | **{r['vs_per_batch']:.2f}x** "
+            f"| {r['vs_ctranslate2']:.2f}x | {r['peak_rss_mb']:.0f} "
+            f"| {r['per_batch_same_as_alone']:.2f} | {r['same_as_alone']:.2f} |"
+        )
+    return [*lines, ""]
+
+
 def _without_tokens(side: dict) -> dict:
     cases = {k: {n: v for n, v in c.items() if n != "tokens"} for k, c in side["cases"].items()}
     return {**side, "cases": cases}
@@ -376,7 +428,7 @@ def markdown(data: dict) -> list[str]:
                 ]
                 name = "CTranslate2" if side == "ctranslate2" else "onnxmerge"
                 lines.append(f"| {precision} | {case} | {name} | " + " | ".join(cells) + " |")
-    return [*lines, ""]
+    return [*lines, "", *row_scales_markdown(data)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -409,10 +461,13 @@ def main(argv: list[str] | None = None) -> int:
         int8_path = scratch / "int8" / "model.onnx"
         int8_path.parent.mkdir()
         quantize_ours(float_path, int8_path)
-        ours = {"float32": float_path, "int8": int8_path}
+        row_path = scratch / "int8-row" / "model.onnx"
+        row_path.parent.mkdir()
+        onnxmerge.quantize(float_path, row_path, weights="int8", activation_scale="row")
+        ours = {"float32": float_path, "int8": int8_path, ROW: row_path}
         caches = {}
         for precision, path in ours.items():  # entries written before the timed runs
-            caches[precision] = scratch / f"session-cache-{precision}"
+            caches[precision] = scratch / f"session-cache-{precision.replace(' ', '-')}"
             onnxmerge.Seq2SeqModel(path, session_cache=caches[precision])
         ct2 = convert_ctranslate2(export.pytorch_dir, scratch, config)
         precisions = {}
@@ -439,6 +494,11 @@ def main(argv: list[str] | None = None) -> int:
                 "ctranslate2": _without_tokens(theirs),
             }
             _common.write_results(args.out, {"partial": True, "precisions": precisions})
+        sides = {
+            "int8": ("ours", ours["int8"], config, args.inputs, args.threads, caches["int8"]),
+            ROW: ("ours", ours[ROW], config, args.inputs, args.threads, caches[ROW]),
+        }
+        row_scales = compare_row_scales(precisions["int8"], sides)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     import ctranslate2
@@ -462,6 +522,7 @@ def main(argv: list[str] | None = None) -> int:
             "case and setting; the larger of the two cases' fastest settings",
         },
         "precisions": precisions,
+        "row_scales": row_scales,
         "seconds": time.perf_counter() - started,
         "environment": _common.environment(
             load_at_start, onnxruntime=onnxruntime.__version__, ctranslate2=ctranslate2.__version__
@@ -477,6 +538,11 @@ def main(argv: list[str] | None = None) -> int:
                     f"  {case} within the memory target: {point['batching']}, "
                     f"{point['ratio']:.2f}x at {point['peak_ratio']:.2f}x the peak"
                 )
+    for case, r in row_scales["cases"].items():
+        print(
+            f"int8 row scales, {case} at {r['batching']}: {r['vs_per_batch']:.2f}x the int8 "
+            f"file, {r['vs_ctranslate2']:.2f}x CTranslate2's int8, alone {r['same_as_alone']:.2f}"
+        )
     print(f"wrote {args.out}")
     return 0
 

@@ -98,6 +98,11 @@ def test_run_all_quick_writes_results_and_docs(tmp_path):
             assert corpus["precisions"][precision]["token_agreement"][case] > 0.5
         # float32 rows in a padded batch get the tokens they get alone
         assert corpus["precisions"]["float32"]["ours"]["cases"]["greedy"]["same_as_alone"] == 1.0
+    for case, row in corpus["row_scales"]["cases"].items():
+        assert row["batching"] == corpus["precisions"]["int8"]["ours"]["cases"][case]["batching"]
+        assert row["tokens_per_s"] > 0 and row["per_batch_tokens_per_s"] > 0
+    # one scale per row: int8 rows get the tokens they get alone, as float32 ones do
+    assert corpus["row_scales"]["cases"]["greedy"]["same_as_alone"] == 1.0
     assert "## A corpus against CTranslate2" in page
     threads = json.loads((tmp_path / "out" / "threads.json").read_text())
     assert all(row["same_tokens_as_serial"] for row in threads["throughput"])

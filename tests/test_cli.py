@@ -255,6 +255,13 @@ def test_merge_num_beams_needs_beam_generation(tmp_path, options) -> None:
     assert "--num-beams" in result.stderr
 
 
+@pytest.mark.parametrize("options", [["--encoder", "fp32"], ["--activation-scale", "row"]])
+def test_merge_quantization_options_need_weights(tmp_path, options) -> None:
+    result = run("merge", tmp_path / "absent", *options)
+    assert result.returncode == EXIT_USAGE, result.stderr
+    assert "apply only with --weights" in result.stderr
+
+
 # ---------------------------------------------------------------------------------------------
 # verify
 

@@ -14,7 +14,7 @@ from onnxmerge import contract as c
 from onnxmerge.errors import GenerationError
 from onnxmerge.runtime import _corpus as corpus
 from onnxmerge.runtime import _memory as memory
-from onnxmerge.runtime._greedy_head import GreedyHead, LogitBounds
+from onnxmerge.runtime._greedy_head import GreedyHead, LogitBounds, Workspace
 from onnxmerge.runtime._search import GreedyRunner, beam_search, greedy_or_sample
 from onnxmerge.runtime._session import Cache, MergedSession, StepOutput
 from onnxmerge.runtime.processors import build_processors
@@ -166,11 +166,12 @@ class _GreedyHeadRunner(_Steps):
     ):
         super().__init__(session, encoder_inputs, prompt, max_length)
         self.head = head
+        self.workspace = Workspace()
 
     def advance(self, tokens: np.ndarray) -> np.ndarray | LogitBounds:
         out = self._next(tokens, greedy=True)
         if out.hidden is not None:
-            return self.head.bounds(out.logits[:, -1, :], out.hidden)
+            return self.head.bounds(out.logits[:, -1, :], out.hidden, self.workspace)
         return out.logits[:, -1, :]
 
 

@@ -40,6 +40,9 @@ WEIGHT_PRECISIONS = ("int8", "uint8", "fp16", "int4")
 # How the products of int8 and uint8 weights quantize their input: one scale for the whole
 # tensor, or one per row (docs/quantization.md).
 ACTIVATION_SCALES = ("tensor", "row")
+# Versions 2-4, in files with int8 or uint8 products: one of ACTIVATION_SCALES. Informational:
+# the graph computes the scales itself, and a file without the key runs the same.
+META_ACTIVATION_SCALE = "onnxmerge.activation_scale"
 
 LAYOUT_WITH_PAST = "with_past"
 LAYOUT_WITHOUT_PAST = "without_past"
@@ -135,6 +138,9 @@ class ContractInfo:
     config: dict = field(default_factory=dict)
     generation_config: dict = field(default_factory=dict)
     precision: dict = field(default_factory=dict)
+    # How int8 and uint8 products scale their input (ACTIVATION_SCALES); None where the file has
+    # no such products or was quantized before the key was written.
+    activation_scale: str | None = None
     # Tokens of a prompt that one step may take (None: any number).
     prompt_tokens_per_step: int | None = None
 
@@ -209,6 +215,7 @@ def read_contract(
         config=config,
         generation_config=generation_config,
         precision=precision,
+        activation_scale=metadata.get(META_ACTIVATION_SCALE),
         prompt_tokens_per_step=prompt_tokens_per_step,
     )
 
@@ -228,6 +235,7 @@ __all__ = [
     "META_GENERATOR",
     "MAX_NEW_TOKENS",
     "META_PRECISION",
+    "META_ACTIVATION_SCALE",
     "META_PROMPT_TOKENS_PER_STEP",
     "META_SOURCES",
     "PRECISIONS",

@@ -383,6 +383,7 @@ def test_encoder_keeps_its_own_precision(merged, tmp_path):
     assert meta[contract.META_FORMAT_VERSION] == contract.PER_INPUT_FORMAT_VERSION
     assert json.loads(meta[contract.META_PRECISION]) == {"encoder": "fp32", "decoder": "int8"}
     assert Seq2SeqModel(path).precision == {"encoder": "fp32", "decoder": "int8"}
+    assert Seq2SeqModel(merged("marian")).activation_scale is None  # float weights
     model = ir.load(path)
     assert any(
         v.const_value.dtype == ir.DataType.FLOAT
@@ -432,6 +433,7 @@ def test_row_scales_give_every_input_the_logits_it_gets_alone(
     tiny_export, merged, precision, tmp_path
 ):
     from onnxmerge import quantize
+    from onnxmerge.runtime import Seq2SeqModel
     from onnxmerge.verify import verify
 
     ids = np.random.default_rng(3).integers(4, 90, size=(3, 7)).astype(np.int64)
@@ -441,6 +443,7 @@ def test_row_scales_give_every_input_the_logits_it_gets_alone(
         path = quantize(
             merged("marian"), tmp_path / f"{scale}.onnx", weights=precision, activation_scale=scale
         )
+        assert Seq2SeqModel(path).activation_scale == scale
         batched = _first_logits(path, ids)
         alone_equal[scale] = [
             np.array_equal(batched[i], _first_logits(path, ids[i : i + 1])[0])
@@ -522,5 +525,8 @@ def test_verify_and_inspect_read_quantized_files(tiny_export, merged, precision,
     assert report.ok, [(d.name, d.max_abs_diff, d.reference_peak) for d in report.diffs]
     found = inspect_model(path)
     assert found.metadata[contract.META_PRECISION]
+    # Only integer products quantize their input, and only they say how.
+    expected = "tensor" if precision in ("int8", "uint8") else None
+    assert found.metadata.get(contract.META_ACTIVATION_SCALE) == expected
     # The quantized embedding still counts as the embedding, read by both Gathers.
     assert found.bytes_by_part["embedding"] > 0 and found.bytes_by_part["decoder"] > 0

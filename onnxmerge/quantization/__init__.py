@@ -212,6 +212,8 @@ def _quantize_file(source: Path, output: Path, options: _Options) -> QuantizeRes
     if meta[contract.META_FORMAT_VERSION] not in contract.ONE_DECODER_FORMAT_VERSIONS:
         meta[contract.META_FORMAT_VERSION] = contract.QUANTIZED_FORMAT_VERSION
     meta[contract.META_PRECISION] = json.dumps(precision, sort_keys=True)
+    if {weights, encoder} & _rewrite.INTEGER_MATMUL:
+        meta[contract.META_ACTIVATION_SCALE] = options.activation_scale
     inputs_read = frozenset(f.resolve() for f in (source, *data_files))
     model_io.save_model_atomically(
         model,

@@ -254,6 +254,13 @@ class Seq2SeqModel:
         return {"encoder": as_stored, "decoder": as_stored}
 
     @property
+    def activation_scale(self) -> str | None:
+        """How the int8 and uint8 weights' products scale their input: ``"tensor"`` (one scale
+        for the batch) or ``"row"`` (one per row, docs/quantization.md); None where the file has
+        no such products (or was quantized before onnxmerge recorded it)."""
+        return self.info.activation_scale
+
+    @property
     def model_type(self) -> str | None:
         return self.config.get("model_type")
 

@@ -40,7 +40,13 @@ BUDGETS = (1, 4)
 # (DynamicQuantizeLinear): OpenVINO's int8 kernels round some of them to the next code, which
 # moves logits by up to about 2% of their largest magnitude (mT5, BlenderbotSmall); the bound of
 # a quantized file is therefore relative to that magnitude, the float one absolute.
-LOGITS_TOLERANCE = {"fp32": 1e-4, "int8": 0.03, "int4": 0.03}
+LOGITS_TOLERANCE = {"fp32": 1e-4, "int8": 0.03, "int8 row": 0.03, "int4": 0.03}
+# A file's precision in these tests: quantize's options.
+QUANTIZED = {
+    "int8": {"weights": "int8"},
+    "int8 row": {"weights": "int8", "activation_scale": "row"},
+    "int4": {"weights": "int4"},
+}
 SCORES_TOLERANCE = 1e-4
 # The generators are checked on fewer architectures (int8 on the first only): each OpenVINO
 # compile of a Loop costs a few seconds. Whisper brings float encoder inputs, T5 relative bias.
@@ -68,9 +74,8 @@ class _Files:
                 return onnxmerge.merge_seq2seq(
                     self.tiny_export(arch).onnx_dir, self.root / f"{arch}.onnx"
                 )
-            return onnxmerge.quantize(
-                self.merged(arch), self.root / f"{arch}-{precision}.onnx", weights=precision
-            )
+            name = f"{arch}-{precision.replace(' ', '-')}.onnx"
+            return onnxmerge.quantize(self.merged(arch), self.root / name, **QUANTIZED[precision])
 
         return self._once(("merged", arch, precision), make)
 
@@ -182,7 +187,7 @@ def _step_cases() -> list[tuple[str, str, str]]:
     the two-decoder form is gone); a failure that stays is witnessed on the first one only."""
     cases = []
     for runtime in OTHER_RUNTIMES:
-        for precision in ("fp32", "int8", "int4"):
+        for precision in ("fp32", *QUANTIZED):
             cell = rt.SUPPORT[runtime][f"model.onnx {precision}"]
             runs = cell == rt.RUNS or cell in rt.TWO_DECODER_FAILURES
             cases += [(arch, precision, runtime) for arch in (WITH_PAST if runs else WITH_PAST[:1])]
@@ -262,7 +267,7 @@ def _run_node(node: str, script: str, env: dict[str, str]) -> None:
     assert "# pass 1" in done.stdout, done.stdout
 
 
-@pytest.mark.parametrize("precision", ["fp32", "int8", "int4"])
+@pytest.mark.parametrize("precision", ["fp32", *QUANTIZED])
 def test_merged_model_in_node(files, tmp_path, precision):
     """The merged file step by step in onnxruntime-node (tests/js) gives onnxruntime's tokens."""
     node = _node()

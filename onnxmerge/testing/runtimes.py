@@ -45,6 +45,7 @@ TITLES = {
 FILE_KINDS = (
     "model.onnx fp32",
     "model.onnx int8",
+    "model.onnx int8 row",
     "model.onnx int4",
     "greedy generator fp32",
     "greedy generator int8",
@@ -76,20 +77,21 @@ SUPPORT: dict[str, dict[str, str]] = {
     "tract": {
         "model.onnx fp32": TRACT_IF_SYMBOLS,
         "model.onnx int8": TRACT_IF_SYMBOLS,
+        "model.onnx int8 row": TRACT_IF_SYMBOLS,
         "model.onnx int4": TRACT_IF_SYMBOLS,
         **{kind: NO_LOOP for kind in FILE_KINDS if "generator" in kind},
     },
     "reference": dict.fromkeys(FILE_KINDS, RUNS),
     "node": dict.fromkeys(FILE_KINDS, RUNS),
 }
+_REFERENCE_WHISPER_INT8 = (
+    "runs, except Whisper's int8 files: onnx's reference has no `DequantizeLinear` for "
+    "opset 18, the opset of that export"
+)
 # Architectures of the test zoo a cell that says RUNS does not hold for, and why.
 EXCEPT: dict[tuple[str, str], dict[str, str]] = {
-    ("reference", "model.onnx int8"): {
-        "whisper": (
-            "runs, except Whisper's int8 file: onnx's reference has no `DequantizeLinear` for "
-            "opset 18, the opset of that export"
-        ),
-    },
+    ("reference", "model.onnx int8"): {"whisper": _REFERENCE_WHISPER_INT8},
+    ("reference", "model.onnx int8 row"): {"whisper": _REFERENCE_WHISPER_INT8},
 }
 # Failures of the two-decoder form (format versions 1 and 2) that format 3 should not have.
 TWO_DECODER_FORMATS = ("1", "2")

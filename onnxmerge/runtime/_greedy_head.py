@@ -4,11 +4,11 @@ A cached step run with ``FLAG`` set returns int8 logits (the embedding's rows qu
 see ``runtime/_greedy_source.py``) and the head's input ``HIDDEN``. The tables bound how far a
 token's int8 logit can be from the float one: the rows' quantization error, the input's
 (quantized per tensor to uint8, off by at most half a step) and the rounding of both products;
-a step takes their largest over the vocabulary, one bound per row. After the logits processors, which map each score through a non-decreasing
-function of that score alone, a token whose upper bound is below the best lower bound cannot be
-the largest; only the others get float logits, from the embedding's own rows, and the largest
-of those is the token a full float head would pick (up to the rounding of the two float products,
-as between any two runtimes).
+a step takes their largest over the vocabulary, one bound per row. After the logits processors,
+which map each score through a non-decreasing function of that score alone, a token whose upper
+bound is below the best lower bound cannot be the largest; only the others get float logits,
+from the embedding's own rows, and the largest of those is the token a full float head would
+pick (up to the rounding of the two float products, as between any two runtimes).
 """
 
 from __future__ import annotations

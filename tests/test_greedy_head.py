@@ -349,7 +349,7 @@ def test_the_entrys_logits_leave_the_head_without_a_copy(tied, tmp_path):
 def test_a_searchs_steps_work_in_the_same_arrays():
     """Each greedy step's bounds reuse the search's arrays: fresh [rows, vocab] arrays every step
     cost their page faults again (a third of a float32 greedy corpus on the opus-mt shape)."""
-    from onnxmerge.runtime._greedy_head import Workspace
+    from onnxmerge.runtime._memory import Workspace
 
     rng = np.random.default_rng(3)
     weight = (rng.standard_normal((400, 32)) * 0.1).astype(np.float32)

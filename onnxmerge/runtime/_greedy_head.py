@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from onnxmerge.runtime import _memory as memory
+from onnxmerge.runtime._memory import Workspace
 
 logger = logging.getLogger(__name__)
 
@@ -112,21 +112,6 @@ class GreedyHead:
         ``[rows, hidden]``: the input it quantized (one tensor, one scale). ``workspace``: the
         search's arrays to work in, kept from step to step."""
         return LogitBounds(self, approximate, hidden, workspace or Workspace())
-
-
-class Workspace:
-    """``[rows, vocab]`` arrays that a search's greedy steps work in, kept between its steps:
-    fresh arrays of that size would map their pages and fault them in again at every step."""
-
-    def __init__(self) -> None:
-        self._arrays: dict[str, np.ndarray] = {}
-
-    def array(self, name: str, shape: tuple[int, int], dtype: type) -> np.ndarray:
-        size = shape[0] * shape[1]
-        kept = self._arrays.get(name)
-        if kept is None or kept.size < size or kept.dtype != dtype:
-            kept = self._arrays[name] = memory.anonymous_array(size, np.dtype(dtype))
-        return kept[:size].reshape(shape)
 
 
 class LogitBounds:

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 logger = logging.getLogger(__name__)
 
@@ -185,3 +186,20 @@ def anonymous_array(size: int, dtype: np.dtype) -> np.ndarray:
     if hasattr(mmap, "MADV_HUGEPAGE"):  # as numpy asks for its large arrays: fewer TLB misses
         buffer.madvise(mmap.MADV_HUGEPAGE)
     return np.frombuffer(buffer, dtype, count=size)
+
+
+class Workspace:
+    """Arrays by name that a search's steps work in, kept between its steps (each in a mapping
+    of its own, :func:`anonymous_array`): fresh arrays of a step's ``[rows, vocab]`` would map
+    their pages and fault them in again at every step."""
+
+    def __init__(self) -> None:
+        self._arrays: dict[str, np.ndarray] = {}
+
+    def array(self, name: str, shape: tuple[int, ...], dtype: DTypeLike) -> np.ndarray:
+        """The array ``name`` in ``shape``; the same memory as the last call's where it fits."""
+        size, dtype = int(np.prod(shape)), np.dtype(dtype)
+        kept = self._arrays.get(name)
+        if kept is None or kept.size < size or kept.dtype != dtype:
+            kept = self._arrays[name] = anonymous_array(size, dtype)
+        return kept[:size].reshape(shape)

@@ -14,7 +14,7 @@ from onnxmerge import contract as c
 from onnxmerge.errors import GenerationError
 from onnxmerge.runtime import _corpus as corpus
 from onnxmerge.runtime import _memory as memory
-from onnxmerge.runtime._greedy_head import GreedyHead, LogitBounds, Workspace
+from onnxmerge.runtime._greedy_head import GreedyHead, LogitBounds
 from onnxmerge.runtime._search import GreedyRunner, beam_search, greedy_or_sample
 from onnxmerge.runtime._session import Cache, MergedSession, StepOutput
 from onnxmerge.runtime.processors import build_processors
@@ -106,16 +106,14 @@ class _PresentBuffers:
         self._slots: list[np.ndarray] = []
         self._step = 0
         self._vocab = vocab
-        self._logits = np.empty(0, logits_dtype)
+        self._logits_dtype = logits_dtype
+        self._space = memory.Workspace()
 
     def logits(self, rows: int, *, flat: bool) -> np.ndarray:
         """The array a step's logits for ``rows`` rows, one new token each, are written into;
-        the same memory every step."""
-        size = rows * self._vocab
-        if self._logits.size < size:  # once per search, unless its rows grow
-            self._logits = memory.anonymous_array(size, self._logits.dtype)
+        the same memory every step (mapped once per search, unless its rows grow)."""
         shape = (rows, self._vocab) if flat else (rows, 1, self._vocab)
-        return self._logits[:size].reshape(shape)
+        return self._space.array("logits", shape, self._logits_dtype)
 
     def _slot(self, tensor: int, tensors: int) -> int:
         kinds = len(c.CACHE_KINDS)
@@ -166,7 +164,7 @@ class _GreedyHeadRunner(_Steps):
     ):
         super().__init__(session, encoder_inputs, prompt, max_length)
         self.head = head
-        self.workspace = Workspace()
+        self.workspace = memory.Workspace()
 
     def advance(self, tokens: np.ndarray) -> np.ndarray | LogitBounds:
         out = self._next(tokens, greedy=True)

@@ -68,10 +68,11 @@ class GreedyHead:
         # float products (sums of `hidden` terms). Per unit of the input's quantization step:
         # its rounding, off by at most half a step (plus float32's error in dividing by the
         # step), times the int8 rows' L1 norm. Raised a little for float32's own rounding here.
-        self.per_input_l1 = ((error + amax * (hidden * 2.0**-22)) * _RAISE).astype(np.float32)
-        self.per_input_step = (l1 * (0.5 + 2.0**-12) * _RAISE).astype(np.float32)
-        self.most_per_input_l1 = float(self.per_input_l1.max(initial=0.0))
-        self.most_per_input_step = float(self.per_input_step.max(initial=0.0))
+        # A step's bound takes each at its largest over the vocabulary.
+        per_input_l1 = ((error + amax * (hidden * 2.0**-22)) * _RAISE).astype(np.float32)
+        per_input_step = (l1 * (0.5 + 2.0**-12) * _RAISE).astype(np.float32)
+        self.most_per_input_l1 = float(per_input_l1.max(initial=0.0))
+        self.most_per_input_step = float(per_input_step.max(initial=0.0))
         self.most_abs_weight = float(amax.max(initial=0.0))
         self.most_abs_bias = 0.0 if bias is None else float(np.abs(bias).max(initial=0.0))
 

@@ -20,7 +20,8 @@ from onnxmerge import Seq2SeqModel, merge_seq2seq, quantize  # noqa: E402
 from onnxmerge.errors import GenerationError  # noqa: E402
 from onnxmerge.model_io import load_model  # noqa: E402
 from onnxmerge.passes import NoMatch  # noqa: E402
-from onnxmerge.runtime._greedy_head import TABLES, GreedyHead  # noqa: E402
+from onnxmerge.runtime import processors as p  # noqa: E402
+from onnxmerge.runtime._greedy_head import TABLES, GreedyHead, LogitBounds  # noqa: E402
 from onnxmerge.runtime._greedy_source import GreedySource, find_head, row_tables  # noqa: E402
 from onnxmerge.runtime.processors import (  # noqa: E402
     ForcedBOS,
@@ -149,6 +150,80 @@ def test_a_tie_goes_to_the_lower_token_as_argmax_gives_it():
     picked, expected = _greedy_case(rng, weight, bias, hidden, ProcessorList(), np.zeros((2, 1)))
     np.testing.assert_array_equal(picked, expected)
     np.testing.assert_array_equal(picked, [3, 4])
+
+
+def _every_processor(vocab: int) -> list:
+    encoder_ids = np.arange(12).reshape(2, 6) % 5
+    return [
+        p.RepetitionPenalty(1.5),
+        p.EncoderRepetitionPenalty(1.5, encoder_ids),
+        p.NoRepeatNGram(2),
+        p.EncoderNoRepeatNGram(2, encoder_ids),
+        p.NoBadWords([[3], [1, 4], [vocab - 1]]),
+        p.MinLength(5, [0]),
+        p.MinNewTokens(1, 3, [0]),
+        p.ForcedBOS(7),
+        p.ForcedEOS(5, [0]),
+        p.SuppressTokens([2, 9]),
+        p.SuppressTokensAtBegin([5], 2),
+        p.Temperature(0.5),
+        p.TopK(4),
+        p.TopP(0.5),
+    ]
+
+
+@pytest.mark.parametrize("length", [1, 2, 3, 4, 6])
+def test_a_processor_that_says_it_only_masks_changes_scores_only_to_minus_inf(length):
+    rng = np.random.default_rng(length)
+    vocab = 40
+    ids = rng.integers(0, 5, (4, length))
+    said = 0
+    for processor in _every_processor(vocab):
+        scores = rng.standard_normal((4, vocab)).astype(np.float32)
+        processed = processor(ids, scores.copy())
+        if getattr(processor, "masks_only", lambda ids: False)(ids):
+            said += 1
+            changed = processed != scores
+            assert (processed[changed] == -np.inf).all(), type(processor).__name__
+    assert said >= 7  # the masks, and the forced tokens away from their step
+    forced_at_their_step = ProcessorList([p.ForcedBOS(7), p.ForcedEOS(2, [0])])
+    assert not forced_at_their_step.masks_only(ids[:, :1])
+    assert ProcessorList([p.MinLength(5, [0])]).masks_only(ids)
+    assert not ProcessorList([p.MinLength(5, [0]), p.RepetitionPenalty(1.5)]).masks_only(ids)
+
+
+def test_masks_take_the_short_way_to_the_float_heads_tokens(monkeypatch):
+    """Where the processors only mask, one pass finds each row's candidates (no bound arrays):
+    the tokens are still the float head's, over bans that hit the best tokens, whole rows
+    masked but a few, every token masked, and a row of NaN."""
+    short = []
+    original = LogitBounds._argmax_of_unmasked
+    monkeypatch.setattr(
+        LogitBounds,
+        "_argmax_of_unmasked",
+        lambda self, *args: short.append(1) or original(self, *args),
+    )
+    rng = np.random.default_rng(4)
+    vocab, size, rows = 300, 24, 6
+    for case in range(12):
+        weight = (rng.standard_normal((vocab, size)) * 0.1).astype(np.float32)
+        bias = (rng.standard_normal(vocab) * 0.01).astype(np.float32)
+        hidden = rng.standard_normal((rows, size)).astype(np.float32)
+        best = np.argmax(hidden @ weight.T + bias, axis=1)
+        ids = np.stack([best, rng.integers(0, vocab, rows), best], axis=1)
+        processors = ProcessorList(
+            [
+                p.NoRepeatNGram(2),  # bans the best token of rows whose last two repeat
+                p.NoBadWords([[int(best[case % rows])], [int(best[0]), int(best[1])]]),
+                p.SuppressTokens(range(case * 20, case * 20 + 200) if case % 3 == 0 else ()),
+                p.SuppressTokens(range(vocab) if case == 5 else ()),
+            ]
+        )
+        if case == 7:
+            hidden[2] = np.nan
+        picked, expected = _greedy_case(rng, weight, bias, hidden, processors, ids)
+        np.testing.assert_array_equal(picked, expected, err_msg=f"case {case}")
+    assert len(short) == 12
 
 
 # -- the rewrite ---------------------------------------------------------------------------------
@@ -361,5 +436,5 @@ def test_a_searchs_steps_work_in_the_same_arrays():
             ProcessorList(), hidden[:, :1]
         )
         np.testing.assert_array_equal(picked, np.argmax(hidden @ weight.T, axis=1))
-        addresses.add(space.array("lower", (rows, 400), np.float32).ctypes.data)
+        addresses.add(space.array("mask", (rows, 400), bool).ctypes.data)
     assert len(addresses) == 1

@@ -142,11 +142,16 @@ class LogitBounds:
 
     def argmax(self, processors, input_ids: np.ndarray) -> np.ndarray:
         """``argmax(processors(input_ids, float logits))`` per row; ``processors`` must map
-        each score through a non-decreasing function of that score alone. The float logits of
-        the tokens that may be the largest are written into ``approximate``."""
+        each score through a non-decreasing function of that score alone. ``approximate`` is
+        worked in: it is left holding the processed int8 logits, or float ones of the tokens
+        that may be the largest."""
         approximate = self.approximate
         if not approximate.flags.writeable:
             approximate = approximate.copy()
+        masks_only = getattr(processors, "masks_only", None)
+        if masks_only is not None and masks_only(input_ids):
+            scores = processors(input_ids, approximate)
+            return self._argmax_of_unmasked(scores, processors, input_ids)
         shape = approximate.shape
         rows, vocab = shape
         space, slack = self.workspace, self.slack()
@@ -174,3 +179,43 @@ class LogitBounds:
             approximate[whole] += head.bias
         approximate[row_of, token_of] = exact
         return np.argmax(processors(input_ids, approximate), axis=1)
+
+    def _argmax_of_unmasked(
+        self, scores: np.ndarray, processors, input_ids: np.ndarray
+    ) -> np.ndarray:
+        """``argmax`` where the processors only set scores to -inf: ``scores`` are the int8
+        logits after them. A row's largest float logit is at least its largest int8 logit less
+        the slack, and no float logit is more than the slack above its int8 logit: a token whose
+        int8 logit is more than twice the slack below the row's largest cannot be the largest.
+        One pass finds each row's largest and one its candidates, instead of the passes over
+        each bound and the processors run on both."""
+        rows, vocab = scores.shape
+        top = scores.max(axis=1)
+        threshold = top.astype(np.float64) - 2 * self.slack()[:, 0].astype(np.float64)
+        # In float32, rounded down: a candidate may be added, none dropped.
+        threshold = np.nextafter(threshold.astype(np.float32), np.float32(-np.inf))
+        reaching = np.greater_equal(
+            scores, threshold[:, None], out=self.workspace.array("mask", scores.shape, bool)
+        )
+        row_of, token_of = np.divmod(np.flatnonzero(reaching), vocab)
+        counts = np.bincount(row_of, minlength=rows)
+        # Every token masked (no finite largest), a NaN, or too many left: the row's full product.
+        whole = (counts == 0) | (counts > _MOST * vocab) | ~np.isfinite(top)
+        picked = ~whole[row_of]
+        row_of, token_of = row_of[picked], token_of[picked]
+        head = self.head
+        exact = np.einsum("ij,ij->i", head.weight[token_of], self.hidden[row_of])
+        if head.bias is not None:
+            exact += head.bias[token_of]
+        tokens = np.empty(rows, np.int64)
+        # Per row, the largest float logit, the lower token on a tie (as argmax gives it).
+        order = np.lexsort((token_of, -exact, row_of))
+        first = np.flatnonzero(np.diff(row_of[order], prepend=-1))
+        tokens[row_of[order[first]]] = token_of[order[first]]
+        if whole.any():  # processors read whole batches: run again, masks stay as they were
+            for row in np.flatnonzero(whole):
+                scores[row] = head.weight @ self.hidden[row]
+            if head.bias is not None:
+                scores[whole] += head.bias
+            tokens[whole] = np.argmax(processors(input_ids, scores)[whole], axis=1)
+        return tokens

@@ -27,9 +27,20 @@ NEG_INF = np.float32(-np.inf)
 
 class LogitsProcessor(Protocol):
     """``keeps_bounds = True`` on a processor says it maps each score through a non-decreasing
-    function of that score alone (given the tokens so far): bounds on scores stay bounds."""
+    function of that score alone (given the tokens so far): bounds on scores stay bounds.
+    ``masks_only(input_ids)``, where a processor has it, says whether, called with these
+    ``input_ids``, it only sets some scores to -inf and leaves the others as they are."""
 
     def __call__(self, input_ids: np.ndarray, scores: np.ndarray) -> np.ndarray: ...
+
+
+class _Mask:
+    """A processor that only ever sets scores to -inf."""
+
+    keeps_bounds = True
+
+    def masks_only(self, input_ids: np.ndarray) -> bool:
+        return True
 
 
 def _token_array(tokens: Iterable[int]) -> np.ndarray:
@@ -69,10 +80,8 @@ class RepetitionPenalty:
         return _penalize(scores, input_ids, self.penalty)
 
 
-class NoRepeatNGram:
+class NoRepeatNGram(_Mask):
     """Ban every token that would repeat an n-gram already present in the row."""
-
-    keeps_bounds = True
 
     def __init__(self, ngram_size: int):
         self.ngram_size = int(_positive("no_repeat_ngram_size", ngram_size))
@@ -110,10 +119,8 @@ class EncoderRepetitionPenalty:
         return _penalize(scores, self.encoder_input_ids[: scores.shape[0]], self.penalty)
 
 
-class EncoderNoRepeatNGram:
+class EncoderNoRepeatNGram(_Mask):
     """Ban tokens that would repeat an n-gram of the row's encoder ``input_ids``."""
-
-    keeps_bounds = True
 
     def __init__(self, ngram_size: int, encoder_input_ids: np.ndarray):
         self.ngram_size = int(_positive("encoder_no_repeat_ngram_size", ngram_size))
@@ -138,13 +145,11 @@ class EncoderNoRepeatNGram:
         return scores
 
 
-class NoBadWords:
+class NoBadWords(_Mask):
     """Ban single tokens always, and the last token of a multi-token sequence after its prefix.
 
     A bad word equal to a single eos token is dropped, as transformers does.
     """
-
-    keeps_bounds = True
 
     def __init__(self, bad_words_ids: Sequence[Sequence[int]], eos_token_ids: Sequence[int] = ()):
         eos = [[int(t)] for t in eos_token_ids]
@@ -165,10 +170,8 @@ class NoBadWords:
         return scores
 
 
-class MinLength:
+class MinLength(_Mask):
     """Forbid eos while the sequence (decoder start included) is shorter than ``min_length``."""
-
-    keeps_bounds = True
 
     def __init__(self, min_length: int, eos_token_ids: Sequence[int]):
         self.min_length = int(min_length)
@@ -180,10 +183,8 @@ class MinLength:
         return scores
 
 
-class MinNewTokens:
+class MinNewTokens(_Mask):
     """Forbid eos until ``min_new_tokens`` tokens follow the prompt of ``prompt_length`` tokens."""
-
-    keeps_bounds = True
 
     def __init__(self, prompt_length: int, min_new_tokens: int, eos_token_ids: Sequence[int]):
         self.prompt_length = int(prompt_length)
@@ -203,6 +204,9 @@ class ForcedBOS:
 
     def __init__(self, token_id: int):
         self.token_id = int(token_id)
+
+    def masks_only(self, input_ids: np.ndarray) -> bool:
+        return input_ids.shape[1] != 1  # a step that leaves the scores alone
 
     def __call__(self, input_ids: np.ndarray, scores: np.ndarray) -> np.ndarray:
         if input_ids.shape[1] == 1:
@@ -224,6 +228,9 @@ class ForcedEOS:
                 f"forced_eos_token_id must be non-negative, got {self.eos.tolist()}"
             )
 
+    def masks_only(self, input_ids: np.ndarray) -> bool:
+        return input_ids.shape[1] != self.max_length - 1  # a step that leaves the scores alone
+
     def __call__(self, input_ids: np.ndarray, scores: np.ndarray) -> np.ndarray:
         if input_ids.shape[1] == self.max_length - 1:
             scores.fill(NEG_INF)
@@ -231,10 +238,8 @@ class ForcedEOS:
         return scores
 
 
-class SuppressTokens:
+class SuppressTokens(_Mask):
     """Set the scores of ``tokens`` to -inf at every step."""
-
-    keeps_bounds = True
 
     def __init__(self, tokens: Iterable[int]):
         self.tokens = _token_array(tokens)
@@ -244,10 +249,8 @@ class SuppressTokens:
         return scores
 
 
-class SuppressTokensAtBegin:
+class SuppressTokensAtBegin(_Mask):
     """Set the scores of ``tokens`` to -inf when the sequence is ``begin_index`` long."""
-
-    keeps_bounds = True
 
     def __init__(self, tokens: Iterable[int], begin_index: int):
         self.tokens = _token_array(tokens)
@@ -374,6 +377,12 @@ class ProcessorList(list):
     @property
     def keeps_bounds(self) -> bool:
         return all(getattr(processor, "keeps_bounds", False) for processor in self)
+
+    def masks_only(self, input_ids: np.ndarray) -> bool:
+        """Whether, called with ``input_ids``, these processors only set scores to -inf."""
+        return all(
+            getattr(processor, "masks_only", lambda ids: False)(input_ids) for processor in self
+        )
 
     def __call__(self, input_ids: np.ndarray, scores: np.ndarray) -> np.ndarray:
         for processor in self:

@@ -464,3 +464,37 @@ def test_presents_follow_layers_where_each_layer_needs_the_one_before(first, fol
     names = {f"q{i}{k[0]}": f"present.{i}.decoder.{k}" for i in (0, 1) for k in ("key", "value")}
     _renamed(graph, names)
     assert presents_follow_layers(graph, list(names.values())) is follows
+
+
+@pytest.mark.parametrize("writeable", [True, False])
+def test_greedy_search_processes_the_runners_logits_in_place_where_it_may(writeable):
+    """A copy of every step's [rows, vocab] logits cost an int8 greedy corpus an eighth of its
+    time: the processors write over the runner's own array, and copy only one it cannot write."""
+    table = (np.random.default_rng(4).standard_normal((40, 40)) * 3).astype(np.float32)
+    table[:, EOS] = -50  # no row ends: every step's token is the best one left
+    best = np.argmax(table, axis=1)
+    handed = []
+
+    class Runner:
+        def start(self):
+            return self.step(np.array([START, 5]))
+
+        def advance(self, tokens):
+            return self.step(tokens)
+
+        def step(self, tokens):
+            logits = table[tokens]
+            logits.flags.writeable = writeable
+            handed.append(logits)
+            return logits
+
+    settings = _settings(num_beams=1, max_new_tokens=3, bad_words_ids=[[int(t)] for t in best])
+    prompt = np.array([[START], [START]])
+    tokens = search.greedy_or_sample(Runner(), prompt, settings, build_processors(settings))
+    banned = table.copy()
+    banned[:, best] = -np.inf
+    previous = np.array([START, 5])
+    for step, logits in enumerate(handed):
+        np.testing.assert_array_equal(tokens[:, step + 1], np.argmax(banned[previous], axis=1))
+        np.testing.assert_array_equal(logits, banned[previous] if writeable else table[previous])
+        previous = tokens[:, step + 1]

@@ -4,7 +4,7 @@ A runner hides the model: ``start()`` runs the prompt and returns the next-token
 row, ``advance(tokens)`` appends one token per row and returns the next logits (in greedy search
 it may return bounds on them, whose ``argmax(processors, input_ids)`` gives the tokens),
 ``expand(n)`` repeats every row ``n`` times and ``reorder(rows)`` picks rows (beams) for the next
-step.
+step. The logits a runner returns are the search's to write over.
 """
 
 from __future__ import annotations
@@ -82,7 +82,9 @@ def greedy_or_sample(
         if not isinstance(logits, np.ndarray):  # a greedy head's bounds: greedy search only
             tokens = logits.argmax(processors, sequences[:, :cur_len])
         else:
-            scores = processors(sequences[:, :cur_len], np.array(logits, dtype=np.float32))
+            # In place where it may be: the runner's own array, which nothing reads after this.
+            scores = logits.astype(np.float32, copy=not logits.flags.writeable)
+            scores = processors(sequences[:, :cur_len], scores)
             if settings.do_sample:
                 tokens = sample_tokens(softmax(scores), rng or np.random.default_rng())
             else:

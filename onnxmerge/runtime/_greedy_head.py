@@ -153,30 +153,16 @@ class LogitBounds:
             scores = processors(input_ids, approximate)
             return self._argmax_of_unmasked(scores, processors, input_ids)
         shape = approximate.shape
-        rows, vocab = shape
         space, slack = self.workspace, self.slack()
         lower = np.subtract(approximate, slack, out=space.array("lower", shape, np.float32))
         upper = np.add(approximate, slack, out=space.array("upper", shape, np.float32))
         floor = processors(input_ids, lower).max(axis=1)
         upper = processors(input_ids, upper)
         reaching = np.greater_equal(upper, floor[:, None], out=space.array("mask", shape, bool))
-        # Every candidate's row at once: one flat search over the mask, ten times a 2-D one's speed.
-        row_of, token_of = np.divmod(np.flatnonzero(reaching), vocab)
-        # No finite bound, or too many left: the product over all of the row's tokens, read in
-        # place rather than gathered.
-        counts = np.bincount(row_of, minlength=rows)
-        whole = ~np.isfinite(floor) | (counts > _MOST * vocab)
-        picked = ~whole[row_of]
-        row_of, token_of = row_of[picked], token_of[picked]
-        head = self.head
+        row_of, token_of, exact, whole = self._candidates(reaching, ~np.isfinite(floor))
         # A token left out keeps its int8 logit: below its upper bound, so below the floor after
         # the processors, and the largest float logit reaches the floor.
-        exact = np.einsum("ij,ij->i", head.weight[token_of], self.hidden[row_of])
-        for row in np.flatnonzero(whole):
-            approximate[row] = head.weight @ self.hidden[row]
-        if head.bias is not None:
-            exact += head.bias[token_of]
-            approximate[whole] += head.bias
+        self._write_whole_rows(approximate, whole)
         approximate[row_of, token_of] = exact
         return np.argmax(processors(input_ids, approximate), axis=1)
 
@@ -189,7 +175,6 @@ class LogitBounds:
         int8 logit is more than twice the slack below the row's largest cannot be the largest.
         One pass finds each row's largest and one its candidates, instead of the passes over
         each bound and the processors run on both."""
-        rows, vocab = scores.shape
         top = scores.max(axis=1)
         threshold = top.astype(np.float64) - 2 * self.slack()[:, 0].astype(np.float64)
         # In float32, rounded down: a candidate may be added, none dropped.
@@ -197,25 +182,41 @@ class LogitBounds:
         reaching = np.greater_equal(
             scores, threshold[:, None], out=self.workspace.array("mask", scores.shape, bool)
         )
+        # Every token masked (no finite largest) or a NaN: the row's full product.
+        row_of, token_of, exact, whole = self._candidates(reaching, ~np.isfinite(top))
+        tokens = np.empty(len(scores), np.int64)
+        # Per row, the largest float logit, the lower token on a tie (as argmax gives it).
+        order = np.lexsort((token_of, -exact, row_of))
+        first = np.flatnonzero(np.diff(row_of[order], prepend=-1))
+        tokens[row_of[order[first]]] = token_of[order[first]]
+        if whole.any():  # processors read whole batches: run again, masks stay as they were
+            self._write_whole_rows(scores, whole)
+            tokens[whole] = np.argmax(processors(input_ids, scores)[whole], axis=1)
+        return tokens
+
+    def _candidates(
+        self, reaching: np.ndarray, unbounded: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The rows and tokens ``reaching`` holds, with their float logits, found in one flat
+        search over the mask (ten times a 2-D one's speed); and the rows that take the product
+        over all of their tokens instead, read in place rather than gathered: ``unbounded``
+        ones, those with no candidate, and those with too many left."""
+        rows, vocab = reaching.shape
         row_of, token_of = np.divmod(np.flatnonzero(reaching), vocab)
         counts = np.bincount(row_of, minlength=rows)
-        # Every token masked (no finite largest), a NaN, or too many left: the row's full product.
-        whole = (counts == 0) | (counts > _MOST * vocab) | ~np.isfinite(top)
+        whole = unbounded | (counts == 0) | (counts > _MOST * vocab)
         picked = ~whole[row_of]
         row_of, token_of = row_of[picked], token_of[picked]
         head = self.head
         exact = np.einsum("ij,ij->i", head.weight[token_of], self.hidden[row_of])
         if head.bias is not None:
             exact += head.bias[token_of]
-        tokens = np.empty(rows, np.int64)
-        # Per row, the largest float logit, the lower token on a tie (as argmax gives it).
-        order = np.lexsort((token_of, -exact, row_of))
-        first = np.flatnonzero(np.diff(row_of[order], prepend=-1))
-        tokens[row_of[order[first]]] = token_of[order[first]]
-        if whole.any():  # processors read whole batches: run again, masks stay as they were
-            for row in np.flatnonzero(whole):
-                scores[row] = head.weight @ self.hidden[row]
-            if head.bias is not None:
-                scores[whole] += head.bias
-            tokens[whole] = np.argmax(processors(input_ids, scores)[whole], axis=1)
-        return tokens
+        return row_of, token_of, exact, whole
+
+    def _write_whole_rows(self, logits: np.ndarray, whole: np.ndarray) -> None:
+        """Write the float logits of the rows ``whole`` selects over theirs in ``logits``."""
+        head = self.head
+        for row in np.flatnonzero(whole):
+            logits[row] = head.weight @ self.hidden[row]
+        if head.bias is not None:
+            logits[whole] += head.bias

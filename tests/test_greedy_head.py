@@ -421,7 +421,12 @@ def test_the_entrys_logits_leave_the_head_without_a_copy(tied, tmp_path):
     np.testing.assert_allclose(step.logits, plain.logits, rtol=1e-5, atol=1e-6)
 
 
-def test_a_searchs_steps_work_in_the_same_arrays():
+@pytest.mark.parametrize(
+    ("processors", "array"),
+    [(ProcessorList(), "mask"), (ProcessorList([RepetitionPenalty(1.5)]), "lower")],
+    ids=["masks only", "bounds"],
+)
+def test_a_searchs_steps_work_in_the_same_arrays(processors, array):
     """Each greedy step's bounds reuse the search's arrays: fresh [rows, vocab] arrays every step
     cost their page faults again (a third of a float32 greedy corpus on the opus-mt shape)."""
     from onnxmerge.runtime._memory import Workspace
@@ -432,9 +437,11 @@ def test_a_searchs_steps_work_in_the_same_arrays():
     addresses = set()
     for rows in (4, 4, 3):  # a search whose rows shrink keeps its arrays
         hidden = rng.standard_normal((rows, 32)).astype(np.float32)
-        picked = head.bounds(int8_head(hidden), hidden, space).argmax(
-            ProcessorList(), hidden[:, :1]
-        )
-        np.testing.assert_array_equal(picked, np.argmax(hidden @ weight.T, axis=1))
-        addresses.add(space.array("mask", (rows, 400), bool).ctypes.data)
+        ids = np.full((rows, 1), 399)
+        picked = head.bounds(int8_head(hidden), hidden, space).argmax(processors, ids)
+        expected = np.argmax(processors(ids, hidden @ weight.T), axis=1)
+        np.testing.assert_array_equal(picked, expected)
+        kept = space.array(array, (rows, 400), np.float32 if array == "lower" else bool)
+        assert kept.any(axis=1).all()  # the step's own values: a new mapping reads as zeros
+        addresses.add(kept.ctypes.data)
     assert len(addresses) == 1

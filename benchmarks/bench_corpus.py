@@ -9,9 +9,11 @@ sentences' (log-normal around 20 ids), each ending in eos. Greedy and 4 beams, e
 side, precision and case in a fresh process, alternated in the same run.
 
 Each side's batching is its best on this machine: every candidate setting (``max_batch_size``
-with ``batch_type`` ``examples`` or ``tokens``) translates the whole corpus, each in a process of
-its own, and the fastest counts. A sample of the corpus would not do: its batches are cut from a
-few inputs, with more padding than the corpus' length-sorted ones, which favours small batches.
+with ``batch_type`` ``examples`` or ``tokens``, one batch at a time or two at once, each with
+half the threads: our ``parallel_batches=2``, CTranslate2's ``inter_threads=2``) translates the
+whole corpus, each in a process of its own, and the fastest counts. A sample of the corpus
+would not do: its batches are cut from a few inputs, with more padding than the corpus'
+length-sorted ones, which favours small batches.
 Reported per case and setting: tokens per second (new tokens of the corpus over the corpus' wall
 time) and the peak resident memory of the process translating the corpus; for the fastest, the
 share of sampled inputs whose tokens equal those the same side generates for that input alone,
@@ -53,15 +55,20 @@ from benchmarks.bench_ctranslate2 import (  # noqa: E402
 
 NEW_TOKENS = 24
 CASES = (("greedy", 1), ("beam4", 4))
+# (batch type, max_batch_size, batches at once); a setting is named "examples 64" or, with
+# two batches at once, "examples 64 x2".
 CANDIDATES = (
-    ("examples", 16),
-    ("examples", 32),
-    ("examples", 64),
-    ("examples", 128),
-    ("tokens", 1024),
+    ("examples", 16, 1),
+    ("examples", 32, 1),
+    ("examples", 64, 1),
+    ("examples", 128, 1),
+    ("tokens", 1024, 1),
+    ("examples", 32, 2),
+    ("examples", 64, 2),
+    ("examples", 128, 2),
 )
-# --quick checks the pipeline, not which batching wins: one setting of each batch type.
-QUICK_CANDIDATES = (("examples", 16), ("tokens", 1024))
+# --quick checks the pipeline, not which batching wins: each batch type, each way of running.
+QUICK_CANDIDATES = (("examples", 16, 1), ("tokens", 1024, 2))
 ROW = "int8 row"  # the int8 file with one activation scale per row
 ALONE_SAMPLE = 24  # inputs generated alone as well, spread over the corpus
 TARGETS = {  # ours / CTranslate2 tokens per second, at least; peak memory, at most
@@ -83,6 +90,15 @@ def corpus(count: int, config: dict, longest: int = 64) -> list[list[int]]:
     ]
 
 
+def setting_name(batch_type: str, size: int, parallel: int) -> str:
+    return f"{batch_type} {size}" + (f" x{parallel}" if parallel > 1 else "")
+
+
+def parse_setting(name: str) -> tuple[str, int, int]:
+    batch_type, size, *at_once = name.split()
+    return batch_type, int(size), int(at_once[0][1:]) if at_once else 1
+
+
 def sampled(count: int) -> list[int]:
     step = max(1, count // ALONE_SAMPLE)
     return list(range(0, count, step))[:ALONE_SAMPLE]
@@ -92,14 +108,12 @@ def sampled(count: int) -> list[int]:
 
 
 class _Ours:
-    def __init__(self, path: str, threads: int, session_cache: str | None):
+    def __init__(self, path: str, threads: int, session_cache: str | None, parallel: int):
         import onnxmerge
-        from onnxmerge.runtime._ort import session_options
 
-        options = session_options()
-        options.intra_op_num_threads = threads
+        self.parallel = parallel
         self.model = onnxmerge.Seq2SeqModel(
-            path, session_options=options, session_cache=session_cache
+            path, threads=threads // parallel, session_cache=session_cache
         )
 
     def run(self, inputs, beams: int, batch_type: str, size: int) -> list[list[int]]:
@@ -109,6 +123,7 @@ class _Ours:
             (np.asarray(i, np.int64) for i in inputs),
             max_batch_size=size,
             batch_type=batch_type,
+            parallel_batches=self.parallel,
             num_beams=beams,
             min_new_tokens=NEW_TOKENS,
             max_new_tokens=NEW_TOKENS,
@@ -117,11 +132,11 @@ class _Ours:
 
 
 class _CTranslate2:
-    def __init__(self, path: str, threads: int, config: dict):
+    def __init__(self, path: str, threads: int, config: dict, parallel: int):
         import ctranslate2
 
         self.translator = ctranslate2.Translator(
-            path, device="cpu", inter_threads=1, intra_threads=threads
+            path, device="cpu", inter_threads=parallel, intra_threads=threads // parallel
         )
         self.config = config
         self.index = {token_name(i, config): i for i in range(int(config["vocab_size"]))}
@@ -140,8 +155,10 @@ class _CTranslate2:
         return [[self.index[t] for t in r.hypotheses[0]] for r in out]
 
 
-def _runner(side: str, path: str, config: dict, threads: int, cache: str | None):
-    return _Ours(path, threads, cache) if side == "ours" else _CTranslate2(path, threads, config)
+def _runner(side: str, path: str, config: dict, threads: int, cache: str | None, parallel: int = 1):
+    if side == "ours":
+        return _Ours(path, threads, cache, parallel)
+    return _CTranslate2(path, threads, config, parallel)
 
 
 def translate(
@@ -155,13 +172,13 @@ def translate(
     batching: str,
 ):
     """The corpus in one case and batching, in a process of its own: its time and peak memory."""
-    runner = _runner(side, path, config, threads, cache)
+    batch_type, size, parallel = parse_setting(batching)
+    runner = _runner(side, path, config, threads, cache, parallel)
     beams = dict(CASES)[case]
-    batch_type, size = batching.split()
     inputs = corpus(count, config)
     runner.run(inputs[:8], beams, "examples", 8)  # warm-up
     start = time.perf_counter()
-    tokens = runner.run(inputs, beams, batch_type, int(size))
+    tokens = runner.run(inputs, beams, batch_type, size)
     seconds = time.perf_counter() - start
     return {
         "s": seconds,
@@ -192,7 +209,8 @@ def _child(
     batching: str | None = None,
 ):
     """A worker: the corpus with ``batching``, or without it the sampled inputs alone."""
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    parallel = parse_setting(batching)[2] if batching else 1
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads // parallel))
     if side == "ctranslate2":
         # OpenMP's threads sleep rather than spin while they wait: on a shared machine
         # CTranslate2's float32 greedy ran 4x faster so (40 against 10 tokens/s).
@@ -358,8 +376,9 @@ def markdown(data: dict) -> list[str]:
         f"{s['new_tokens_per_input']} new tokens each, {s['threads']} threads "
         "(`benchmarks/bench_corpus.py`). Ours: "
         f"{s['ours']}; CTranslate2: {s['ctranslate2']}. Each side's batching is the fastest of "
-        f"{', '.join(s['candidates'])}, each over the whole corpus in a process of its own (the "
-        "second table has them all; a sample would favour small batches). Tokens/s is "
+        f"{', '.join(s['candidates'])} (x2: two batches at once, each with half the threads), "
+        "each over the whole corpus in a process of its own (the third table has them all; a "
+        "sample would favour small batches). Tokens/s is "
         "new tokens over the corpus' wall time; the ratio is onnxmerge / CTranslate2, above 1 is "
         "better (for memory, below 1). *Alone* is the share of "
         f"{s['alone_sample']} sampled inputs whose tokens equal those the same side generates "
@@ -479,11 +498,10 @@ def main(argv: list[str] | None = None) -> int:
             cases: dict[str, dict] = {side: {} for side in sides}
             for case, _ in CASES:
                 tried: dict[str, dict] = {side: {} for side in sides}
-                for batch_type, size in candidates:
+                for candidate in candidates:
+                    name = setting_name(*candidate)
                     for side, given in sides.items():  # alternated, setting by setting
-                        tried[side][f"{batch_type} {size}"] = _child(
-                            side, *given, case, f"{batch_type} {size}"
-                        )
+                        tried[side][name] = _child(side, *given, case, name)
                 for side, given in sides.items():
                     cases[side][case] = best_of(tried[side], _child(side, *given, case))
             theirs = side_results(cases["ctranslate2"])
@@ -513,11 +531,12 @@ def main(argv: list[str] | None = None) -> int:
             "source_ids": {"min": min(lengths), "max": max(lengths), "total": sum(lengths)},
             "new_tokens_per_input": NEW_TOKENS,
             "threads": args.threads,
-            "candidates": [f"{t} {s}" for t, s in candidates],
+            "candidates": [setting_name(*c) for c in candidates],
             "alone_sample": len(sampled(args.inputs)),
-            "ours": "Seq2SeqModel.generate_many through a session cache written beforehand",
-            "ctranslate2": "Translator.translate_batch(max_batch_size, batch_type), "
-            "inter_threads=1, OMP_WAIT_POLICY=PASSIVE",
+            "ours": "Seq2SeqModel(threads=threads / x).generate_many(max_batch_size, "
+            "batch_type, parallel_batches=x) through a session cache written beforehand",
+            "ctranslate2": "Translator(inter_threads=x, intra_threads=threads / x)"
+            ".translate_batch(max_batch_size, batch_type), OMP_WAIT_POLICY=PASSIVE",
             "peak_rss": "VmHWM of the process translating the corpus, one per side, precision, "
             "case and setting; the larger of the two cases' fastest settings",
         },

@@ -546,7 +546,10 @@ def cmd_translate(args: argparse.Namespace) -> int:
     quiet = args.json or not sys.stderr.isatty()
     with _Steps(quiet=quiet) as steps:
         steps("loading the model")
-        model = Seq2SeqModel(args.file, session_cache=args.session_cache)
+        threads = args.threads
+        if args.parallel_batches > 1:
+            threads = max(1, (threads or _cores()) // args.parallel_batches)
+        model = Seq2SeqModel(args.file, session_cache=args.session_cache, threads=threads)
         tokenizer = None
         if not args.ids:
             steps("loading the tokenizer")
@@ -580,7 +583,11 @@ def cmd_translate(args: argparse.Namespace) -> int:
     try:
         inputs = _translate_inputs(args, model, tokenizer, _source_lines(args.source), records)
         results = model.generate_many(
-            inputs, max_batch_size=args.max_batch_size, batch_type=args.batch_type, **options
+            inputs,
+            max_batch_size=args.max_batch_size,
+            batch_type=args.batch_type,
+            parallel_batches=args.parallel_batches,
+            **options,
         )
         for sequences in results:
             flush_errors()
@@ -630,6 +637,14 @@ def cmd_translate(args: argparse.Namespace) -> int:
         )
         return ExitCode.ERROR
     return ExitCode.OK
+
+
+def _cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 def _tokenizers_only() -> None:
@@ -1099,6 +1114,19 @@ def _translate_arguments(p: argparse.ArgumentParser) -> None:
         choices=("examples", "tokens"),
         default="examples",
         help="what --max-batch-size counts (default: examples)",
+    )
+    p.add_argument(
+        "--parallel-batches",
+        type=_at_least(1),
+        default=1,
+        metavar="N",
+        help="batches translated at once, each with its share of --threads (default 1)",
+    )
+    p.add_argument(
+        "--threads",
+        type=_at_least(1),
+        metavar="N",
+        help="onnxruntime's threads in all (default: every core)",
     )
     _generation_arguments(p)
     p.set_defaults(check=_check_translate_args)

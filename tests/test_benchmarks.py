@@ -95,6 +95,10 @@ def test_run_all_quick_writes_results_and_docs(tmp_path):
             ours = corpus["precisions"][precision]["ours"]["cases"][case]
             assert ours["tokens_per_s"] > 0
             assert ours["batching"].split()[0] in ("examples", "tokens")
+            # one batch at a time and two at once, on both sides
+            for side in ("ours", "ctranslate2"):
+                tried = corpus["precisions"][precision][side]["cases"][case]["settings"]
+                assert set(tried) == {"examples 16", "tokens 1024 x2"}
             assert corpus["precisions"][precision]["token_agreement"][case] > 0.5
         # float32 rows in a padded batch get the tokens they get alone
         assert corpus["precisions"]["float32"]["ours"]["cases"]["greedy"]["same_as_alone"] == 1.0

@@ -42,7 +42,12 @@ def expected_line(model, ids: list[int]) -> str:  # noqa: F811 - the fixture's n
 
 
 @pytest.mark.parametrize(
-    "batching", [["--max-batch-size", "3"], ["--max-batch-size", "16", "--batch-type", "tokens"]]
+    "batching",
+    [
+        ["--max-batch-size", "3"],
+        ["--max-batch-size", "16", "--batch-type", "tokens"],
+        ["--max-batch-size", "1", "--parallel-batches", "2", "--threads", "2"],
+    ],
 )
 def test_ids_come_out_in_input_order_as_generate_gives_them(model, tmp_path, batching):  # noqa: F811
     lines = id_lines(14)
@@ -54,7 +59,8 @@ def test_ids_come_out_in_input_order_as_generate_gives_them(model, tmp_path, bat
     assert result.stderr == ""  # no progress display off a terminal
 
 
-def test_bad_lines_get_an_empty_line_and_their_own_error(model, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("at_once", [[], ["--max-batch-size", "1", "--parallel-batches", "3"]])
+def test_bad_lines_get_an_empty_line_and_their_own_error(model, tmp_path, at_once):  # noqa: F811
     good = id_lines(3, seed=1)
     raw = [
         " ".join(map(str, good[0])).encode(),
@@ -75,6 +81,7 @@ def test_bad_lines_get_an_empty_line_and_their_own_error(model, tmp_path):  # no
         "--ids",
         "--max-new-tokens",
         MAX_NEW,
+        *at_once,
         stdin=b"\n".join(raw) + b"\n",
     )
     assert result.returncode == 3, result.stderr

@@ -3,6 +3,10 @@ in input order (torch-free: the small export of tests/textmodels.py)."""
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
+
 import numpy as np
 import pytest
 
@@ -90,6 +94,8 @@ def test_token_batches_keep_the_padded_budget():
         ({"max_batch_size": 0}, "max_batch_size must be at least 1"),
         ({"max_batch_size": 2.5}, "max_batch_size must be an integer"),
         ({"batch_type": "sentences"}, "batch_type must be one of 'examples', 'tokens'"),
+        ({"parallel_batches": 0}, "parallel_batches must be at least 1"),
+        ({"parallel_batches": True}, "parallel_batches must be an integer"),
         ({"decoder_input_ids": np.ones((1, 1), np.int64)}, "prompt per input is not supported"),
     ],
 )
@@ -110,3 +116,119 @@ def test_bad_options_are_generation_errors(model, options, message):  # noqa: F8
 def test_a_bad_input_is_named_by_its_index(model, bad, message):  # noqa: F811
     with pytest.raises(GenerationError, match=message):
         list(model.generate_many([[5, 6], bad, [7]], max_new_tokens=2))
+
+
+@pytest.fixture(scope="module")
+def one_thread_model(model):  # noqa: F811
+    """The same file with one intra-op thread a batch, as batches at once should have it."""
+    from onnxmerge import Seq2SeqModel
+
+    return Seq2SeqModel(model.path, threads=1)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{"max_new_tokens": MAX_NEW}, {"max_new_tokens": MAX_NEW, "num_beams": 3}],
+    ids=["greedy", "beam3"],
+)
+def test_batches_at_once_give_each_input_its_result_in_order(one_thread_model, settings, caplog):
+    inputs = sources(50, seed=2)  # max_batch_size 2: windows of 32 inputs, batches across them
+    one_at_a_time = list(one_thread_model.generate_many(inputs, max_batch_size=2, **settings))
+    with caplog.at_level(logging.WARNING):
+        at_once = one_thread_model.generate_many(
+            iter(inputs), max_batch_size=2, parallel_batches=2, **settings
+        )
+        got = list(at_once)
+    assert len(got) == 50
+    for one, other in zip(got, one_at_a_time, strict=True):
+        np.testing.assert_array_equal(one, other)
+    assert not caplog.records  # one thread a batch, two batches: within two cores
+
+
+def test_batches_at_once_over_every_core_each_are_warned_about(model, caplog):  # noqa: F811
+    with caplog.at_level(logging.WARNING, logger="onnxmerge.runtime._model"):
+        list(model.generate_many(sources(3), parallel_batches=2, max_new_tokens=2))
+    assert "they compete; open the model with threads=" in caplog.text
+
+
+def test_threads_are_a_positive_count_without_session_options_beside_them(model):  # noqa: F811
+    import onnxruntime as ort
+
+    from onnxmerge import Seq2SeqModel
+
+    with pytest.raises(GenerationError, match="threads must be a positive integer"):
+        Seq2SeqModel(model.path, threads=0)
+    with pytest.raises(GenerationError, match="not both"):
+        Seq2SeqModel(model.path, threads=1, session_options=ort.SessionOptions())
+    one = Seq2SeqModel(model.path, threads=1)
+    assert one.session.get_session_options().intra_op_num_threads == 1
+
+
+def test_batches_at_once_yield_the_windows_before_a_bad_input(one_thread_model):
+    inputs: list = sources(40, seed=3)
+    inputs[35] = []  # in the third window of 16 (max_batch_size 1)
+    results = one_thread_model.generate_many(
+        inputs, max_batch_size=1, parallel_batches=2, max_new_tokens=2
+    )
+    got = []
+    with pytest.raises(GenerationError, match="input 35"):
+        for result in results:
+            got.append(result)
+    assert len(got) == 32
+
+
+def test_ordered_map_keeps_the_order_of_calls_that_end_out_of_order():
+    delays = [0.03, 0.0, 0.02, 0.0, 0.01, 0.0, 0.0]
+
+    def slow(i: int) -> int:
+        time.sleep(delays[i])
+        return i * 10
+
+    threads: set[str] = set()
+
+    def noted(i: int) -> int:
+        threads.add(threading.current_thread().name)
+        return slow(i)
+
+    assert list(corpus.ordered_map(noted, range(7), 3)) == [i * 10 for i in range(7)]
+    assert len(threads) > 1 and threading.current_thread().name not in threads
+    assert list(corpus.ordered_map(slow, range(7), 1)) == [i * 10 for i in range(7)]
+
+
+def test_ordered_map_raises_a_calls_error_when_its_result_is_due():
+    def fails_at_two(i: int) -> int:
+        if i == 2:
+            raise ValueError("two")
+        return i
+
+    results = corpus.ordered_map(fails_at_two, range(6), 2)
+    assert [next(results), next(results)] == [0, 1]
+    with pytest.raises(ValueError, match="two"):
+        next(results)
+
+
+def test_ordered_map_yields_what_came_before_an_error_of_the_items():
+    def items():
+        yield from range(3)
+        raise GenerationError("input 3: bad")
+
+    results = corpus.ordered_map(lambda i: i, items(), 4)
+    assert [next(results) for _ in range(3)] == [0, 1, 2]
+    with pytest.raises(GenerationError, match="input 3"):
+        next(results)
+
+
+def test_ordered_map_closed_early_drops_the_calls_not_yet_started():
+    started: list[int] = []
+    gate = threading.Event()
+
+    def waits(i: int) -> int:
+        started.append(i)
+        gate.wait(5)
+        return i
+
+    results = corpus.ordered_map(waits, range(100), 2)
+    threading.Timer(0.05, gate.set).start()
+    assert next(results) == 0
+    results.close()  # the queued calls are cancelled; those running end
+    assert len(started) <= 6

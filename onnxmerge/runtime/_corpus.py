@@ -8,12 +8,17 @@ row in a batch runs on (padded) until the batch's last row ends.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import numpy as np
 
 from onnxmerge.errors import GenerationError
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 BATCH_TYPES = ("examples", "tokens")
 # Inputs read ahead, in batches' worth: enough for sorting to group similar lengths (CTranslate2
@@ -21,13 +26,16 @@ BATCH_TYPES = ("examples", "tokens")
 READ_AHEAD_BATCHES = 16
 
 
-def check_batching(max_batch_size: Any, batch_type: Any) -> None:
-    if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, (int, np.integer)):
-        raise GenerationError(
-            f"max_batch_size must be an integer, got {type(max_batch_size).__name__}"
-        )
-    if max_batch_size < 1:
-        raise GenerationError(f"max_batch_size must be at least 1, got {max_batch_size}")
+def _check_count(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise GenerationError(f"{name} must be an integer, got {type(value).__name__}")
+    if value < 1:
+        raise GenerationError(f"{name} must be at least 1, got {value}")
+
+
+def check_batching(max_batch_size: Any, batch_type: Any, parallel_batches: Any = 1) -> None:
+    _check_count("max_batch_size", max_batch_size)
+    _check_count("parallel_batches", parallel_batches)
     if batch_type not in BATCH_TYPES:
         raise GenerationError(
             f"batch_type must be one of {', '.join(map(repr, BATCH_TYPES))}, got {batch_type!r}: "
@@ -91,3 +99,33 @@ def own_length(sequences: np.ndarray, prompt_len: int, eos: Sequence[int] | None
     ended = np.isin(sequences[:, prompt_len:], np.asarray(eos))
     ends = np.where(ended.any(axis=1), ended.argmax(axis=1) + prompt_len + 1, sequences.shape[1])
     return int(ends.max())
+
+
+def ordered_map(function: Callable[[T], R], items: Iterable[T], parallel: int) -> Iterator[R]:
+    """``map(function, items)``, with up to ``parallel`` calls at once on threads of their own.
+
+    Items are read and results yielded on the caller's thread, in order. A few items are
+    queued beyond those running, so a thread that finishes early starts the next at once rather
+    than wait for the oldest. An error from ``items`` is raised after the results of the items
+    before it; one from ``function`` when its result is due, and the queued calls are dropped.
+    """
+    if parallel <= 1:
+        yield from map(function, items)
+        return
+    pending: deque[Future[R]] = deque()
+    with ThreadPoolExecutor(parallel, thread_name_prefix="onnxmerge-batch") as pool:
+        try:
+            try:
+                for item in items:
+                    pending.append(pool.submit(function, item))
+                    if len(pending) > 2 * parallel:
+                        yield pending.popleft().result()
+            except Exception:
+                while pending:
+                    yield pending.popleft().result()
+                raise
+            while pending:
+                yield pending.popleft().result()
+        finally:
+            for future in pending:
+                future.cancel()

@@ -183,9 +183,12 @@ class Seq2SeqModel:
             optimizations.
         session_cache: a folder where the first load saves onnxruntime's optimized graph, so
             that later loads skip the graph optimizations (``docs/runtime.md``); default: none.
+        threads: onnxruntime's intra-op threads (default: every core), with the default
+            session options; with your own, set their ``intra_op_num_threads`` instead.
 
     Raises:
         InvalidMergedModelError: the file is not a merged seq2seq model.
+        GenerationError: ``threads`` is not a positive integer, or comes with session options.
     """
 
     def __init__(
@@ -195,6 +198,7 @@ class Seq2SeqModel:
         providers: Sequence[Any] | None = None,
         session_options: Any | None = None,
         session_cache: str | os.PathLike | None = None,
+        threads: int | None = None,
     ):
         self._adopt(
             MergedSession(
@@ -202,6 +206,7 @@ class Seq2SeqModel:
                 providers=providers,
                 session_options=session_options,
                 session_cache=session_cache,
+                threads=threads,
             )
         )
 
@@ -466,6 +471,7 @@ class Seq2SeqModel:
         *,
         max_batch_size: int = 32,
         batch_type: str = "examples",
+        parallel_batches: int = 1,
         **generate_kwargs: Any,
     ) -> Iterator[np.ndarray]:
         """Generate for many inputs in length-sorted batches; one result per input, in order.
@@ -482,11 +488,16 @@ class Seq2SeqModel:
         the float rounding of a padded batch (``docs/runtime.md``); sampling draws depend on the
         batch. ``generate_kwargs`` are ``generate()``'s settings.
 
+        ``parallel_batches`` batches run at once, each on a thread of its own over this
+        model's session, as with CTranslate2's ``inter_threads``. Open the model with
+        ``threads`` set to the cores divided by it, or the batches' threads compete for the
+        cores (a warning is logged).
+
         Raises:
             GenerationError: invalid options, or an invalid input (its index is in the message;
-                the results of earlier windows have been yielded by then).
+                the results of the inputs before its window have been yielded by then).
         """
-        corpus.check_batching(max_batch_size, batch_type)
+        corpus.check_batching(max_batch_size, batch_type, parallel_batches)
         unknown = sorted(set(generate_kwargs) - set(GENERATE_KEYWORDS) - {"seed"})
         if unknown:
             raise GenerationError(
@@ -496,32 +507,67 @@ class Seq2SeqModel:
         settings = self.resolve_settings(
             **{k: v for k, v in generate_kwargs.items() if k in GENERATE_KEYWORDS}
         )
+        if parallel_batches > 1:
+            self._warn_unless_threads_divided(parallel_batches)
         pad = settings.pad_token_id if settings.pad_token_id is not None else 0
         main = self._main_input()
         examples = (self._one_example(index, item, settings) for index, item in enumerate(inputs))
-        for window in corpus.windows(
-            examples, lambda ex: ex[main].shape[-1], max_batch_size, batch_type
-        ):
-            results: dict[int, np.ndarray] = {}
-            lengths = [ex[main].shape[-1] for ex in window]
-            keys = [self._batch_key(ex) for ex in window]
-            for batch in corpus.cut_batches(lengths, keys, max_batch_size, batch_type):
-                rows = [window[i] for i in batch]
-                fed = {
-                    name: corpus.pad_right(
-                        [r[name] for r in rows], 0 if name == c.ATTENTION_MASK else pad
-                    )
-                    if self._paddable(name)
-                    else np.concatenate([r[name] for r in rows])
-                    for name in rows[0]
-                }
-                out = self.generate(fed, **generate_kwargs)
-                per_input = out.shape[0] // len(batch)
-                for row, i in enumerate(batch):
-                    group = out[row * per_input : (row + 1) * per_input]
-                    length = corpus.own_length(group, 1, settings.eos_token_id)
-                    results[i] = np.ascontiguousarray(group[:, :length])
-            yield from (results[i] for i in range(len(window)))
+
+        Job = tuple[int, list[int], dict[str, np.ndarray]]
+
+        def batches() -> Iterator[Job]:
+            """Each batch as (its window's size, or 0 before the window's last, its inputs'
+            places in the window, its encoder inputs)."""
+            for window in corpus.windows(
+                examples, lambda ex: ex[main].shape[-1], max_batch_size, batch_type
+            ):
+                lengths = [ex[main].shape[-1] for ex in window]
+                keys = [self._batch_key(ex) for ex in window]
+                cut = corpus.cut_batches(lengths, keys, max_batch_size, batch_type)
+                for number, batch in enumerate(cut):
+                    rows = [window[i] for i in batch]
+                    fed = {
+                        name: corpus.pad_right(
+                            [r[name] for r in rows], 0 if name == c.ATTENTION_MASK else pad
+                        )
+                        if self._paddable(name)
+                        else np.concatenate([r[name] for r in rows])
+                        for name in rows[0]
+                    }
+                    yield (len(window) if number == len(cut) - 1 else 0), batch, fed
+
+        def run(job: Job) -> tuple[int, list[int], np.ndarray]:
+            window_size, batch, fed = job
+            return window_size, batch, self.generate(fed, **generate_kwargs)
+
+        results: dict[int, np.ndarray] = {}
+        for window_size, batch, out in corpus.ordered_map(run, batches(), parallel_batches):
+            per_input = out.shape[0] // len(batch)
+            for row, i in enumerate(batch):
+                group = out[row * per_input : (row + 1) * per_input]
+                length = corpus.own_length(group, 1, settings.eos_token_id)
+                results[i] = np.ascontiguousarray(group[:, :length])
+            if window_size:
+                yield from (results.pop(i) for i in range(window_size))
+
+    def _warn_unless_threads_divided(self, parallel_batches: int) -> None:
+        """Batches at once over a session that gives each of them every core run slower than
+        one batch at a time (``docs/runtime.md``): say so where the threads are not divided."""
+        try:
+            threads = self.session.get_session_options().intra_op_num_threads
+        except AttributeError:  # not onnxruntime's session
+            return
+        cores = os.cpu_count() or 1
+        if threads == 0 or (threads > 1 and threads * parallel_batches > cores):
+            logger.warning(
+                "%s: %d batches at once, each with %s intra-op threads, on %d cores: they "
+                "compete; open the model with threads=%d",
+                self.path,
+                parallel_batches,
+                threads or "all the cores'",
+                cores,
+                max(1, cores // parallel_batches),
+            )
 
     def _paddable(self, name: str) -> bool:
         """Whether inputs of different lengths may share a batch through padding."""

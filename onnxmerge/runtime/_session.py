@@ -173,6 +173,7 @@ class MergedSession:
         session_options: Any | None = None,
         session_cache: str | os.PathLike | None = None,
         backend: str = "onnxruntime",
+        threads: int | None = None,
     ):
         _require(backend)
         self.path = Path(path)
@@ -183,12 +184,21 @@ class MergedSession:
             raise GenerationError(
                 f"session_cache and providers are onnxruntime's; backend={backend!r} takes neither"
             )
-        options = session_options if session_options is not None else ort.session_options()
+        if threads is not None:
+            if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+                raise GenerationError(f"threads must be a positive integer, got {threads!r}")
+            if session_options is not None:
+                raise GenerationError(
+                    "give threads or session_options (with its intra_op_num_threads), not both"
+                )
+        options = (
+            session_options if session_options is not None else ort.session_options(threads=threads)
+        )
         try:
             if backend == "openvino":
                 from onnxmerge.runtime._openvino import OpenVinoSession
 
-                threads = getattr(session_options, "intra_op_num_threads", 0)
+                threads = threads or getattr(session_options, "intra_op_num_threads", 0)
                 self.session, self.opened = OpenVinoSession(self.path, threads), self.path
                 self.wrote_cache_entry = False
             elif session_cache is None:

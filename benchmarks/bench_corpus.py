@@ -58,14 +58,15 @@ CASES = (("greedy", 1), ("beam4", 4))
 # (batch type, max_batch_size, batches at once); a setting is named "examples 64" or, with
 # two batches at once, "examples 64 x2".
 CANDIDATES = (
-    ("examples", 16, 1),
     ("examples", 32, 1),
     ("examples", 64, 1),
     ("examples", 128, 1),
+    ("examples", 256, 1),
     ("tokens", 1024, 1),
     ("examples", 32, 2),
     ("examples", 64, 2),
     ("examples", 128, 2),
+    ("examples", 256, 2),
 )
 # --quick checks the pipeline, not which batching wins: each batch type, each way of running.
 QUICK_CANDIDATES = (("examples", 16, 1), ("tokens", 1024, 2))

@@ -201,10 +201,11 @@ def test_ordered_map_raises_a_calls_error_when_its_result_is_due():
             raise ValueError("two")
         return i
 
-    results = corpus.ordered_map(fails_at_two, range(6), 2)
+    results = corpus.ordered_map(fails_at_two, range(20), 2)  # more than are queued at once
     assert [next(results), next(results)] == [0, 1]
     with pytest.raises(ValueError, match="two"):
         next(results)
+    assert list(results) == []  # nothing after it, not the results of later calls in its place
 
 
 def test_ordered_map_yields_what_came_before_an_error_of_the_items():

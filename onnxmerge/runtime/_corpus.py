@@ -1,4 +1,5 @@
-"""Many inputs through ``generate()``: read ahead, sort by length, cut batches, restore order.
+"""Many inputs through ``generate()``: read ahead, sort by length, cut batches, run them (several
+at once if asked), restore order.
 
 CTranslate2's ``translate_batch`` and ``translate_iterable`` batch this way: inputs of similar
 length go together, so little of a batch is padding, and a budget of examples or of padded tokens
@@ -113,17 +114,21 @@ def ordered_map(function: Callable[[T], R], items: Iterable[T], parallel: int) -
         yield from map(function, items)
         return
     pending: deque[Future[R]] = deque()
+    iterator = iter(items)
     with ThreadPoolExecutor(parallel, thread_name_prefix="onnxmerge-batch") as pool:
         try:
-            try:
-                for item in items:
-                    pending.append(pool.submit(function, item))
-                    if len(pending) > 2 * parallel:
+            while True:
+                try:
+                    item = next(iterator)
+                except StopIteration:
+                    break
+                except Exception:
+                    while pending:
                         yield pending.popleft().result()
-            except Exception:
-                while pending:
+                    raise
+                pending.append(pool.submit(function, item))
+                if len(pending) > 2 * parallel:
                     yield pending.popleft().result()
-                raise
             while pending:
                 yield pending.popleft().result()
         finally:

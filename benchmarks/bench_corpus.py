@@ -113,8 +113,9 @@ class _Ours:
         import onnxmerge
 
         self.parallel = parallel
+        # Each batch runs on its own thread and all share the session's pool of threads - 1.
         self.model = onnxmerge.Seq2SeqModel(
-            path, threads=threads // parallel, session_cache=session_cache
+            path, threads=threads - parallel + 1, session_cache=session_cache
         )
 
     def run(self, inputs, beams: int, batch_type: str, size: int) -> list[list[int]]:
@@ -534,7 +535,7 @@ def main(argv: list[str] | None = None) -> int:
             "threads": args.threads,
             "candidates": [setting_name(*c) for c in candidates],
             "alone_sample": len(sampled(args.inputs)),
-            "ours": "Seq2SeqModel(threads=threads / x).generate_many(max_batch_size, "
+            "ours": "Seq2SeqModel(threads=threads - x + 1).generate_many(max_batch_size, "
             "batch_type, parallel_batches=x) through a session cache written beforehand",
             "ctranslate2": "Translator(inter_threads=x, intra_threads=threads / x)"
             ".translate_batch(max_batch_size, batch_type), OMP_WAIT_POLICY=PASSIVE",

@@ -548,7 +548,10 @@ def cmd_translate(args: argparse.Namespace) -> int:
         steps("loading the model")
         threads = args.threads
         if args.parallel_batches > 1:
-            threads = max(1, (threads or _cores()) // args.parallel_batches)
+            from onnxmerge.runtime._ort import cores
+
+            # The batches' own threads and the session's pool share --threads.
+            threads = max(1, (threads or cores()) - args.parallel_batches + 1)
         model = Seq2SeqModel(args.file, session_cache=args.session_cache, threads=threads)
         tokenizer = None
         if not args.ids:
@@ -637,14 +640,6 @@ def cmd_translate(args: argparse.Namespace) -> int:
         )
         return ExitCode.ERROR
     return ExitCode.OK
-
-
-def _cores() -> int:
-    """The cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 def _tokenizers_only() -> None:
@@ -1120,13 +1115,14 @@ def _translate_arguments(p: argparse.ArgumentParser) -> None:
         type=_at_least(1),
         default=1,
         metavar="N",
-        help="batches translated at once, each with its share of --threads (default 1)",
+        help="batches translated at once, sharing --threads (default 1)",
     )
     p.add_argument(
         "--threads",
         type=_at_least(1),
         metavar="N",
-        help="onnxruntime's threads in all (default: every core)",
+        help="onnxruntime's threads in all (default: every core with --parallel-batches, "
+        "else onnxruntime's choice)",
     )
     _generation_arguments(p)
     p.set_defaults(check=_check_translate_args)

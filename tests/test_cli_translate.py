@@ -59,7 +59,7 @@ def test_ids_come_out_in_input_order_as_generate_gives_them(model, tmp_path, bat
     assert result.stderr == ""  # no progress display off a terminal
 
 
-@pytest.mark.parametrize("at_once", [[], ["--max-batch-size", "1", "--parallel-batches", "3"]])
+@pytest.mark.parametrize("at_once", [[], ["--max-batch-size", "1", "--parallel-batches", "2"]])
 def test_bad_lines_get_an_empty_line_and_their_own_error(model, tmp_path, at_once):  # noqa: F811
     good = id_lines(3, seed=1)
     raw = [

@@ -135,8 +135,9 @@ class GatheredPages:
     """
 
     def __init__(self, model: Path, tensors: Sequence[tuple[Path, int, int]]) -> None:
-        self.regions: list[tuple[int, int]] = []
-        self._mappings: list[tuple[str, str]] = []  # per region: map_files entry, file
+        # Each region with its mapping (map_files entry, file), replaced only as a whole: steps
+        # of batches run at once drop from several threads.
+        self._regions: list[tuple[tuple[int, int], tuple[str, str]]] = []
         if not tensors:
             return
         page = mmap.PAGESIZE
@@ -150,17 +151,21 @@ class GatheredPages:
                 low = -(-low // page) * page
                 high = high // page * page
                 if high > low:
-                    self.regions.append((low, high))
-                    self._mappings.append((f"/proc/self/map_files/{start:x}-{end:x}", str(path)))
+                    entry = f"/proc/self/map_files/{start:x}-{end:x}"
+                    self._regions.append(((low, high), (entry, str(path))))
+
+    @property
+    def regions(self) -> list[tuple[int, int]]:
+        return [region for region, _ in self._regions]
 
     def drop(self) -> None:
-        if not self.regions:
+        regions = self._regions
+        if not regions:
             return
-        kept = [i for i, (entry, path) in enumerate(self._mappings) if _maps(entry, path)]
-        if len(kept) < len(self.regions):  # gone for good: never dropped again
-            self.regions = [self.regions[i] for i in kept]
-            self._mappings = [self._mappings[i] for i in kept]
-        _drop(self.regions)
+        kept = [(region, mapping) for region, mapping in regions if _maps(*mapping)]
+        if len(kept) < len(regions):  # gone for good: never dropped again
+            self._regions = kept
+        _drop([region for region, _ in kept])
 
 
 def _maps(entry: str, path: str) -> bool:

@@ -14,6 +14,7 @@ from onnxmerge import contract as c
 from onnxmerge.errors import GenerationError
 from onnxmerge.runtime import _corpus as corpus
 from onnxmerge.runtime import _memory as memory
+from onnxmerge.runtime import _ort as ort
 from onnxmerge.runtime._greedy_head import GreedyHead, LogitBounds
 from onnxmerge.runtime._search import GreedyRunner, beam_search, greedy_or_sample
 from onnxmerge.runtime._session import Cache, MergedSession, StepOutput
@@ -489,9 +490,11 @@ class Seq2SeqModel:
         batch. ``generate_kwargs`` are ``generate()``'s settings.
 
         ``parallel_batches`` batches run at once, each on a thread of its own over this
-        model's session, as with CTranslate2's ``inter_threads``. Open the model with
-        ``threads`` set to the cores divided by it, or the batches' threads compete for the
-        cores (a warning is logged).
+        model's session, as with CTranslate2's ``inter_threads``. They share the session's
+        intra-op pool, which has ``threads - 1`` threads besides each caller: open the model
+        with ``threads`` at the cores minus ``parallel_batches``, plus one, or the threads
+        compete for the cores (a warning is logged). Leaving the loop early waits for the
+        batches already running.
 
         Raises:
             GenerationError: invalid options, or an invalid input (its index is in the message;
@@ -551,22 +554,25 @@ class Seq2SeqModel:
                 yield from (results.pop(i) for i in range(window_size))
 
     def _warn_unless_threads_divided(self, parallel_batches: int) -> None:
-        """Batches at once over a session that gives each of them every core run slower than
-        one batch at a time (``docs/runtime.md``): say so where the threads are not divided."""
+        """Batches at once with more threads than cores run slower than one batch at a time
+        (``docs/runtime.md``): each runs on its caller's thread, and all of them share the
+        session's pool of ``intra_op_num_threads - 1`` threads (0: one per core)."""
         try:
             threads = self.session.get_session_options().intra_op_num_threads
         except AttributeError:  # not onnxruntime's session
             return
-        cores = os.cpu_count() or 1
-        if threads == 0 or (threads > 1 and threads * parallel_batches > cores):
+        cores = ort.cores()
+        used = parallel_batches + (threads or cores) - 1
+        if used > cores:
             logger.warning(
-                "%s: %d batches at once, each with %s intra-op threads, on %d cores: they "
-                "compete; open the model with threads=%d",
+                "%s: %d batches at once and a pool of %d intra-op threads make %d threads on "
+                "%d cores: they compete; open the model with threads=%d",
                 self.path,
                 parallel_batches,
-                threads or "all the cores'",
+                (threads or cores) - 1,
+                used,
                 cores,
-                max(1, cores // parallel_batches),
+                max(1, cores - parallel_batches + 1),
             )
 
     def _paddable(self, name: str) -> bool:

@@ -72,6 +72,14 @@ def bind_output_into(binding: Any, name: str, array: np.ndarray) -> None:
     binding.bind_output(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
 
 
+def cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 @functools.cache
 def processor() -> tuple[str, frozenset[str] | None]:
     """The processor's model name and instruction sets, which onnxruntime's kernels are chosen

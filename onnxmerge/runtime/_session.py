@@ -185,8 +185,13 @@ class MergedSession:
                 f"session_cache and providers are onnxruntime's; backend={backend!r} takes neither"
             )
         if threads is not None:
-            if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            if (
+                isinstance(threads, bool)
+                or not isinstance(threads, (int, np.integer))
+                or threads < 1
+            ):
                 raise GenerationError(f"threads must be a positive integer, got {threads!r}")
+            threads = int(threads)
             if session_options is not None:
                 raise GenerationError(
                     "give threads or session_options (with its intra_op_num_threads), not both"

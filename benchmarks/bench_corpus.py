@@ -111,11 +111,11 @@ def sampled(count: int) -> list[int]:
 class _Ours:
     def __init__(self, path: str, threads: int, session_cache: str | None, parallel: int):
         import onnxmerge
+        from onnxmerge.runtime._ort import shared_pool_threads
 
         self.parallel = parallel
-        # Each batch runs on its own thread and all share the session's pool of threads - 1.
         self.model = onnxmerge.Seq2SeqModel(
-            path, threads=threads - parallel + 1, session_cache=session_cache
+            path, threads=shared_pool_threads(parallel, threads), session_cache=session_cache
         )
 
     def run(self, inputs, beams: int, batch_type: str, size: int) -> list[list[int]]:

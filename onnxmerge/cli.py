@@ -548,10 +548,9 @@ def cmd_translate(args: argparse.Namespace) -> int:
         steps("loading the model")
         threads = args.threads
         if args.parallel_batches > 1:
-            from onnxmerge.runtime._ort import cores
+            from onnxmerge.runtime._ort import shared_pool_threads
 
-            # The batches' own threads and the session's pool share --threads.
-            threads = max(1, (threads or cores()) - args.parallel_batches + 1)
+            threads = shared_pool_threads(args.parallel_batches, threads)
         model = Seq2SeqModel(args.file, session_cache=args.session_cache, threads=threads)
         tokenizer = None
         if not args.ids:

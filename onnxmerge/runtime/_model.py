@@ -572,7 +572,7 @@ class Seq2SeqModel:
                 (threads or cores) - 1,
                 used,
                 cores,
-                max(1, cores - parallel_batches + 1),
+                ort.shared_pool_threads(parallel_batches),
             )
 
     def _paddable(self, name: str) -> bool:

@@ -80,6 +80,13 @@ def cores() -> int:
         return os.cpu_count() or 1
 
 
+def shared_pool_threads(runs: int, total: int | None = None) -> int:
+    """Intra-op threads for a session that ``runs`` runs use at once, so that together they
+    use ``total`` threads (default: every core): each run works on its caller's thread, and all
+    share the session's pool of the other ``threads - 1``."""
+    return max(1, (total or cores()) - runs + 1)
+
+
 @functools.cache
 def processor() -> tuple[str, frozenset[str] | None]:
     """The processor's model name and instruction sets, which onnxruntime's kernels are chosen

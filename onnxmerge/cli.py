@@ -417,7 +417,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     with _Steps(quiet=args.json) as steps:
         steps("loading the model")
-        model = Seq2SeqModel(args.file, session_cache=args.session_cache)
+        model = Seq2SeqModel(args.file, session_cache=args.session_cache, threads=args.threads)
         if args.text:
             steps("loading the tokenizer")
             tokenizer = TextGenerator.load_tokenizer(model.path.parent)
@@ -1071,6 +1071,12 @@ def _generate_arguments(p: argparse.ArgumentParser) -> None:
     group.add_argument("--ids", type=int, nargs="+", help="source token ids")
     group.add_argument(
         "--text", nargs="+", help="source texts (needs a tokenizer beside the model)"
+    )
+    p.add_argument(
+        "--threads",
+        type=_at_least(1),
+        metavar="N",
+        help="onnxruntime's threads (default: onnxruntime's choice)",
     )
     _generation_arguments(p)
 

@@ -415,6 +415,27 @@ def test_generate_with_a_session_cache_gives_the_same_tokens(merged_model, tmp_p
     assert len(entries) == 2 and entries[0] == entries[1]  # read, not written again
 
 
+def test_generate_threads_caps_onnxruntimes_pool(merged_model, monkeypatch, capsys) -> None:
+    from onnxmerge import runtime
+
+    opened = []
+
+    class Noted(runtime.Seq2SeqModel):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            opened.append(self.session.get_session_options().intra_op_num_threads)
+
+    monkeypatch.setattr(runtime, "Seq2SeqModel", Noted)
+    args = ["generate", str(merged_model), "--ids", *SOURCE_IDS, "--max-new-tokens", "6"]
+    assert cli.main(args) == EXIT_OK
+    default = capsys.readouterr().out
+    assert cli.main([*args, "--threads", "1"]) == EXIT_OK
+    assert capsys.readouterr().out == default
+    assert opened == [0, 1]
+    refused = run(*args, "--threads", "0")
+    assert refused.returncode == EXIT_USAGE and "--threads" in refused.stderr
+
+
 def test_generate_refuses_ids_outside_the_vocabulary(merged_model) -> None:
     result = run("generate", merged_model, "--ids", "100000", "2")
     assert_one_line_error(result, EXIT_ERROR, "100000")

@@ -4,8 +4,10 @@ own error on stderr and a non-zero exit at the end, and nothing else is lost or 
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -135,6 +137,32 @@ def test_an_existing_output_needs_overwrite_and_stays_as_it_was(model, tmp_path)
     assert run("translate", model.path, source, "--ids", "-o", out, *overwrite).returncode == 0
     assert out.read_text() == expected_line(model, [5, 6, 7]) + "\n"
     assert list(tmp_path.glob(".out.txt.*")) == []  # no temporary file left behind
+
+
+def test_ctrl_c_ends_batches_at_once_and_leaves_no_output(model, tmp_path):  # noqa: F811
+    source = tmp_path / "ids.txt"
+    source.write_text("".join(" ".join(map(str, ids)) + "\n" for ids in id_lines(20000)))
+    out = tmp_path / "out.txt"
+    args = ("translate", model.path, source, "--ids", "-o", out, "--max-batch-size", "1")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "onnxmerge", *map(str, args), "--parallel-batches", "2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        for _ in range(600):  # the temporary output appears as translating starts
+            if list(tmp_path.glob(".out.txt.*")) or process.poll() is not None:
+                break
+            time.sleep(0.1)
+        time.sleep(0.5)
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    assert process.returncode == 130, stderr
+    assert stderr.strip().endswith("onnxmerge: interrupted")
+    assert not out.exists() and list(tmp_path.glob(".out.txt.*")) == []
 
 
 def test_a_missing_source_is_refused(model, tmp_path):  # noqa: F811

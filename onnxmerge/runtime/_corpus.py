@@ -9,6 +9,7 @@ row in a batch runs on (padded) until the batch's last row ends.
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -25,6 +26,10 @@ BATCH_TYPES = ("examples", "tokens")
 # Inputs read ahead, in batches' worth: enough for sorting to group similar lengths (CTranslate2
 # reads 16 batches ahead as well).
 READ_AHEAD_BATCHES = 16
+
+
+class Stopped(Exception):
+    """Raised in a call of ``ordered_map`` whose caller has left: nothing reads its result."""
 
 
 def _check_count(name: str, value: Any) -> None:
@@ -102,19 +107,28 @@ def own_length(sequences: np.ndarray, prompt_len: int, eos: Sequence[int] | None
     return int(ends.max())
 
 
-def ordered_map(function: Callable[[T], R], items: Iterable[T], parallel: int) -> Iterator[R]:
+def ordered_map(
+    function: Callable[[T], R],
+    items: Iterable[T],
+    parallel: int,
+    stop: threading.Event | None = None,
+) -> Iterator[R]:
     """``map(function, items)``, with up to ``parallel`` calls at once on threads of their own.
 
     Items are read and results yielded on the caller's thread, in order. A few items are
     queued beyond those running, so a thread that finishes early starts the next at once rather
     than wait for the oldest. An error from ``items`` is raised after the results of the items
     before it; one from ``function`` when its result is due, and the queued calls are dropped.
+    Where the caller leaves before the last result (an error, ``close()``, Ctrl-C), ``stop`` is
+    set before the running calls are waited for, so that calls which watch it can end early
+    (raising ``Stopped``).
     """
     if parallel <= 1:
         yield from map(function, items)
         return
     pending: deque[Future[R]] = deque()
     iterator = iter(items)
+    finished = False
     with ThreadPoolExecutor(parallel, thread_name_prefix="onnxmerge-batch") as pool:
         try:
             while True:
@@ -131,6 +145,9 @@ def ordered_map(function: Callable[[T], R], items: Iterable[T], parallel: int) -
                     yield pending.popleft().result()
             while pending:
                 yield pending.popleft().result()
+            finished = True
         finally:
             for future in pending:
                 future.cancel()
+            if stop is not None and not finished:
+                stop.set()

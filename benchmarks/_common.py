@@ -92,9 +92,32 @@ def opus_mt_config() -> Any:
     return _marian_config(vocab=59514, d_model=512, layers=6, heads=8, ffn=2048, positions=512)
 
 
+def opus_mt_ends_config() -> Any:
+    """The opus-mt-fr-en shape with an untied head and a raised eos logit (``eos_logit_bias``,
+    applied by ``build_pytorch``): random weights tied to the head make every output repeat its
+    first token; untied, the outputs wander, and the bias ends them at different lengths, as
+    translations do."""
+    config = opus_mt_config()
+    config.tie_word_embeddings = False
+    config.eos_logit_bias = ENDS_EOS_BIAS
+    return config
+
+
+# Calibrated so that eos, once allowed, is the largest logit at about one step in ten.
+ENDS_EOS_BIAS = 1.5
+
+
 def tiny_marian_config() -> Any:
     """A Marian model small enough to build, export and merge in seconds."""
     return _marian_config(vocab=200, d_model=32, layers=2, heads=4, ffn=64, positions=64)
+
+
+def tiny_marian_ends_config() -> Any:
+    """``opus_mt_ends_config`` at the tiny Marian's size, to check the pipeline."""
+    config = tiny_marian_config()
+    config.tie_word_embeddings = False
+    config.eos_logit_bias = ENDS_EOS_BIAS
+    return config
 
 
 def marian_config(quick: bool) -> Callable[[], Any]:
@@ -268,6 +291,10 @@ def build_pytorch(config: Any, out_dir: Path) -> None:
 
     torch.manual_seed(SEED)
     model = AutoModelForSeq2SeqLM.from_config(config).eval()
+    bias = getattr(config, "eos_logit_bias", None)
+    if bias is not None:
+        with torch.no_grad():
+            model.final_logits_bias[0, config.eos_token_id] = bias
     model.generation_config = GenerationConfig.from_model_config(config)
     model.save_pretrained(out_dir)
 

@@ -44,6 +44,7 @@ def _benchmarks(out: Path, quick: bool) -> dict[str, list[str]]:
         "ctranslate2": ["bench_ctranslate2.py", *q, "--out", str(out / "ctranslate2.json")],
         "threads": ["bench_threads.py", *q, "--out", str(out / "threads.json")],
         "corpus": ["bench_corpus.py", *q, "--out", str(out / "corpus.json")],
+        "corpus_ends": ["bench_corpus_ends.py", *q, "--out", str(out / "corpus_ends.json")],
         # A diagnosis, not a comparison: only when asked by --only.
         "profile": ["profile_generate.py", *q, "--out", str(out / "profile.json")],
         # Exports a 2.4 GB model (about 10 minutes, 9 GB of cache): only when asked by --only.
@@ -469,6 +470,7 @@ def render(out: Path, docs: Path) -> Path:
         "ctranslate2": _ctranslate2_section,
         "threads": _threads_section,
         "corpus": _markdown_of("bench_corpus"),
+        "corpus_ends": _markdown_of("bench_corpus_ends"),
         "profile": _profile_section,
         "quantize": _markdown_of("bench_quantize"),
         "large": _large_section,
@@ -500,6 +502,7 @@ def main(argv: list[str] | None = None) -> int:
             "ctranslate2",
             "threads",
             "corpus",
+            "corpus_ends",
             "profile",
             "quantize",
             "large",

@@ -46,6 +46,7 @@ def test_run_all_quick_writes_results_and_docs(tmp_path):
         "threads",
         "quantize",
         "corpus",
+        "corpus_ends",
     ):
         assert json.loads((tmp_path / "out" / f"{name}.json").read_text())
     merge = json.loads((tmp_path / "out" / "merge.json").read_text())

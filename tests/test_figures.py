@@ -211,3 +211,31 @@ def test_readme_corpus_ratios_are_the_corpus_benchmark() -> None:
     _assert_quoted(" ".join(readme.split()), setting, "README.md")
     target = corpus["precisions"]["float32"]["targets"]["peak_rss"]
     _assert_quoted(" ".join(readme.split()), f"within {target}× CTranslate2's", "README.md")
+
+
+ENDS_ROWS = (
+    ("greedy tokens/s", "greedy", "vs_ctranslate2"),
+    ("beam-4 tokens/s", "beam4", "vs_ctranslate2"),
+    ("greedy, dropping / keeping ended rows", "greedy", "vs_rows_kept"),
+    ("beam-4, dropping / keeping ended rows", "beam4", "vs_rows_kept"),
+)
+
+
+def corpus_ends_readme_rows(precisions: dict) -> list[str]:
+    """The README's table of the corpus whose outputs end at different lengths."""
+    return [
+        f"| {label} | "
+        + " | ".join(f"{precisions[c][case][key]:.2f}×" for c in CORPUS_COLUMNS)
+        + " |"
+        for label, case, key in ENDS_ROWS
+    ]
+
+
+def test_readme_corpus_ends_ratios_are_the_corpus_ends_benchmark() -> None:
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    ends = _load("corpus_ends")
+    for row in corpus_ends_readme_rows(ends["precisions"]):
+        _assert_quoted(readme, row, "README.md")
+    s = ends["setting"]
+    setting = f"{s['min_new_tokens']} to {s['max_new_tokens']} new tokens"
+    _assert_quoted(" ".join(readme.split()), setting, "README.md")

@@ -179,6 +179,73 @@ def test_batches_at_once_yield_the_windows_before_a_bad_input(one_thread_model):
     assert len(got) == 32
 
 
+@pytest.mark.parametrize("beams", [1, 3], ids=["greedy", "beam3"])
+def test_rows_that_ended_leave_the_batch_and_the_tokens_stay(model, monkeypatch, beams):  # noqa: F811
+    from onnxmerge.runtime import _model
+
+    session = model._session
+    step = session.next_step
+    rows: list[int] = []
+
+    def noted(tokens, cache, *args, **kwargs):
+        rows.append(len(tokens))
+        return step(tokens, cache, *args, **kwargs)
+
+    monkeypatch.setattr(session, "next_step", noted)
+    batch = corpus.pad_right([np.asarray(s)[None] for s in sources(16, seed=4)], PAD)
+    settings = {"max_new_tokens": 12, "num_beams": beams}
+    dropped = model.generate(batch, attention_mask=(batch != PAD).astype(np.int64), **settings)
+    shrinking = list(rows)
+    monkeypatch.setattr(_model, "DROP_FINISHED", False)
+    rows.clear()
+    kept = model.generate(batch, attention_mask=(batch != PAD).astype(np.int64), **settings)
+    np.testing.assert_array_equal(dropped, kept)
+    assert len(set(rows)) == 1 and rows[0] == 16 * beams
+    assert shrinking[-1] < rows[0] and sum(shrinking) < sum(rows[: len(shrinking)])
+
+
+def test_leaving_batches_at_once_early_ends_the_running_batches_at_their_next_step(
+    one_thread_model, monkeypatch
+):
+    session = one_thread_model._session
+    step = session.next_step
+    after_close: list[str] = []
+    closing = threading.Event()
+
+    def slow_step(*args, **kwargs):
+        if closing.is_set():
+            after_close.append(threading.current_thread().name)
+        time.sleep(0.002)  # batches still mid-search when the caller leaves
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(session, "next_step", slow_step)
+    results = one_thread_model.generate_many(
+        sources(40), max_batch_size=1, parallel_batches=2, min_new_tokens=40, max_new_tokens=40
+    )
+    assert next(results).shape == (1, 41)  # the first window of 16 done; the second running
+    closing.set()
+    results.close()
+    # Each running batch ends at its next step (a batch started just then may take one); left
+    # to run, each would take its remaining dozens.
+    assert len(after_close) <= 4
+
+
+def test_ordered_map_sets_stop_only_when_its_caller_leaves_early():
+    stop = threading.Event()
+    assert list(corpus.ordered_map(lambda i: i, range(9), 2, stop)) == list(range(9))
+    assert not stop.is_set()
+
+    def watches(i: int) -> int:
+        if i and not stop.wait(5):
+            raise AssertionError("stop was not set")
+        raise corpus.Stopped
+
+    results = corpus.ordered_map(lambda i: i if i == 0 else watches(i), range(9), 2, stop)
+    assert next(results) == 0
+    results.close()  # returns once the running calls saw stop, not after their 5 s
+    assert stop.is_set()
+
+
 def test_ordered_map_keeps_the_order_of_calls_that_end_out_of_order():
     delays = [0.03, 0.0, 0.02, 0.0, 0.01, 0.0, 0.0]
 

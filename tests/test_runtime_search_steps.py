@@ -225,9 +225,10 @@ def test_returned_sequences_cut_to_the_longest_hypothesis():
     cfg = _config(max_new_tokens=4)
     beams = _mid_search(cfg)
     beams.beam_indices[0, 0, :3] = [0, 1, 0]
-    got = search._returned_sequences(cfg, beams, 1)
+    results = search._Results(beams.sequences, beams.beam_indices)
+    got = search._returned_sequences(results, 1)
     assert got.tolist() == [beams.sequences[0, 0, :4].tolist()]
-    assert search._returned_sequences(cfg, beams, 2).shape == (2, 4)
+    assert search._returned_sequences(results, 2).shape == (2, 4)
 
 
 class _Runner:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -23,19 +24,34 @@ from onnxmerge.settings import GENERATE_KEYWORDS, SCHEMA, GenerationSettings, re
 
 logger = logging.getLogger(__name__)
 
+# Rows whose search ended leave their batch (docs/runtime.md); False runs them to the batch's
+# end, as transformers does, for comparisons.
+DROP_FINISHED = True
+
 
 class _Steps:
     """A session and its cache, stepped by the search loops through the runners below."""
 
     def __init__(
-        self, session: MergedSession, encoder_inputs: dict, prompt: np.ndarray, max_length: int
+        self,
+        session: MergedSession,
+        encoder_inputs: dict,
+        prompt: np.ndarray,
+        max_length: int,
+        stop: threading.Event | None = None,
     ):
         self.session = session
         self.encoder_inputs = encoder_inputs
         self.prompt = prompt
         self.max_length = max_length
+        self.stop = stop
         self._cache: Cache | None = None
         self._presents: _PresentBuffers | None = None
+
+    def _check_stop(self) -> None:
+        """End the search between steps once ``generate_many``'s caller has left."""
+        if self.stop is not None and self.stop.is_set():
+            raise corpus.Stopped
 
     @property
     def cache(self) -> Cache:
@@ -44,6 +60,7 @@ class _Steps:
         return self._cache
 
     def start(self) -> np.ndarray:
+        self._check_stop()
         out = self.session.first_step(self.encoder_inputs, self.prompt)
         self._cache = out.cache
         if self.session.writes_into:
@@ -53,6 +70,7 @@ class _Steps:
         return out.logits[:, -1, :]
 
     def _next(self, tokens: np.ndarray, *, greedy: bool) -> StepOutput:
+        self._check_stop()
         ids = np.ascontiguousarray(tokens, dtype=np.int64).reshape(-1, 1)
         into = logits = None
         if self._presents is not None:
@@ -65,6 +83,10 @@ class _Steps:
     def expand(self, n: int) -> None:
         if n > 1:
             self._cache = self.cache.expand(n)
+
+    def keep(self, rows: np.ndarray) -> None:
+        """Run on with these rows only: the search dropped the others, which ended."""
+        self._cache = self.cache.reorder(rows)
 
     def reorder(self, rows: np.ndarray, *, within_batch: bool = False) -> None:
         moved = np.flatnonzero(rows != np.arange(len(rows)))
@@ -162,8 +184,9 @@ class _GreedyHeadRunner(_Steps):
         prompt: np.ndarray,
         max_length: int,
         head: GreedyHead,
+        stop: threading.Event | None = None,
     ):
-        super().__init__(session, encoder_inputs, prompt, max_length)
+        super().__init__(session, encoder_inputs, prompt, max_length, stop)
         self.head = head
         self.workspace = memory.Workspace()
 
@@ -419,6 +442,17 @@ class Seq2SeqModel:
         Raises:
             GenerationError: invalid inputs or settings.
         """
+        return self._generate(encoder_inputs, decoder_input_ids, seed, keywords)
+
+    def _generate(
+        self,
+        encoder_inputs: Mapping[str, np.ndarray] | np.ndarray | None,
+        decoder_input_ids: np.ndarray | None,
+        seed: int | None,
+        keywords: dict[str, Any],
+        stop: threading.Event | None = None,
+    ) -> np.ndarray:
+        """``generate()``, ending between steps with ``corpus.Stopped`` once ``stop`` is set."""
         overrides = {k: v for k, v in keywords.items() if k in GENERATE_KEYWORDS}
         named_inputs = {k: v for k, v in keywords.items() if k not in GENERATE_KEYWORDS}
         if isinstance(encoder_inputs, Mapping) or encoder_inputs is None:
@@ -457,14 +491,17 @@ class Seq2SeqModel:
                 if not settings.do_sample and processors.keeps_bounds
                 else None
             )
+            max_length = settings.max_length
             runner: GreedyRunner = (
-                _GreedyHeadRunner(self._session, inputs, prompt, settings.max_length, greedy_head)
+                _GreedyHeadRunner(self._session, inputs, prompt, max_length, greedy_head, stop)
                 if greedy_head is not None
-                else _Runner(self._session, inputs, prompt, settings.max_length)
+                else _Runner(self._session, inputs, prompt, max_length, stop)
             )
-            return greedy_or_sample(runner, prompt, settings, processors, rng)
-        runner = _Runner(self._session, inputs, prompt, settings.max_length)
-        return beam_search(runner, prompt, settings, processors, rng)
+            return greedy_or_sample(
+                runner, prompt, settings, processors, rng, drop_finished=DROP_FINISHED
+            )
+        runner = _Runner(self._session, inputs, prompt, settings.max_length, stop)
+        return beam_search(runner, prompt, settings, processors, rng, drop_finished=DROP_FINISHED)
 
     def generate_many(
         self,
@@ -493,8 +530,8 @@ class Seq2SeqModel:
         model's session, as with CTranslate2's ``inter_threads``. They share the session's
         intra-op pool, which has ``threads - 1`` threads besides each caller: open the model
         with ``threads`` at the cores minus ``parallel_batches``, plus one, or the threads
-        compete for the cores (a warning is logged). Leaving the loop early waits for the
-        batches already running.
+        compete for the cores (a warning is logged). Leaving the loop early (an error,
+        ``close()``, Ctrl-C) ends the batches already running at their next step.
 
         Raises:
             GenerationError: invalid options, or an invalid input (its index is in the message;
@@ -539,12 +576,17 @@ class Seq2SeqModel:
                     }
                     yield (len(window) if number == len(cut) - 1 else 0), batch, fed
 
+        stop = threading.Event()
+        seed = generate_kwargs.get("seed")
+        keywords = {k: v for k, v in generate_kwargs.items() if k != "seed"}
+
         def run(job: Job) -> tuple[int, list[int], np.ndarray]:
             window_size, batch, fed = job
-            return window_size, batch, self.generate(fed, **generate_kwargs)
+            return window_size, batch, self._generate(fed, None, seed, keywords, stop)
 
         results: dict[int, np.ndarray] = {}
-        for window_size, batch, out in corpus.ordered_map(run, batches(), parallel_batches):
+        jobs = corpus.ordered_map(run, batches(), parallel_batches, stop)
+        for window_size, batch, out in jobs:
             per_input = out.shape[0] // len(batch)
             for row, i in enumerate(batch):
                 group = out[row * per_input : (row + 1) * per_input]

@@ -3,12 +3,14 @@
 A runner hides the model: ``start()`` runs the prompt and returns the next-token logits of each
 row, ``advance(tokens)`` appends one token per row and returns the next logits (in greedy search
 it may return bounds on them, whose ``argmax(processors, input_ids)`` gives the tokens),
-``expand(n)`` repeats every row ``n`` times and ``reorder(rows)`` picks rows (beams) for the next
-step. The logits a runner returns are the search's to write over.
+``expand(n)`` repeats every row ``n`` times, ``reorder(rows)`` picks rows (beams) for the next
+step and ``keep(rows)`` drops the rest (rows whose search ended). The logits a runner returns
+are the search's to write over.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -37,6 +39,8 @@ class StepRunner(Protocol):
 
     def reorder(self, rows: np.ndarray, *, within_batch: bool = False) -> None: ...
 
+    def keep(self, rows: np.ndarray) -> None: ...
+
 
 class GreedyRunner(Protocol):
     """The model as greedy search and sampling see it: a step after the first may return a
@@ -45,6 +49,8 @@ class GreedyRunner(Protocol):
     def start(self) -> np.ndarray: ...
 
     def advance(self, tokens: np.ndarray) -> np.ndarray | TokenPicker: ...
+
+    def keep(self, rows: np.ndarray) -> None: ...
 
 
 def _finished_by_eos(tokens: np.ndarray, eos: np.ndarray | None) -> np.ndarray:
@@ -68,37 +74,57 @@ def greedy_or_sample(
     settings: GenerationSettings,
     processors: ProcessorList,
     rng: np.random.Generator | None = None,
+    *,
+    drop_finished: bool = False,
 ) -> np.ndarray:
-    """transformers' ``_sample``: one token per row per step until eos or max_length."""
+    """transformers' ``_sample``: one token per row per step until eos or max_length.
+
+    ``drop_finished``: rows that ended leave the runner (``runner.keep``), as CTranslate2 drops
+    them, rather than run on to the batch's end on padding as in transformers; their tokens are
+    the same. Only greedy search drops them (sampling draws for every row), and only where the
+    processors keep no state by row.
+    """
     eos = None if settings.eos_token_id is None else np.asarray(settings.eos_token_id, np.int64)
+    # What finished rows take: pad (which resolve_settings sets where eos is set), else eos; no
+    # row finishes without eos.
     pad = settings.pad_token_id
+    fill = pad if pad is not None else (-1 if eos is None else int(eos[0]))
     rows, cur_len = prompt.shape
     sequences = np.empty((rows, settings.max_length), dtype=np.int64)
     sequences[:, :cur_len] = prompt
+    drop = drop_finished and not settings.do_sample and processors.rows_may_drop
+    live = np.arange(rows)  # the rows the runner still holds, in its order
     unfinished = np.ones(rows, dtype=bool)
     logits: np.ndarray | TokenPicker = runner.start()
     while True:
         scores = None
+        prefix = sequences[:, :cur_len] if live.size == rows else sequences[live, :cur_len]
         if not isinstance(logits, np.ndarray):  # a greedy head's bounds: greedy search only
-            tokens = logits.argmax(processors, sequences[:, :cur_len])
+            tokens = logits.argmax(processors, prefix)
         else:
             # In place where it may be: the runner's own array, which nothing reads after this.
             scores = logits.astype(np.float32, copy=not logits.flags.writeable)
-            scores = processors(sequences[:, :cur_len], scores)
+            scores = processors(prefix, scores)
             if settings.do_sample:
                 tokens = sample_tokens(softmax(scores), rng or np.random.default_rng())
             else:
                 tokens = np.argmax(scores, axis=1)
-        if eos is not None:  # then resolve_settings has set pad (to eos where unset)
-            tokens = np.where(unfinished, tokens, pad if pad is not None else eos[0])
-        sequences[:, cur_len] = tokens
+        if eos is not None:
+            tokens = np.where(unfinished[live], tokens, fill)
+        if live.size < rows:  # dropped rows are padded as transformers pads finished ones
+            sequences[:, cur_len] = fill
+        sequences[live, cur_len] = tokens
         cur_len += 1
-        unfinished &= ~_finished_by_eos(tokens, eos)
+        unfinished[live] &= ~_finished_by_eos(tokens, eos)
         if cur_len >= settings.max_length:
             unfinished[:] = False
         if not unfinished.any():
             break
         del logits, scores  # [rows, vocab] each: gone before the next step allocates its own
+        if drop and not unfinished[live].all():
+            kept = np.flatnonzero(unfinished[live])
+            runner.keep(kept)
+            live, tokens = live[kept], tokens[kept]
         logits = runner.advance(tokens)
     return sequences[:, :cur_len]
 
@@ -212,6 +238,26 @@ class _Beams:
     is_sent_finished: np.ndarray  # [batch, beams]
     heuristic_unsatisfied: np.ndarray  # [batch, 1]: a running beam may still beat a finished one
 
+    def of_inputs(self, kept: np.ndarray) -> _Beams:
+        """These inputs' beams only."""
+        return _Beams(**{f.name: getattr(self, f.name)[kept] for f in dataclasses.fields(self)})
+
+
+@dataclass
+class _Results:
+    """Each input's finished hypotheses, stored as its search ends or it leaves the batch."""
+
+    sequences: np.ndarray  # [batch, beams, max_length]
+    beam_indices: np.ndarray  # [batch, beams, max_length - prompt_len]
+
+    @classmethod
+    def empty(cls, beams: _Beams) -> _Results:
+        return cls(np.empty_like(beams.sequences), np.empty_like(beams.beam_indices))
+
+    def store(self, inputs: np.ndarray, beams: _Beams, which: np.ndarray) -> None:
+        self.sequences[inputs] = beams.sequences[which]
+        self.beam_indices[inputs] = beams.beam_indices[which]
+
 
 @dataclass(frozen=True)
 class _Candidates:
@@ -229,14 +275,21 @@ def beam_search(
     settings: GenerationSettings,
     processors: ProcessorList,
     rng: np.random.Generator | None = None,
+    *,
+    drop_finished: bool = False,
 ) -> np.ndarray:
     """transformers' vectorised ``_beam_search`` (and beam sampling when ``do_sample``).
 
     ``prompt`` holds one row per input; the runner's rows are expanded to beams after the first
-    step, so the encoder and the prompt run once per input.
+    step, so the encoder and the prompt run once per input. ``drop_finished``: an input whose
+    finished hypotheses can no longer change leaves the runner with its beams
+    (``runner.keep``), as in ``greedy_or_sample``.
     """
     cfg = _beam_config(settings, prompt.shape[0], prompt.shape[1])
     beams = _initial_beams(cfg, prompt, settings.pad_token_id)
+    drop = drop_finished and not settings.do_sample and processors.rows_may_drop
+    results = _Results.empty(beams)
+    inputs = np.arange(cfg.batch)  # the inputs the runner still holds, in its order
     cur_len = cfg.prompt_len
     logits = runner.start()
     # All beams of an input share the prompt: run it once, then repeat the rows.
@@ -252,10 +305,31 @@ def beam_search(
         cur_len += 1
         if _beams_done(cfg, beams, candidates, cur_len):
             break
-        rows = beams.running_beam_indices[:, :, cur_len - 1 - cfg.prompt_len].reshape(-1)
-        runner.reorder(rows.astype(np.int64), within_batch=True)
+        rows = beams.running_beam_indices[:, :, cur_len - 1 - cfg.prompt_len].astype(np.int64)
+        settled = _settled(cfg, beams) if drop else None
+        if settled is not None and settled.any():
+            kept = np.flatnonzero(~settled)
+            results.store(inputs[settled], beams, settled)
+            runner.keep(rows[kept].reshape(-1))
+            beams, inputs = beams.of_inputs(kept), inputs[kept]
+            cfg = dataclasses.replace(
+                cfg, batch=kept.size, batch_offset=(np.arange(kept.size) * cfg.num_beams)[:, None]
+            )
+        else:
+            runner.reorder(rows.reshape(-1), within_batch=True)
         logits = runner.advance(beams.running_sequences[:, :, cur_len - 1].reshape(-1))
-    return _returned_sequences(cfg, beams, settings.num_return_sequences)
+    results.store(inputs, beams, np.ones(inputs.size, dtype=bool))
+    return _returned_sequences(results, settings.num_return_sequences)
+
+
+def _settled(cfg: _BeamConfig, beams: _Beams) -> np.ndarray:
+    """``[batch]``: the inputs whose finished hypotheses no step can change any more, which
+    ``_keep_finished`` keeps as they are: none of their running beams can beat them, or they
+    are full and ``early_stopping`` is True. Their running beams decide nothing else:
+    ``_beams_done`` ends on the others alone, since only max_length makes every candidate hit.
+    """
+    full = beams.is_sent_finished.all(axis=1)
+    return ~beams.heuristic_unsatisfied[:, 0] | (full & (cfg.early_stopping is True))
 
 
 def _beam_config(settings: GenerationSettings, batch: int, prompt_len: int) -> _BeamConfig:
@@ -421,8 +495,10 @@ def _beams_done(cfg: _BeamConfig, beams: _Beams, candidates: _Candidates, cur_le
     return not (improvement_possible and open_beam and valid_continuations)
 
 
-def _returned_sequences(cfg: _BeamConfig, beams: _Beams, returned: int) -> np.ndarray:
-    sequences = beams.sequences[:, :returned, :].reshape(cfg.batch * returned, cfg.max_length)
-    beam_indices = beams.beam_indices[:, :returned, :].reshape(cfg.batch * returned, -1)
+def _returned_sequences(results: _Results, returned: int) -> np.ndarray:
+    batch, _, max_length = results.sequences.shape
+    sequences = results.sequences[:, :returned, :].reshape(batch * returned, max_length)
+    beam_indices = results.beam_indices[:, :returned, :].reshape(batch * returned, -1)
     generated = int((beam_indices != -1).sum(axis=1).max())
-    return sequences[:, : cfg.prompt_len + generated]
+    prompt_len = max_length - results.beam_indices.shape[2]
+    return sequences[:, : prompt_len + generated]

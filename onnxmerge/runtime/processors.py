@@ -110,6 +110,7 @@ class EncoderRepetitionPenalty:
     """
 
     keeps_bounds = True
+    by_row = True
 
     def __init__(self, penalty: float, encoder_input_ids: np.ndarray):
         self.penalty = 1 / float(_positive("encoder_repetition_penalty", penalty))
@@ -121,6 +122,8 @@ class EncoderRepetitionPenalty:
 
 class EncoderNoRepeatNGram(_Mask):
     """Ban tokens that would repeat an n-gram of the row's encoder ``input_ids``."""
+
+    by_row = True
 
     def __init__(self, ngram_size: int, encoder_input_ids: np.ndarray):
         self.ngram_size = int(_positive("encoder_no_repeat_ngram_size", ngram_size))
@@ -377,6 +380,12 @@ class ProcessorList(list):
     @property
     def keeps_bounds(self) -> bool:
         return all(getattr(processor, "keeps_bounds", False) for processor in self)
+
+    @property
+    def rows_may_drop(self) -> bool:
+        """Whether a search may drop rows from its batch: no processor pairs its own state
+        with the batch's rows by position."""
+        return not any(getattr(processor, "by_row", False) for processor in self)
 
     def masks_only(self, input_ids: np.ndarray) -> bool:
         """Whether, called with ``input_ids``, these processors only set scores to -inf."""

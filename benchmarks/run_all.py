@@ -1,6 +1,6 @@
 """Reproduce every figure in the docs: run each benchmark, then write docs/benchmarks.md and charts.
 
-    python benchmarks/run_all.py            # the full runs (about 30 minutes on 2 cores)
+    python benchmarks/run_all.py            # the full runs (the two corpus runs alone: 65 min)
     python benchmarks/run_all.py --quick    # tiny models, to check the pipeline (the test suite)
     python benchmarks/run_all.py --render   # only re-render docs from benchmarks/out/*.json
 

@@ -582,6 +582,7 @@ def cmd_translate(args: argparse.Namespace) -> int:
             print(f"onnxmerge: line {number}: {message}", file=sys.stderr, flush=True)
             sink.write("\n")
 
+    results = None
     try:
         inputs = _translate_inputs(args, model, tokenizer, _source_lines(args.source), records)
         results = model.generate_many(
@@ -609,6 +610,8 @@ def cmd_translate(args: argparse.Namespace) -> int:
         else:
             sys.stdout.flush()
     finally:
+        if results is not None:  # stops the batches running now (an error, Ctrl-C)
+            results.close()
         progress.finish()
         if target is not None:  # failed before the end: no half-written output
             target.close()

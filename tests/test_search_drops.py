@@ -140,3 +140,39 @@ def test_rows_stay_where_a_processor_pairs_its_state_with_them():
 
     assert kept(build_processors(settings, encoder_ids)) == []
     assert kept(build_processors(settings)) != []
+
+
+class _ByStep(_PerInput):
+    """Input 0 ends on step 7 or 8 (eos becomes likely); input 1 never ends and runs on."""
+
+    def __init__(self):
+        super().__init__(np.zeros((1, VOCAB), np.float32), 2)
+        self.step = 0
+
+    def _logits(self) -> np.ndarray:
+        self.step += 1
+        self.rows.append(self.inputs.size)
+        out = np.full((self.inputs.size, VOCAB), -30.0, np.float32)
+        out[:, 5] = 0.0
+        first = self.inputs == 0
+        out[first, 6], out[~first, 6] = -5.0, -1.0
+        if self.step >= 7:
+            out[first, EOS] = -3.0 if self.step == 7 else 0.0
+        return out
+
+
+def test_beam_search_ends_when_every_input_settled_before_it_would_have_stopped():
+    # With early_stopping=True, input 0 is full and settles while its heuristic still holds; a
+    # strongly negative length penalty settles input 1 first. Both settled: no step of no rows.
+    given = {"eos_token_id": EOS, "pad_token_id": PAD, "decoder_start_token_id": START}
+    overrides = {"max_new_tokens": 12, "num_beams": 2, "early_stopping": True}
+    settings = resolve_settings({}, {}, {**given, **overrides, "length_penalty": -10.0}, 1)
+    got = {}
+    for drop in (False, True):
+        runner = _ByStep()
+        prompt = np.full((2, 1), START)
+        got[drop] = search.beam_search(
+            runner, prompt, settings, build_processors(settings), drop_finished=drop
+        )
+        assert 0 not in runner.rows
+    np.testing.assert_array_equal(got[True], got[False])

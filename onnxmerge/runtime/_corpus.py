@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -112,7 +112,7 @@ def ordered_map(
     items: Iterable[T],
     parallel: int,
     stop: threading.Event | None = None,
-) -> Iterator[R]:
+) -> Generator[R, None, None]:
     """``map(function, items)``, with up to ``parallel`` calls at once on threads of their own.
 
     Items are read and results yielded on the caller's thread, in order. A few items are
@@ -147,7 +147,7 @@ def ordered_map(
                 yield pending.popleft().result()
             finished = True
         finally:
-            for future in pending:
-                future.cancel()
             if stop is not None and not finished:
                 stop.set()
+            for future in pending:
+                future.cancel()

@@ -6,7 +6,7 @@ import inspect
 import logging
 import os
 import threading
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -511,7 +511,7 @@ class Seq2SeqModel:
         batch_type: str = "examples",
         parallel_batches: int = 1,
         **generate_kwargs: Any,
-    ) -> Iterator[np.ndarray]:
+    ) -> Generator[np.ndarray, None, None]:
         """Generate for many inputs in length-sorted batches; one result per input, in order.
 
         Each input is one example: a 1-D array of ids (the main encoder input), or a mapping of
@@ -586,14 +586,17 @@ class Seq2SeqModel:
 
         results: dict[int, np.ndarray] = {}
         jobs = corpus.ordered_map(run, batches(), parallel_batches, stop)
-        for window_size, batch, out in jobs:
-            per_input = out.shape[0] // len(batch)
-            for row, i in enumerate(batch):
-                group = out[row * per_input : (row + 1) * per_input]
-                length = corpus.own_length(group, 1, settings.eos_token_id)
-                results[i] = np.ascontiguousarray(group[:, :length])
-            if window_size:
-                yield from (results.pop(i) for i in range(window_size))
+        try:
+            for window_size, batch, out in jobs:
+                per_input = out.shape[0] // len(batch)
+                for row, i in enumerate(batch):
+                    group = out[row * per_input : (row + 1) * per_input]
+                    length = corpus.own_length(group, 1, settings.eos_token_id)
+                    results[i] = np.ascontiguousarray(group[:, :length])
+                if window_size:
+                    yield from (results.pop(i) for i in range(window_size))
+        finally:  # leaving early stops the batches running now, not when jobs is collected
+            jobs.close()
 
     def _warn_unless_threads_divided(self, parallel_batches: int) -> None:
         """Batches at once with more threads than cores run slower than one batch at a time

@@ -231,7 +231,9 @@ class _Beams:
 
     running_sequences: np.ndarray  # [batch, beams, max_length]
     running_beam_scores: np.ndarray  # [batch, beams]
-    running_beam_indices: np.ndarray  # [batch, beams, max_length - prompt_len]
+    # [batch, beams, max_length - prompt_len]: runner rows, numbered in the batch as it was at
+    # each step (rows that left renumber the rest); only their count (!= -1) is read.
+    running_beam_indices: np.ndarray
     sequences: np.ndarray
     beam_scores: np.ndarray
     beam_indices: np.ndarray
@@ -307,6 +309,10 @@ def beam_search(
             break
         rows = beams.running_beam_indices[:, :, cur_len - 1 - cfg.prompt_len].astype(np.int64)
         settled = _settled(cfg, beams) if drop else None
+        if settled is not None and settled.all():
+            # No later step can change any input's hypotheses (early_stopping=True can settle a
+            # full input before _beams_done ends on it): a step of no rows would be next.
+            break
         if settled is not None and settled.any():
             kept = np.flatnonzero(~settled)
             results.store(inputs[settled], beams, settled)

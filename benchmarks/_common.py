@@ -92,12 +92,11 @@ def opus_mt_config() -> Any:
     return _marian_config(vocab=59514, d_model=512, layers=6, heads=8, ffn=2048, positions=512)
 
 
-def opus_mt_ends_config() -> Any:
-    """The opus-mt-fr-en shape with an untied head and a raised eos logit (``eos_logit_bias``,
-    applied by ``build_pytorch``): random weights tied to the head make every output repeat its
-    first token; untied, the outputs wander, and the bias ends them at different lengths, as
+def _ending(config: Any) -> Any:
+    """``config`` with an untied head and a raised eos logit (``eos_logit_bias``, applied by
+    ``build_pytorch``): random weights tied to the head make every output repeat its first
+    token; untied, the outputs wander, and the bias ends them at different lengths, as
     translations do."""
-    config = opus_mt_config()
     config.tie_word_embeddings = False
     config.eos_logit_bias = ENDS_EOS_BIAS
     return config
@@ -107,6 +106,11 @@ def opus_mt_ends_config() -> Any:
 ENDS_EOS_BIAS = 1.5
 
 
+def opus_mt_ends_config() -> Any:
+    """The opus-mt-fr-en shape whose outputs end at different lengths (``_ending``)."""
+    return _ending(opus_mt_config())
+
+
 def tiny_marian_config() -> Any:
     """A Marian model small enough to build, export and merge in seconds."""
     return _marian_config(vocab=200, d_model=32, layers=2, heads=4, ffn=64, positions=64)
@@ -114,10 +118,7 @@ def tiny_marian_config() -> Any:
 
 def tiny_marian_ends_config() -> Any:
     """``opus_mt_ends_config`` at the tiny Marian's size, to check the pipeline."""
-    config = tiny_marian_config()
-    config.tie_word_embeddings = False
-    config.eos_logit_bias = ENDS_EOS_BIAS
-    return config
+    return _ending(tiny_marian_config())
 
 
 def marian_config(quick: bool) -> Callable[[], Any]:

@@ -108,12 +108,26 @@ def sampled(count: int) -> list[int]:
 # -- the child processes ---------------------------------------------------------------------------
 
 
+FORCED = (NEW_TOKENS, NEW_TOKENS)  # (min, max) new tokens per input
+
+
 class _Ours:
-    def __init__(self, path: str, threads: int, session_cache: str | None, parallel: int):
+    def __init__(
+        self,
+        path: str,
+        threads: int,
+        session_cache: str | None,
+        parallel: int,
+        new_tokens: tuple[int, int],
+        keep_rows: bool,
+    ):
         import onnxmerge
+        from onnxmerge.runtime import _model
         from onnxmerge.runtime._ort import shared_pool_threads
 
+        _model.DROP_FINISHED = not keep_rows  # kept: to the batch's end, as transformers runs
         self.parallel = parallel
+        self.new_tokens = new_tokens
         self.model = onnxmerge.Seq2SeqModel(
             path, threads=shared_pool_threads(parallel, threads), session_cache=session_cache
         )
@@ -127,20 +141,23 @@ class _Ours:
             batch_type=batch_type,
             parallel_batches=self.parallel,
             num_beams=beams,
-            min_new_tokens=NEW_TOKENS,
-            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=self.new_tokens[0],
+            max_new_tokens=self.new_tokens[1],
         )
         return [r[0, 1:].tolist() for r in results]
 
 
 class _CTranslate2:
-    def __init__(self, path: str, threads: int, config: dict, parallel: int):
+    def __init__(
+        self, path: str, threads: int, config: dict, parallel: int, new_tokens: tuple[int, int]
+    ):
         import ctranslate2
 
         self.translator = ctranslate2.Translator(
             path, device="cpu", inter_threads=parallel, intra_threads=threads // parallel
         )
         self.config = config
+        self.new_tokens = new_tokens
         self.index = {token_name(i, config): i for i in range(int(config["vocab_size"]))}
 
     def run(self, inputs, beams: int, batch_type: str, size: int) -> list[list[int]]:
@@ -148,8 +165,8 @@ class _CTranslate2:
         out = self.translator.translate_batch(
             source,
             beam_size=beams,
-            max_decoding_length=NEW_TOKENS,
-            min_decoding_length=NEW_TOKENS,
+            min_decoding_length=self.new_tokens[0],
+            max_decoding_length=self.new_tokens[1],
             length_penalty=1.0,
             max_batch_size=size,
             batch_type=batch_type,
@@ -157,10 +174,19 @@ class _CTranslate2:
         return [[self.index[t] for t in r.hypotheses[0]] for r in out]
 
 
-def _runner(side: str, path: str, config: dict, threads: int, cache: str | None, parallel: int = 1):
+def _runner(
+    side: str,
+    path: str,
+    config: dict,
+    threads: int,
+    cache: str | None,
+    parallel: int = 1,
+    new_tokens: tuple[int, int] = FORCED,
+    keep_rows: bool = False,
+):
     if side == "ours":
-        return _Ours(path, threads, cache, parallel)
-    return _CTranslate2(path, threads, config, parallel)
+        return _Ours(path, threads, cache, parallel, new_tokens, keep_rows)
+    return _CTranslate2(path, threads, config, parallel, new_tokens)
 
 
 def translate(
@@ -172,10 +198,14 @@ def translate(
     cache: str | None,
     case: str,
     batching: str,
+    new_tokens: tuple[int, int] = FORCED,
+    keep_rows: bool = False,
 ):
-    """The corpus in one case and batching, in a process of its own: its time and peak memory."""
+    """The corpus in one case and batching, in a process of its own: its time and peak memory.
+    ``new_tokens`` are the (min, max) new tokens per input; ``keep_rows``: ours runs ended rows
+    to the batch's end."""
     batch_type, size, parallel = parse_setting(batching)
-    runner = _runner(side, path, config, threads, cache, parallel)
+    runner = _runner(side, path, config, threads, cache, parallel, new_tokens, keep_rows)
     beams = dict(CASES)[case]
     inputs = corpus(count, config)
     runner.run(inputs[:8], beams, "examples", 8)  # warm-up
@@ -209,8 +239,11 @@ def _child(
     cache: Path | None,
     case: str,
     batching: str | None = None,
+    new_tokens: tuple[int, int] = FORCED,
+    keep_rows: bool = False,
 ):
-    """A worker: the corpus with ``batching``, or without it the sampled inputs alone."""
+    """A worker: the corpus with ``batching`` (``translate``'s options), or without it the
+    sampled inputs alone."""
     parallel = parse_setting(batching)[2] if batching else 1
     env = dict(os.environ, OMP_NUM_THREADS=str(threads // parallel))
     if side == "ctranslate2":
@@ -221,6 +254,7 @@ def _child(
     argv += ["--config", json.dumps(config), "--inputs", str(count), "--threads", str(threads)]
     argv += ["--session-cache", str(cache)] if cache else []
     argv += ["--case", case] + (["--batching", batching] if batching else [])
+    argv += ["--new-tokens", *map(str, new_tokens)] + (["--keep-rows"] if keep_rows else [])
     result = subprocess.run(
         argv, check=True, capture_output=True, text=True, env=env, cwd=REPO_ROOT
     )
@@ -458,12 +492,14 @@ def main(argv: list[str] | None = None) -> int:
     _common.worker_arguments(parser)
     parser.add_argument("--case", choices=[c for c, _ in CASES], help=argparse.SUPPRESS)
     parser.add_argument("--batching", help=argparse.SUPPRESS)
+    parser.add_argument("--new-tokens", type=int, nargs=2, default=FORCED, help=argparse.SUPPRESS)
+    parser.add_argument("--keep-rows", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         config = json.loads(args.config)
         given = (args.worker, args.path, config, args.inputs, args.threads, args.session_cache)
         if args.batching:
-            result = translate(*given, args.case, args.batching)
+            result = translate(*given, args.case, args.batching, args.new_tokens, args.keep_rows)
         else:
             result = alone(*given, args.case)
         print(json.dumps(result))

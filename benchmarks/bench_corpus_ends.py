@@ -23,11 +23,8 @@ Usage: python benchmarks/bench_corpus_ends.py [--quick] [--inputs 1000]
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,12 +35,9 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks import _common  # noqa: E402
-from benchmarks.bench_corpus import CASES, corpus, parse_setting, setting_name  # noqa: E402
-from benchmarks.bench_ctranslate2 import (  # noqa: E402
-    convert_ctranslate2,
-    quantize_ours,
-    token_name,
-)
+from benchmarks.bench_corpus import CASES, setting_name  # noqa: E402
+from benchmarks.bench_corpus import _child as corpus_child  # noqa: E402
+from benchmarks.bench_ctranslate2 import convert_ctranslate2, quantize_ours  # noqa: E402
 
 MIN_NEW, MAX_NEW = 12, 48
 SETTINGS = (("examples", 32, 2), ("examples", 64, 2), ("examples", 128, 2))
@@ -51,98 +45,25 @@ QUICK_SETTINGS = (("examples", 16, 2),)
 SIDES = ("ctranslate2", "ours", "ours, rows kept")
 
 
-# -- the child processes ---------------------------------------------------------------------------
-
-
-def _ours(path: str, threads: int, cache: str | None, parallel: int, keep_rows: bool):
-    import numpy as np
-
-    import onnxmerge
-    from onnxmerge.runtime import _model
-    from onnxmerge.runtime._ort import shared_pool_threads
-
-    _model.DROP_FINISHED = not keep_rows
-    model = onnxmerge.Seq2SeqModel(
-        path, threads=shared_pool_threads(parallel, threads), session_cache=cache
-    )
-    eos = model.resolve_settings().eos_token_id or []
-
-    def run(inputs, beams: int, batch_type: str, size: int) -> list[list[int]]:
-        results = model.generate_many(
-            (np.asarray(i, np.int64) for i in inputs),
-            max_batch_size=size,
-            batch_type=batch_type,
-            parallel_batches=parallel,
-            num_beams=beams,
-            min_new_tokens=MIN_NEW,
-            max_new_tokens=MAX_NEW,
-        )
-        out = [r[0, 1:].tolist() for r in results]
-        return [t[:-1] if t and t[-1] in eos else t for t in out]
-
-    return run
-
-
-def _ctranslate2(path: str, threads: int, config: dict, parallel: int):
-    import ctranslate2
-
-    translator = ctranslate2.Translator(
-        path, device="cpu", inter_threads=parallel, intra_threads=threads // parallel
-    )
-    index = {token_name(i, config): i for i in range(int(config["vocab_size"]))}
-
-    def run(inputs, beams: int, batch_type: str, size: int) -> list[list[int]]:
-        source = [[token_name(i, config) for i in row] for row in inputs]
-        out = translator.translate_batch(
-            source,
-            beam_size=beams,
-            min_decoding_length=MIN_NEW,
-            max_decoding_length=MAX_NEW,
-            length_penalty=1.0,
-            max_batch_size=size,
-            batch_type=batch_type,
-        )
-        return [[index[t] for t in r.hypotheses[0]] for r in out]
-
-    return run
-
-
-def translate(worker, path, config, count, threads, cache, case, batching, keep_rows) -> dict:
-    """The corpus in one case and batching, in a process of its own: its time and peak memory."""
-    batch_type, size, parallel = parse_setting(batching)
-    if worker == "ctranslate2":
-        run = _ctranslate2(path, threads, config, parallel)
-    else:
-        run = _ours(path, threads, cache, parallel, keep_rows)
-    beams = dict(CASES)[case]
-    inputs = corpus(count, config)
-    run(inputs[:8], beams, "examples", 8)  # warm-up
-    start = time.perf_counter()
-    tokens = run(inputs, beams, batch_type, size)
-    seconds = time.perf_counter() - start
-    return {
-        "s": seconds,
-        "tokens_per_s": sum(map(len, tokens)) / seconds,
-        "tokens": tokens,
-        "peak_rss_mb": _common.self_rss_bytes()["peak_rss_bytes"] / 1e6,
-    }
-
-
-def _child(side, path, config, count, threads, cache, case, batching) -> dict:
-    parallel = parse_setting(batching)[2]
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads // parallel))
-    if side == "ctranslate2":
-        env["OMP_WAIT_POLICY"] = "PASSIVE"  # as in bench_corpus.py
+def _translated(side, path, config, count, threads, cache, case, batching) -> dict:
+    """``bench_corpus``'s worker over the corpus, its tokens without eos (ours ends each output
+    with one, CTranslate2 returns none) and its speed counted so."""
     worker = "ctranslate2" if side == "ctranslate2" else "ours"
-    argv = [sys.executable, __file__, "--worker", worker, "--path", str(path)]
-    argv += ["--keep-rows"] if side == "ours, rows kept" else []
-    argv += ["--config", json.dumps(config), "--inputs", str(count), "--threads", str(threads)]
-    argv += ["--session-cache", str(cache)] if cache else []
-    argv += ["--case", case, "--batching", batching]
-    result = subprocess.run(
-        argv, check=True, capture_output=True, text=True, env=env, cwd=REPO_ROOT
+    result = corpus_child(
+        worker,
+        path,
+        config,
+        count,
+        threads,
+        cache,
+        case,
+        batching,
+        new_tokens=(MIN_NEW, MAX_NEW),
+        keep_rows=side == "ours, rows kept",
     )
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    eos = config["eos_token_id"]
+    tokens = [t[:-1] if t and t[-1] == eos else t for t in result["tokens"]]
+    return {**result, "tokens": tokens, "tokens_per_s": sum(map(len, tokens)) / result["s"]}
 
 
 # -- the comparison -------------------------------------------------------------------------------
@@ -230,16 +151,10 @@ def markdown(data: dict) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = _common.arguments(__doc__, "corpus_ends", "tiny Marian model, 48 inputs")
     parser.add_argument("--inputs", type=int, default=1000, help="inputs in the corpus")
-    _common.worker_arguments(parser)
-    parser.add_argument("--case", choices=[c for c, _ in CASES], help=argparse.SUPPRESS)
-    parser.add_argument("--batching", help=argparse.SUPPRESS)
-    parser.add_argument("--keep-rows", action="store_true", help=argparse.SUPPRESS)
+    # The workers are bench_corpus.py's: the options they share.
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--cache-dir", type=Path, default=_common.DEFAULT_CACHE_DIR)
     args = parser.parse_args(argv)
-    if args.worker:
-        config = json.loads(args.config)
-        given = (args.worker, args.path, config, args.inputs, args.threads, args.session_cache)
-        print(json.dumps(translate(*given, args.case, args.batching, args.keep_rows)))
-        return 0
     settings = QUICK_SETTINGS if args.quick else SETTINGS
     if args.quick:
         args.inputs = min(args.inputs, 48)
@@ -273,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
                     for side in SIDES:
                         path = paths["ctranslate2" if side == "ctranslate2" else "ours"]
                         cache = None if side == "ctranslate2" else caches[precision]
-                        tried[side][name] = _child(
+                        tried[side][name] = _translated(
                             side, path, config, args.inputs, args.threads, cache, case, name
                         )
                 precisions[precision][case] = summarize(tried)

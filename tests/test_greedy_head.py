@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import pytest
 
 from tests import textmodels as tm
@@ -22,7 +23,13 @@ from onnxmerge.model_io import load_model  # noqa: E402
 from onnxmerge.passes import NoMatch  # noqa: E402
 from onnxmerge.runtime import processors as p  # noqa: E402
 from onnxmerge.runtime._greedy_head import TABLES, GreedyHead, LogitBounds  # noqa: E402
-from onnxmerge.runtime._greedy_source import GreedySource, find_head, row_tables  # noqa: E402
+from onnxmerge.runtime._greedy_source import (  # noqa: E402
+    ROWS,
+    GreedySource,
+    find_head,
+    row_tables,
+)
+from onnxmerge.runtime._model import _GreedyHeadRunner  # noqa: E402
 from onnxmerge.runtime.processors import (  # noqa: E402
     ForcedBOS,
     MinLength,
@@ -255,8 +262,159 @@ def test_the_head_is_found_where_it_reads_the_embeddings_rows(tied, int8):
     assert head.weight.shape == (tm.VOCAB, tm.D_MODEL) and head.bias is not None
     # An int8 file's head is already int8, an integer product that writes the logits itself:
     # nothing to add, and the reason says why.
-    reason = NoMatch("the head's product is not reshaped into the logits")
+    reason = NoMatch("the logits come from a Mul, not a float head (a MatMul, or a Gemm reshaped)")
     assert find_head(load_model(int8)[0]) == reason
+
+
+@pytest.fixture(scope="module")
+def untied(tmp_path_factory) -> Path:
+    return _merged(tmp_path_factory, "untied")
+
+
+def test_an_untied_head_is_found_as_exported_and_its_rows_are_stored_once(untied, tmp_path):
+    head = find_head(load_model(untied)[0])
+    assert not isinstance(head, NoMatch), head
+    assert head.columns and head.weight.shape == (tm.D_MODEL, tm.VOCAB)
+    np.testing.assert_array_equal(head.rows(), tm.make_weights(1)[tm.LM_HEAD].T)
+    Seq2SeqModel(untied, session_cache=tmp_path / "cache")
+    (entry,) = (tmp_path / "cache").iterdir()
+    graph = onnx.load(entry / "model.onnx", load_external_data=False).graph
+    stored = {tensor.name for tensor in graph.initializer}
+    # The float head reads the weight's rows, which replace the weight: one float copy.
+    assert ROWS in stored and tm.LM_HEAD not in stored
+
+
+def test_greedy_search_with_an_untied_head_gives_the_float_heads_tokens(
+    untied, tmp_path, monkeypatch, screen_every_step
+):
+    plain = Seq2SeqModel(untied)
+    cached = Seq2SeqModel(untied, session_cache=tmp_path / "cache")
+    assert cached._session.greedy_head is not None
+    steps = []
+    bounds = GreedyHead.bounds
+    monkeypatch.setattr(GreedyHead, "bounds", lambda self, *a: steps.append(1) or bounds(self, *a))
+    for settings in SETTINGS:
+        np.testing.assert_array_equal(_generate(cached, **settings), _generate(plain, **settings))
+    assert len(steps) >= 4 * 7
+    # Not every token repeats: the outputs test the head, not one row of it.
+    assert len(np.unique(_generate(plain))) > 3
+
+
+def test_costly_bounds_send_the_next_steps_to_the_float_head(tied, tmp_path, monkeypatch):
+    # Each step that went through the bounds is costly or not, as scripted; the runner runs the
+    # float head for 4, then 8 steps after a costly one, and screens every step after a cheap one.
+    costly = iter([True, True, False] + [False] * 40)
+    candidates = LogitBounds._candidates
+
+    def scripted(self, *args):
+        found = candidates(self, *args)
+        self.float_share = 2 * _GreedyHeadRunner.CHEAPER_BELOW if next(costly) else 0.0
+        return found
+
+    monkeypatch.setattr(LogitBounds, "_candidates", scripted)
+    cached = Seq2SeqModel(tied, session_cache=tmp_path / "cache")
+    session = cached._session
+    through_bounds = []
+    next_step = session.next_step
+
+    def recorded(*args, greedy=False, **kwargs):
+        through_bounds.append(greedy)
+        return next_step(*args, greedy=greedy, **kwargs)
+
+    monkeypatch.setattr(session, "next_step", recorded)
+    inputs = tm.sample_inputs(seed=5, batch=3)
+    tokens = cached.generate(
+        input_ids=inputs["input_ids"],
+        attention_mask=inputs["attention_mask"],
+        min_new_tokens=20,
+        max_new_tokens=20,
+    )
+    assert [i for i, greedy in enumerate(through_bounds) if greedy] == [0, 5, 14, 15, 16, 17, 18]
+    plain = Seq2SeqModel(tied).generate(
+        input_ids=inputs["input_ids"],
+        attention_mask=inputs["attention_mask"],
+        min_new_tokens=20,
+        max_new_tokens=20,
+    )
+    np.testing.assert_array_equal(tokens, plain)
+    # A later search starts from what the earlier ones found: costly again, it runs the float
+    # head for 4 steps before it looks again, then 8.
+    costly = iter([True] * 40)
+    through_bounds.clear()
+    again = cached.generate(
+        input_ids=inputs["input_ids"],
+        attention_mask=inputs["attention_mask"],
+        min_new_tokens=20,
+        max_new_tokens=20,
+    )
+    assert [i for i, greedy in enumerate(through_bounds) if greedy] == [0, 5, 14]
+    np.testing.assert_array_equal(again, plain)
+    through_bounds.clear()
+    cached.generate(
+        input_ids=inputs["input_ids"],
+        attention_mask=inputs["attention_mask"],
+        max_new_tokens=20,
+        min_new_tokens=20,
+    )
+    assert [i for i, greedy in enumerate(through_bounds) if greedy] == [16]
+
+
+def test_a_step_with_many_tokens_left_takes_one_product_over_all_rows():
+    # Flat logits leave many tokens within the bounds: gathering each one's row would cost more
+    # (and hold more memory) than the product over every row.
+    rng = np.random.default_rng(3)
+    weight = (rng.standard_normal((4000, 32)) * 0.01).astype(np.float32)
+    head = _head(weight)
+    hidden = rng.standard_normal((6, 32)).astype(np.float32)
+    hidden[0, 5] = 40.0  # a coarse quantization step for every row: wide bounds
+    bounds = head.bounds(_int8_head(weight)(hidden), hidden)
+    tokens = bounds.argmax(ProcessorList(), np.zeros((6, 1), np.int64))
+    np.testing.assert_array_equal(tokens, np.argmax(hidden @ weight.T, axis=1))
+    assert bounds.float_share > 0.99  # every row whole
+
+
+def _resident_bytes(address: int) -> int:
+    """This process's resident bytes of the mapping that holds ``address`` (Linux's smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if "-" in fields[0] and len(fields) >= 5:
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            inside = start <= address < end
+        elif inside and fields[0] == "Rss:":
+            return int(fields[1]) * 1024
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads Linux's smaps")
+def test_the_heads_rows_read_by_a_costly_step_are_dropped_and_read_back(tied, tmp_path):
+    head = Seq2SeqModel(tied, session_cache=tmp_path / "cache")._session.greedy_head
+    address = head.weight.ctypes.data
+    expected = np.array(head.weight)  # every row read: all resident
+    assert _resident_bytes(address) >= head.weight.nbytes
+    head.drop_pages(slice(0, tm.VOCAB // 2))
+    head.drop_pages(slice(tm.VOCAB // 2, None))
+    assert _resident_bytes(address) == 0
+    np.testing.assert_array_equal(head.weight, expected)  # read back from the file
+
+
+def test_a_head_outside_a_file_mapping_keeps_its_rows():
+    # Dropping the pages of anonymous memory would read back zeros.
+    weight = np.random.default_rng(0).standard_normal((50, 8)).astype(np.float32)
+    head = _head(weight.copy())
+    head.drop_pages()
+    np.testing.assert_array_equal(head.weight, weight)
+
+
+def test_an_untied_head_whose_weight_is_read_elsewhere_is_left_alone(untied):
+    model = load_model(untied)[0]
+    head = find_head(model)
+    assert not isinstance(head, NoMatch)
+    # A second copy of the rows would cost what the int8 head saves.
+    seen = ir.node("Identity", [head.weight], name="also_reads_the_head")
+    model.graph.append(seen)
+    model.graph.outputs.append(seen.outputs[0])
+    assert find_head(model) == NoMatch("the head's weight is read by other nodes too")
 
 
 def _generate(model: Seq2SeqModel, **settings) -> np.ndarray:
@@ -278,8 +436,14 @@ SETTINGS = [
 ]
 
 
+@pytest.fixture
+def screen_every_step(monkeypatch):
+    """The tiny models' logits are flat: the runner would soon turn to the float head."""
+    monkeypatch.setattr(_GreedyHeadRunner, "CHEAPER_BELOW", 1.0)
+
+
 def test_greedy_search_through_the_cache_entry_gives_the_float_heads_tokens(
-    tied, tmp_path, monkeypatch
+    tied, tmp_path, monkeypatch, screen_every_step
 ):
     plain = Seq2SeqModel(tied)
     cached = Seq2SeqModel(tied, session_cache=tmp_path / "cache")

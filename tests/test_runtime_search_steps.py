@@ -358,6 +358,52 @@ def test_beam_reorders_move_only_the_rows_that_change_in_the_runners_own_cache()
         np.testing.assert_array_equal(got, expected_shared)
 
 
+@pytest.mark.parametrize("per_input", [False, True], ids=["row per row", "row per input"])
+def test_rows_that_stay_move_to_the_front_of_the_runners_own_cache(per_input):
+    # A dropped row's copy of the cache would be a second cache while the first goes (and
+    # onnxruntime's arena keeps the first step's).
+    from onnxmerge.runtime._model import _Steps
+    from onnxmerge.runtime._session import Cache
+
+    rng = np.random.default_rng(4)
+    beams = 2 if per_input else 1
+    decoder = tuple(rng.standard_normal((8, 2, 3, 4)).astype(np.float32) for _ in range(2))
+    encoder = tuple(rng.standard_normal((8 // beams, 2, 5, 4)).astype(np.float32) for _ in range(2))
+    mask = rng.integers(0, 2, (8 // beams * beams, 5))
+    cache = Cache(attention_mask=mask, decoder=decoder, encoder=encoder, per_input=per_input)
+    # Beam search keeps whole inputs, its beams reordered within them: any order is safe.
+    for rows in ([0, 1, 4, 5, 6, 7], [1, 0, 7, 6], [2, 3]):
+        rows = np.array(rows)
+        expected = cache.reorder(rows)
+        steps = _Steps(
+            session=None, encoder_inputs={}, prompt=np.zeros((8, 1), np.int64), max_length=8
+        )
+        steps._cache = Cache(
+            attention_mask=mask,
+            decoder=tuple(t.copy() for t in decoder),
+            encoder=tuple(t.copy() for t in encoder),
+            per_input=per_input,
+        )
+        held = steps.cache.decoder + steps.cache.encoder
+        steps.keep(rows)
+        got = steps.cache
+        for kept, want, before in zip(
+            got.decoder + got.encoder, expected.decoder + expected.encoder, held, strict=True
+        ):
+            np.testing.assert_array_equal(kept, want)
+            assert np.shares_memory(kept, before)
+        np.testing.assert_array_equal(got.attention_mask, expected.attention_mask)
+        assert got.per_input == per_input
+
+    # Arrays the runner cannot write are copied, as before.
+    frozen = decoder[0].copy()
+    frozen.flags.writeable = False
+    steps._cache = Cache(attention_mask=None, decoder=(frozen,), encoder=())
+    steps.keep(np.array([3, 1]))
+    np.testing.assert_array_equal(steps.cache.decoder[0], frozen[[3, 1]])
+    assert not np.shares_memory(steps.cache.decoder[0], frozen)
+
+
 def _overlap(a: np.ndarray, b: np.ndarray) -> bool:
     return bool(np.shares_memory(a, b))
 

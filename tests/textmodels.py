@@ -3,8 +3,9 @@
 The graphs are not real transformers, but they have the interface optimum writes (names, dtypes,
 ranks of every input and output) and use their weights the way exported models do: one embedding
 read by the encoder and both decoders, an LM head stored either as its own transposed copy of the
-embedding or as a ``Transpose`` node of it, per-layer projections repeated in both decoders, small
-1-D int64 shape tensors. They run in onnxruntime, so the merged model can be compared with them.
+embedding or as a ``Transpose`` node of it (or untied: a matrix of its own), per-layer projections
+repeated in both decoders, small 1-D int64 shape tensors. They run in onnxruntime, so the merged
+model can be compared with them.
 
 ``write_export`` writes a folder in one of the layouts optimum produces; ``run_sources`` runs the
 source files of a folder the way a generation loop would, for comparison with the merged model.
@@ -184,7 +185,7 @@ def _decoder_body(*, past: bool, presents: bool, head: str, p: str) -> str:
   {q(p + "h1")} = Add({q(p + "x")}, {q(p + "cross_ctx")})
   {q(p + "h2")} = Add({q(p + "h1")}, {q(p + "self_ctx")})
   {q(p + "h3")} = MatMul({q(p + "h2")}, {q(OUT_PROJ)})""")
-    if head == "copy":
+    if head in ("copy", "untied"):  # the weights tell them apart
         lines.append(f"\n  {q(p + 'lm')} = MatMul({q(p + 'h3')}, {q(LM_HEAD)})")
     elif head in ("tied", "tied-no-bias"):
         product = p + ("logits" if head == "tied-no-bias" else "lm")
@@ -192,7 +193,7 @@ def _decoder_body(*, past: bool, presents: bool, head: str, p: str) -> str:
   {q(p + "head")} = Transpose<perm = [1, 0]>({q(EMBEDDING)})
   {q(product)} = MatMul({q(p + "h3")}, {q(p + "head")})""")
     else:
-        raise ValueError(f"head must be 'copy', 'tied' or 'tied-no-bias', not {head!r}")
+        raise ValueError(f"head must be 'copy', 'untied', 'tied' or 'tied-no-bias', not {head!r}")
     if head != "tied-no-bias":
         lines.append(f"\n  {q(p + 'logits')} = Add({q(p + 'lm')}, {q(FINAL_BIAS)})")
     return "".join(lines)
@@ -421,6 +422,8 @@ def write_export(
     ir_versions = ir_versions or {}
     names = names or {}
     weights = make_weights(seed)
+    if head == "untied":
+        weights[LM_HEAD] = make_weights(seed + 1)[LM_HEAD]
 
     def kw(file: str) -> dict:
         return {"opset": opsets.get(file, OPSET), "ir_version": ir_versions.get(file, IR_VERSION)}

@@ -14,6 +14,7 @@ pick (up to the rounding of the two float products, as between any two runtimes)
 from __future__ import annotations
 
 import logging
+import mmap
 from pathlib import Path
 
 import numpy as np
@@ -25,8 +26,13 @@ logger = logging.getLogger(__name__)
 FLAG = "onnxmerge.greedy_head"
 HIDDEN = "onnxmerge.greedy_head.hidden"
 TABLES = "greedy_head.npz"
-# Where more tokens than this share of the vocabulary remain, one product over all rows is cheaper.
+# Where more tokens than this share of a row's vocabulary remain, its own product is cheaper; where
+# more than this share of a step's logits, one product over all its rows. A token's float logit
+# from its gathered row costs about what 100 logits of a product do (opus-mt-fr-en shape).
 _MOST = 0.25
+_MOST_OF_STEP = 1 / 128
+# Float logits of this many tokens at a time: the rows they read, gathered, stay within 16 MB.
+_GATHERED = 8192
 # float32 sums here round too: every bound is taken this much wider.
 _RAISE = 1 + 2.0**-10
 
@@ -56,13 +62,28 @@ def write_tables(
 
 
 class GreedyHead:
-    """The float rows of a tied head and the bounds of its int8 copy."""
+    """The float rows of a head and the bounds of its int8 copy.
 
-    def __init__(self, weight: np.ndarray, bias: np.ndarray | None, error, l1, amax):
-        # [vocab, hidden], mapped: only the rows read become resident. A plain array over the
-        # mapping: np.memmap's own indexing costs more than the few rows a step gathers.
-        self.weight = weight.view(np.ndarray)
+    ``mapping``: the read-only file mapping ``weight`` lies in, whose pages :meth:`drop_pages`
+    drops (where there is none, it does nothing).
+    """
+
+    def __init__(
+        self,
+        weight: np.ndarray,
+        bias: np.ndarray | None,
+        error,
+        l1,
+        amax,
+        mapping: mmap.mmap | None = None,
+    ):
+        # [vocab, hidden], mapped: only the rows read become resident.
+        self.weight = weight
         self.bias = bias
+        self._mapping = mapping if hasattr(mmap, "MADV_DONTNEED") else None
+        # The steps that run the float head after a costly one (``_GreedyHeadRunner``): kept
+        # here, so that a model's later searches start from what its earlier ones found.
+        self.float_steps = 0
         hidden = weight.shape[1]
         # Per unit of the input's L1 norm: the rows' quantization error, and the rounding of the
         # float products (sums of `hidden` terms). Per unit of the input's quantization step:
@@ -88,12 +109,15 @@ class GreedyHead:
                 if Path(name).name != name:
                     raise ValueError(f"weight file {name!r} is not a name in the entry")
                 vocab, hidden = (int(n) for n in tables["weight_shape"])
-                weight = np.memmap(
-                    folder / name,
-                    dtype=np.float32,
-                    mode="r",
-                    offset=int(tables["weight_offset"]),
-                    shape=(vocab, hidden),
+                offset = int(tables["weight_offset"])
+                start = offset - offset % mmap.ALLOCATIONGRANULARITY
+                with open(folder / name, "rb") as file:
+                    length = offset - start + vocab * hidden * 4
+                    mapping = mmap.mmap(
+                        file.fileno(), length, access=mmap.ACCESS_READ, offset=start
+                    )
+                weight = np.frombuffer(mapping, np.float32, vocab * hidden, offset - start).reshape(
+                    vocab, hidden
                 )
                 bias = tables["bias"] if tables["bias"].size else None
                 per_token = [tables["error"], tables["l1"], tables["amax"]] + [bias] * (
@@ -101,10 +125,26 @@ class GreedyHead:
                 )
                 if any(t.shape != (vocab,) for t in per_token):
                     raise ValueError("the tables do not match the vocabulary")
-                return cls(weight, bias, tables["error"], tables["l1"], tables["amax"])
+                return cls(weight, bias, tables["error"], tables["l1"], tables["amax"], mapping)
         except Exception as error:  # any damage: greedy steps run the float head instead
             logger.debug("greedy head tables in %s not read: %s", folder, error)
             return None
+
+    def drop_pages(self, tokens: slice = slice(None)) -> None:
+        """Drop this process's resident pages of the rows of ``tokens``: a step that reads many
+        rows would leave them resident beside the float head's own packed copy. They stay in
+        the page cache, and a later read maps them back."""
+        if self._mapping is None:
+            return
+        rows = self.weight[tokens]
+        base = np.frombuffer(self._mapping, np.uint8, 1).ctypes.data
+        start = (rows.ctypes.data - base) // mmap.PAGESIZE * mmap.PAGESIZE
+        try:
+            self._mapping.madvise(
+                mmap.MADV_DONTNEED, start, rows.ctypes.data - base + rows.nbytes - start
+            )
+        except (OSError, ValueError) as error:  # pragma: no cover - nothing is lost
+            logger.debug("greedy head pages not dropped: %s", error)
 
     def bounds(
         self, approximate: np.ndarray, hidden: np.ndarray, workspace: Workspace | None = None
@@ -125,6 +165,9 @@ class LogitBounds:
         self.approximate = approximate
         self.hidden = hidden
         self.workspace = workspace
+        # After argmax: the share of the step's logits it took in float beyond one a row (the
+        # least any step takes), which is what the bounds cost.
+        self.float_share = 0.0
 
     def slack(self) -> np.ndarray:
         """``[rows, 1]``: how far any float logit of each row can be from its int8 logit.
@@ -205,18 +248,37 @@ class LogitBounds:
         row_of, token_of = np.divmod(np.flatnonzero(reaching), vocab)
         counts = np.bincount(row_of, minlength=rows)
         whole = unbounded | (counts == 0) | (counts > _MOST * vocab)
+        if row_of.size > _MOST_OF_STEP * rows * vocab:
+            whole[:] = True
         picked = ~whole[row_of]
         row_of, token_of = row_of[picked], token_of[picked]
+        taken = token_of.size + int(whole.sum()) * vocab
+        self.float_share = max(taken - rows, 0) / max(rows * vocab, 1)
         head = self.head
-        exact = np.einsum("ij,ij->i", head.weight[token_of], self.hidden[row_of])
+        exact = np.empty(token_of.size, np.float32)
+        hidden_size = head.weight.shape[1]
+        space = self.workspace
+        for start in range(0, token_of.size, _GATHERED):
+            part = slice(start, start + _GATHERED)
+            count = token_of[part].size
+            rows_read = space.array("gathered_rows", (count, hidden_size), np.float32)
+            inputs = space.array("gathered_inputs", (count, hidden_size), np.float32)
+            # The indices are in range: "clip" skips checking them, at three times the speed.
+            np.take(head.weight, token_of[part], axis=0, out=rows_read, mode="clip")
+            np.take(self.hidden, row_of[part], axis=0, out=inputs, mode="clip")
+            np.einsum("ij,ij->i", rows_read, inputs, out=exact[part])
         if head.bias is not None:
             exact += head.bias[token_of]
         return row_of, token_of, exact, whole
 
     def _write_whole_rows(self, logits: np.ndarray, whole: np.ndarray) -> None:
         """Write the float logits of the rows ``whole`` selects over theirs in ``logits``."""
-        head = self.head
-        for row in np.flatnonzero(whole):
-            logits[row] = head.weight @ self.hidden[row]
+        head, rows = self.head, np.flatnonzero(whole)
+        if rows.size:  # one pass over the weight for all of them, a part resident at a time
+            inputs = self.hidden[rows]
+            for start in range(0, head.weight.shape[0], _GATHERED):
+                part = slice(start, start + _GATHERED)
+                logits[rows, part] = inputs @ head.weight[part].T
+                head.drop_pages(part)
         if head.bias is not None:
             logits[whole] += head.bias

@@ -1,8 +1,8 @@
 """A second LM head for greedy search, stored as int8 rows, for onnxruntime's session cache.
 
 Greedy search needs the largest logit of each row, not every logit. At batch 1 the cached step's
-tied head reads the whole float32 embedding each token (122 MB on the opus-mt-fr-en shape), about
-a third of the step. :func:`add_greedy_head` gives the cached branch a second head, chosen by the
+head reads its whole float32 weight each token (122 MB on the opus-mt-fr-en shape), about a third
+of the step. :func:`add_greedy_head` gives the cached branch a second head, chosen by the
 boolean input ``FLAG``: the embedding's rows quantized to int8 (a quarter of the bytes) through
 the integer matrix product, with the head's input as the extra output ``HIDDEN``. The tables
 :func:`row_tables` returns bound how far each int8 logit can be from the float one, so the
@@ -34,7 +34,9 @@ logger = logging.getLogger(__name__)
 
 CODES = "onnxmerge.greedy_head.codes"
 SCALES = "onnxmerge.greedy_head.scales"
+ROWS = "onnxmerge.greedy_head.rows"  # an untied head's weight, stored as rows
 _BIAS_SHAPE = "onnxmerge.greedy_head.bias_shape"
+_HIDDEN_SHAPE = "onnxmerge.greedy_head.hidden_shape"
 # DynamicQuantizeLinear arrived in opset 11.
 _MIN_OPSET = 11
 _CHUNK_ROWS = 4096
@@ -42,15 +44,22 @@ _CHUNK_ROWS = 4096
 
 @dataclass(frozen=True)
 class Head:
-    """The float head both branches end with: ``Gemm(rows, weight, transB=1)`` reshaped into
-    the logits, plus ``bias`` (or nothing)."""
+    """The float head both branches end with, plus ``bias`` (or nothing): a tied head,
+    ``Gemm(rows, weight, transB=1)`` reshaped into the logits, or, where ``columns``, an untied
+    one as exported, ``MatMul(hidden, weight)`` with ``weight`` ``[hidden, vocab]``."""
 
     weight: ir.Value
     bias: ir.Value | None
     # The cached branch's and the uncached branch's; the main graph's one in format 3.
-    gemms: tuple[ir.Node, ...]
+    products: tuple[ir.Node, ...]
     branches: ir.Node | None  # the If on use_cache_branch; None in format 3
     index: int  # the logits' place among the If's outputs (the main graph's in format 3)
+    columns: bool = False
+
+    def rows(self) -> np.ndarray:
+        """The weight as ``[vocab, hidden]``: one row per token."""
+        weight = tensor_of(self.weight).numpy()
+        return np.ascontiguousarray(weight.T) if self.columns else weight
 
 
 @dataclass(frozen=True)
@@ -88,11 +97,11 @@ def row_tables(weight: np.ndarray) -> RowTables:
 
 
 def find_head(model: ir.Model) -> Head | NoMatch:
-    """The tied float head of both branches, or why there is none to add a greedy head to."""
+    """The float head of both branches, or why there is none to add a greedy head to."""
     main = model.graph
     if model.opset_imports.get("", 0) < _MIN_OPSET:  # the nodes added are in domain ""
         return NoMatch(f"default-domain opset below {_MIN_OPSET}")
-    taken = {FLAG, HIDDEN, CODES, SCALES, _BIAS_SHAPE}
+    taken = {FLAG, HIDDEN, CODES, SCALES, ROWS, _BIAS_SHAPE, _HIDDEN_SHAPE}
     if any(v.name in taken for v in (*main.inputs, *main.outputs, *main.initializers.values())):
         return NoMatch("it already has a greedy head")
     flag = next((v for v in main.inputs if v.name == c.USE_CACHE_BRANCH), None)
@@ -104,8 +113,10 @@ def find_head(model: ir.Model) -> Head | NoMatch:
         head = _branch_head(logits, main)
         if isinstance(head, NoMatch):
             return head
-        gemm, weight, bias = head
-        return Head(weight, bias, (gemm,), None, main.outputs.index(logits))
+        product, weight, bias = head
+        return _checked(
+            Head(weight, bias, (product,), None, main.outputs.index(logits), _untied(product))
+        )
     branches = [n for n in main if is_op(n, "If") and n.inputs[0] is flag] if flag else []
     if len(branches) != 1:
         return NoMatch(f"no single If on {c.USE_CACHE_BRANCH}")
@@ -119,10 +130,24 @@ def find_head(model: ir.Model) -> Head | NoMatch:
         if isinstance(head, NoMatch):
             return NoMatch(f"{branch}: {head}")
         found.append(head)
-    (gemm, weight, bias), (first_gemm, first_weight, first_bias) = found
+    (product, weight, bias), (first_product, first_weight, first_bias) = found
     if first_weight is not weight or first_bias is not bias:
         return NoMatch("the branches' heads read different weights")
-    return Head(weight, bias, (gemm, first_gemm), node, index)
+    if _untied(product) != _untied(first_product):
+        return NoMatch("the branches' heads multiply differently")
+    return _checked(Head(weight, bias, (product, first_product), node, index, _untied(product)))
+
+
+def _untied(product: ir.Node) -> bool:
+    return is_op(product, "MatMul")
+
+
+def _checked(head: Head) -> Head | NoMatch:
+    """``head``, or why an untied one is left alone: the rows the cache entry stores in its
+    place would be a second copy where the weight is read elsewhere too."""
+    if head.columns and any(node not in head.products for node, _ in head.weight.uses()):
+        return NoMatch("the head's weight is read by other nodes too")
+    return head
 
 
 def _branch_head(
@@ -142,15 +167,23 @@ def _branch_head(
         if bias is None or bias.const_value is None or other is None:
             return NoMatch("the logits add something other than a stored bias")
         node = other.producer()
-    if not is_op(node, "Reshape") or node.inputs[0] is None:
-        return NoMatch("the head's product is not reshaped into the logits")
-    gemm = node.inputs[0].producer()
-    if not is_op(gemm, "Gemm") or len([v for v in gemm.inputs if v is not None]) != 2:
-        return NoMatch("the head is not a Gemm without bias")
-    attrs = {name: attr.value for name, attr in gemm.attributes.items()}
-    if attrs.get("transB") != 1 or attrs.get("transA", 0) != 0 or attrs.get("alpha", 1.0) != 1.0:
-        return NoMatch("the head's Gemm does not read the weight's rows as stored (transB=1)")
-    weight = gemm.inputs[1]
+    product: ir.Node | None = node
+    if is_op(node, "MatMul"):  # untied, as exported: the weight is [hidden, vocab]
+        pass
+    elif is_op(node, "Reshape") and node.inputs[0] is not None:
+        product = node.inputs[0].producer()
+        if not is_op(product, "Gemm") or len([v for v in product.inputs if v is not None]) != 2:
+            return NoMatch("the head is not a Gemm without bias")
+        attrs = {name: attr.value for name, attr in product.attributes.items()}
+        if attrs.get("transB") != 1 or attrs.get("transA", 0) != 0 or attrs.get("alpha", 1.0) != 1:
+            return NoMatch("the head's Gemm does not read the weight's rows as stored (transB=1)")
+    else:
+        found = "nothing" if node is None else f"a {node.op_type}"
+        return NoMatch(
+            f"the logits come from {found}, not a float head (a MatMul, or a Gemm reshaped)"
+        )
+    assert product is not None  # is_op found a node
+    weight = product.inputs[1]
     if (
         weight is None
         or weight.graph is not main
@@ -160,14 +193,16 @@ def _branch_head(
         return NoMatch("the head's weight is not a stored float32 tensor of the main graph")
     if weight.shape is None or len(weight.shape) != 2:
         return NoMatch("the head's weight is not a matrix")
-    if bias is not None and tensor_of(bias).size != weight.shape[0]:
+    vocab = weight.shape[1 if _untied(product) else 0]
+    if bias is not None and tensor_of(bias).size != vocab:
         return NoMatch("the bias does not match the vocabulary")
-    return gemm, weight, bias
+    return product, weight, bias
 
 
 def add_greedy_head(model: ir.Model, head: Head) -> RowTables:
     """Move the head out of both branches, under ``FLAG``: int8 rows where it is true, the
-    float head where it is false; the branches' output in place of the logits is ``HIDDEN``.
+    float head where it is false; the branches' output in place of the logits is the head's
+    input, ``HIDDEN`` (flattened to ``[rows * new tokens, hidden]`` where the head was a MatMul).
     The logits this graph returns are ``[rows * new tokens, vocab]``, as the head computes them.
 
     Nested one level deeper, inside the cached branch, onnxruntime does not pre-pack the
@@ -177,22 +212,33 @@ def add_greedy_head(model: ir.Model, head: Head) -> RowTables:
     the opus-mt-fr-en shape. The bias is the float product's third operand instead.
     """
     main = model.graph
-    assert head.weight.shape is not None  # find_head found a matrix
-    vocab, hidden_size = head.weight.shape
+    p = "onnxmerge.greedy_head/"
+    rows = head.rows()
+    vocab, hidden_size = rows.shape
     if head.branches is None:
-        hidden = _head_input(head.gemms[0])
-        after: ir.Node = head.gemms[0]
+        hidden = _head_input(head.products[0])
+        after: ir.Node = head.products[0]
         logits_at = head.index
     else:
-        # Each branch now ends with the head's input, [rows, hidden].
-        for branch, gemm in zip(("then_branch", "else_branch"), head.gemms, strict=True):
+        # Each branch now ends with the head's input.
+        for branch, product in zip(("then_branch", "else_branch"), head.products, strict=True):
             graph = head.branches.attributes[branch].as_graph()
-            graph.outputs[head.index] = _head_input(gemm)
+            graph.outputs[head.index] = _head_input(product)
         hidden = head.branches.outputs[head.index]
+        hidden.name = p + "head_input"  # the logits' name until now
         after = head.branches
         logits_at = main.outputs.index(hidden)
+    tail: list[ir.Node] = []
+    weight = head.weight
+    if head.columns:
+        # A MatMul's input may have any rank: [rows * new tokens, hidden] for the Gemms. The
+        # float head reads the weight's rows, stored once, as the tied head does.
+        shape = initializer(main, _HIDDEN_SHAPE, np.array([-1, hidden_size], np.int64))
+        tail.append(ir.node("Reshape", [hidden, shape], name=p + "hidden"))
+        hidden = tail[-1].outputs[0]
+        weight = initializer(main, ROWS, rows)
 
-    tables = row_tables(tensor_of(head.weight).numpy())
+    tables = row_tables(rows)
     codes = initializer(main, CODES, np.ascontiguousarray(tables.codes.T))
     scales = initializer(main, SCALES, tables.scales)
     flag = ir.Value(name=FLAG, type=ir.TensorType(ir.DataType.BOOL), shape=ir.Shape([1]))
@@ -201,8 +247,6 @@ def add_greedy_head(model: ir.Model, head: Head) -> RowTables:
     hidden.type = hidden.type or ir.TensorType(ir.DataType.FLOAT)
     hidden.shape = ir.Shape([None, hidden_size])
 
-    p = "onnxmerge.greedy_head/"
-    tail: list[ir.Node] = []
     bias = head.bias
     if bias is not None and len(tensor_of(bias).shape) != 1:
         # Gemm's third operand broadcasts to [rows, vocab] only as [vocab] or [1, vocab].
@@ -220,7 +264,7 @@ def add_greedy_head(model: ir.Model, head: Head) -> RowTables:
     int8_nodes = [quantize, product, as_float, column_scales, approximate]
     if bias is not None:
         int8_nodes.append(ir.node("Add", [approximate.outputs[0], bias], name=p + "int8/bias"))
-    exact_inputs = [hidden, head.weight] + ([bias] if bias is not None else [])
+    exact_inputs = [hidden, weight] + ([bias] if bias is not None else [])
     exact = ir.node("Gemm", exact_inputs, {"transB": 1}, name=p + "float")
     for node in [*int8_nodes[1:], exact]:
         node.outputs[0].name = node.name
@@ -235,7 +279,8 @@ def add_greedy_head(model: ir.Model, head: Head) -> RowTables:
     )
     tail.append(choose)
     for node in tail[:-1]:
-        node.outputs[0].name = node.name
+        if node.outputs[0] is not hidden:
+            node.outputs[0].name = node.name
     main.insert_after(after, tail)
     result = choose.outputs[0]
     result.name = c.LOGITS
@@ -247,11 +292,11 @@ def add_greedy_head(model: ir.Model, head: Head) -> RowTables:
     return tables
 
 
-def _head_input(gemm: ir.Node) -> ir.Value:
-    """The rows a head's Gemm multiplies: its first input, which ONNX requires."""
-    rows = gemm.inputs[0]
+def _head_input(product: ir.Node) -> ir.Value:
+    """What a head's product multiplies: its first input, which ONNX requires."""
+    rows = product.inputs[0]
     if rows is None:
-        raise ValueError(f"the head's Gemm {gemm.name} has no first input")
+        raise ValueError(f"the head's {product.op_type} {product.name} has no first input")
     return rows
 
 
@@ -305,7 +350,8 @@ def write_greedy_source(model_path: Path, folder: Path) -> GreedySource | None:
     if isinstance(head, NoMatch):
         logger.debug("no greedy head for %s: %s", model_path, head)
         return None
-    weight = tensor_of(head.weight).numpy()
+    weight = head.rows()
+    weight_name = ROWS if head.columns else name_of(head.weight)
     bias = None if head.bias is None else tensor_of(head.bias).numpy().reshape(-1)
     tables = add_greedy_head(model, head)
     folder.mkdir(parents=True, exist_ok=True)
@@ -313,4 +359,4 @@ def write_greedy_source(model_path: Path, folder: Path) -> GreedySource | None:
     ir.save(model, path, external_data="model.onnx_data", size_threshold_bytes=1024)
     # The codes are in the saved model now; only the tables that bound them stay.
     tables = dataclasses.replace(tables, codes=np.empty((0, 0), np.int8))
-    return GreedySource(path, name_of(head.weight), weight, bias, tables)
+    return GreedySource(path, weight_name, weight, bias, tables)

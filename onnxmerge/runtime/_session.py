@@ -109,25 +109,68 @@ class Cache:
             per_input=self.per_input,
         )
 
-    def _encoder_rows(self, idx: np.ndarray) -> tuple[np.ndarray, ...]:
-        """The encoder tensors for decoder rows ``idx``: one row per run of rows that read the
-        same input, where the cache may hold them so and the runs are of one length."""
-        if not self.encoder:
-            return self.encoder
+    def kept(self, indices: np.ndarray) -> Cache:
+        """``reorder(indices)`` for a cache that only its caller holds, to no more rows than it
+        has: the rows move to the front of the same arrays. A new cache's arrays would hold a
+        second cache until the first goes, and onnxruntime's arena keeps what it made."""
+        idx = np.asarray(indices, dtype=np.int64)
+        own = self.decoder + self.encoder
+        picked = self._encoder_indices(idx) if self.encoder else None
+        if (
+            self.tokens is not None
+            or idx.size > self.rows
+            or not all(t.flags.writeable for t in own)
+            or len({t.ctypes.data for t in own}) < len(own)
+            or (picked is not None and picked.size > self.encoder[0].shape[0])
+        ):
+            return self.reorder(idx)
+        if idx.size and (idx.min() < 0 or idx.max() >= self.rows):
+            return self.reorder(idx)  # which says what is wrong
+        mask = None if self.attention_mask is None else np.take(self.attention_mask, idx, axis=0)
+        return Cache(
+            attention_mask=mask,
+            decoder=tuple(_moved_to_front(t, idx) for t in self.decoder),
+            encoder=self.encoder
+            if picked is None
+            else tuple(_moved_to_front(t, picked) for t in self.encoder),
+            per_input=self.per_input,
+        )
+
+    def _encoder_indices(self, idx: np.ndarray) -> np.ndarray | None:
+        """The encoder rows that decoder rows ``idx`` read: one per run of rows that read the
+        same input, where the cache may hold them so and the runs are of one length; None where
+        those are the rows held, in order."""
         if not self.per_input:
-            return tuple(np.take(t, idx, axis=0) for t in self.encoder)
+            return idx
         held = self.encoder[0].shape[0]
         inputs = idx // (self.rows // held)
         starts = np.flatnonzero(np.diff(inputs, prepend=-1))
         runs = np.diff(np.append(starts, inputs.size))
         picked = inputs[starts] if runs.size and (runs == runs[0]).all() else inputs
-        if np.array_equal(picked, np.arange(held)):
+        return None if np.array_equal(picked, np.arange(held)) else picked
+
+    def _encoder_rows(self, idx: np.ndarray) -> tuple[np.ndarray, ...]:
+        """The encoder tensors for decoder rows ``idx`` (``_encoder_indices``)."""
+        if not self.encoder:
+            return self.encoder
+        picked = self._encoder_indices(idx)
+        if picked is None:
             return self.encoder
         return tuple(np.take(t, picked, axis=0) for t in self.encoder)
 
     def expand(self, n: int) -> Cache:
         """Every row repeated ``n`` times in place (row r becomes rows r*n ... r*n+n-1)."""
         return self.reorder(np.repeat(np.arange(self.rows), n))
+
+
+def _moved_to_front(tensor: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """``tensor[rows]`` in ``tensor``'s first rows; the rows that move are gathered before any
+    is written, so any order is safe."""
+    kept = tensor[: rows.size]
+    moved = np.flatnonzero(rows != np.arange(rows.size))
+    if moved.size:
+        kept[moved] = tensor[rows[moved]]
+    return kept
 
 
 @dataclass(frozen=True)

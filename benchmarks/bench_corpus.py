@@ -22,6 +22,12 @@ within the memory target, against CTranslate2's fastest. Our session opens throu
 written beforehand (what every load after the first does); for greedy float32 that runs the int8
 greedy head, which gives the float head's tokens (``docs/runtime.md``).
 
+And the ceiling float32 sets: the floating-point operations of the weights' matrix products that
+the corpus takes at the least on either side (``matrix_work``), over each side's time, against
+this machine's rate for one float32 matrix product of the LM head's shape in onnxruntime,
+measured in the same run (``matmul_rate``): the share of that rate each side reaches, and the
+share that the speed target would need.
+
 Then the int8 file quantized with one activation scale per row (``activation_scale="row"``), per
 case at our int8 file's fastest batching, beside the int8 file run again at that batching: its
 speed against the int8 file's and CTranslate2's int8, and how often its tokens equal alone.
@@ -72,6 +78,8 @@ CANDIDATES = (
 QUICK_CANDIDATES = (("examples", 16, 1), ("tokens", 1024, 2))
 ROW = "int8 row"  # the int8 file with one activation scale per row
 ALONE_SAMPLE = 24  # inputs generated alone as well, spread over the corpus
+SHAPE = ("d_model", "vocab_size", "encoder_layers", "decoder_layers")
+SHAPE += ("encoder_ffn_dim", "decoder_ffn_dim")
 TARGETS = {  # ours / CTranslate2 tokens per second, at least; peak memory, at most
     "float32": {"greedy": 1.2, "beam4": 1.2, "peak_rss": 1.2},
     "int8": {"greedy": 1.2, "beam4": 1.0, "peak_rss": 1.2},
@@ -89,6 +97,76 @@ def corpus(count: int, config: dict, longest: int = 64) -> list[list[int]]:
         [*rng.integers(low, high, size=int(n) - 1).tolist(), int(config["eos_token_id"])]
         for n in lengths
     ]
+
+
+def matrix_work(shape: dict, lengths: list[int], beams: int) -> float:
+    """Floating-point operations of the weights' matrix products that generating ``NEW_TOKENS``
+    tokens for inputs of ``lengths`` takes at the least: every encoder layer on every source id,
+    each decoder layer's cross-attention keys and values once per source id, and per decoder
+    row and step the decoder's projections and the LM head, one row per input at the first
+    step (the prompt) and ``beams`` after. Attention's own products, the norms and the search
+    are left out."""
+    d = shape["d_model"]
+    per_source_id = shape["encoder_layers"] * (4 * d * d + 2 * d * shape["encoder_ffn_dim"])
+    per_source_id += shape["decoder_layers"] * 2 * d * d
+    per_row_step = shape["decoder_layers"] * (6 * d * d + 2 * d * shape["decoder_ffn_dim"])
+    per_row_step += d * shape["vocab_size"]
+    row_steps = len(lengths) * (1 + (NEW_TOKENS - 1) * beams)
+    return 2.0 * (sum(lengths) * per_source_id + row_steps * per_row_step)
+
+
+def matmul_rate(shape: dict, threads: int, rows: int = 256) -> float:
+    """Floating-point operations per second of one float32 ``Gemm`` of the LM head's shape
+    (``rows`` by ``d_model`` times ``d_model`` by ``vocab_size``) in onnxruntime with ``threads``
+    threads: the best of 5 runs after one to warm up."""
+    import numpy as np
+    import onnx
+    import onnxruntime
+    from onnx import TensorProto, helper, numpy_helper
+
+    d, vocab = shape["d_model"], shape["vocab_size"]
+    rng = np.random.default_rng(_common.SEED)
+    weight = (rng.standard_normal((vocab, d)) * 0.02).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Gemm", ["x", "w"], ["y"], transB=1)],
+        "head",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [rows, d])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [rows, vocab])],
+        [numpy_helper.from_array(weight, "w")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = threads
+    session = onnxruntime.InferenceSession(
+        onnx.shape_inference.infer_shapes(model).SerializeToString(),
+        options,
+        providers=["CPUExecutionProvider"],
+    )
+    feeds = {"x": rng.standard_normal((rows, d)).astype(np.float32)}
+    session.run(None, feeds)
+    best = float("inf")
+    for _ in range(5):
+        started = time.perf_counter()
+        session.run(None, feeds)
+        best = min(best, time.perf_counter() - started)
+    return 2.0 * rows * d * vocab / best
+
+
+def ceiling(precision: dict, work: dict[str, float], rate: float) -> dict:
+    """Per case, each side's rate of the weights' matrix products over its whole run, as a
+    share of ``rate``; and the share that the speed target would need ours to reach."""
+    found = {}
+    for case, operations in work.items():
+        shares = {
+            side: operations / precision[side]["cases"][case]["s"] / rate
+            for side in ("ours", "ctranslate2")
+        }
+        found[case] = {
+            "work_gflop": operations / 1e9,
+            "shares": shares,
+            "target_needs": precision["targets"][case] * shares["ctranslate2"],
+        }
+    return found
 
 
 def setting_name(batch_type: str, size: int, parallel: int) -> str:
@@ -398,6 +476,31 @@ def _shared_note(environment: dict) -> str:
     )
 
 
+def ceiling_markdown(data: dict) -> list[str]:
+    """What the float32 matrix products allow: each side's share of this machine's rate."""
+    c = data["float32_ceiling"]
+    lines = [
+        "float32: the weights' matrix products that the corpus takes at the least on either "
+        "side (every encoder layer on every source id, the cross-attention keys and values "
+        "once per source id, and per decoder row and step the projections and the LM head), "
+        "over each side's whole run, against this machine's rate for one float32 `Gemm` of "
+        "the LM head's shape in onnxruntime (256 rows, the same threads, measured in the same "
+        f"run): {c['matmul_gflops']:.0f} GFLOP/s. A share near 100% leaves no time to gain "
+        "without fewer products. Ours can pass 100% in greedy search, whose int8 head leaves "
+        "most of the LM head's float products out (docs/runtime.md).",
+        "",
+        "| search | matrix products, GFLOP | CTranslate2: share of the rate "
+        "| onnxmerge: share of the rate | the speed target needs |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for case, r in c["cases"].items():
+        lines.append(
+            f"| {case} | {r['work_gflop']:.0f} | {r['shares']['ctranslate2']:.0%} "
+            f"| {r['shares']['ours']:.0%} | **{r['target_needs']:.0%}** |"
+        )
+    return lines
+
+
 def markdown(data: dict) -> list[str]:
     """The section of docs/benchmarks.md."""
     from benchmarks.run_all import _load_averages, _processor
@@ -446,6 +549,7 @@ def markdown(data: dict) -> list[str]:
                 f"| {theirs['same_as_alone']:.2f} | {ours['same_as_alone']:.2f} "
                 f"| {p['token_agreement'][case]:.2f} |"
             )
+    lines += ["", *ceiling_markdown(data)] if "float32_ceiling" in data else []
     lines += [
         "",
         "Our fastest setting whose peak stays within the memory target (the larger of "
@@ -561,6 +665,10 @@ def main(argv: list[str] | None = None) -> int:
     import onnxruntime
 
     lengths = [len(i) for i in corpus(args.inputs, config)]
+    full = _common.marian_config(args.quick)()
+    shape = {k: int(getattr(full, k)) for k in SHAPE}
+    rate = matmul_rate(shape, args.threads)
+    work = {case: matrix_work(shape, lengths, beams) for case, beams in CASES}
     results = {
         "benchmark": "corpus",
         "model": "tiny Marian" if args.quick else "opus-mt-fr-en shape",
@@ -580,12 +688,22 @@ def main(argv: list[str] | None = None) -> int:
         },
         "precisions": precisions,
         "row_scales": row_scales,
+        "float32_ceiling": {
+            "matmul_gflops": rate / 1e9,
+            "cases": ceiling(precisions["float32"], work, rate),
+        },
         "seconds": time.perf_counter() - started,
         "environment": _common.environment(
             load_at_start, onnxruntime=onnxruntime.__version__, ctranslate2=ctranslate2.__version__
         ),
     }
     _common.write_results(args.out, results)
+    for case, c in results["float32_ceiling"]["cases"].items():
+        shares = {side: f"{share:.0%}" for side, share in c["shares"].items()}
+        print(
+            f"float32 {case}: {c['work_gflop']:.4g} GFLOP of matrix products; share of the "
+            f"machine's rate: {shares}; the target needs {c['target_needs']:.0%}"
+        )
     for precision, data in precisions.items():
         ratios = {k: round(v, 2) for k, v in data["ratios"].items()}
         print(f"{precision}: ours/ctranslate2 {ratios}; targets met {data['targets_met']}")

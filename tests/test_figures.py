@@ -213,6 +213,17 @@ def test_readme_corpus_ratios_are_the_corpus_benchmark() -> None:
     _assert_quoted(" ".join(readme.split()), f"within {target}× CTranslate2's", "README.md")
 
 
+def test_readme_float32_beam_ceiling_is_the_corpus_benchmarks() -> None:
+    readme = " ".join((REPO / "README.md").read_text(encoding="utf-8").split())
+    beam = _load("corpus")["float32_ceiling"]["cases"]["beam4"]
+    quoted = (
+        f"at least {beam['work_gflop'] / 1000:.1f} TFLOP on this corpus; CTranslate2 runs them at "
+        f"{beam['shares']['ctranslate2']:.0%} of this machine's rate"
+    )
+    _assert_quoted(readme, quoted, "README.md")
+    _assert_quoted(readme, f"would need {beam['target_needs']:.0%}", "README.md")
+
+
 ENDS_ROWS = (
     ("greedy tokens/s", "greedy", "vs_ctranslate2"),
     ("beam-4 tokens/s", "beam4", "vs_ctranslate2"),
@@ -239,3 +250,11 @@ def test_readme_corpus_ends_ratios_are_the_corpus_ends_benchmark() -> None:
     s = ends["setting"]
     setting = f"{s['min_new_tokens']} to {s['max_new_tokens']} new tokens"
     _assert_quoted(" ".join(readme.split()), setting, "README.md")
+    # The README says every case's peak stays within the corpus benchmark's memory target.
+    target = _load("corpus")["precisions"]["float32"]["targets"]["peak_rss"]
+    _assert_quoted(" ".join(readme.split()), f"peak memory stays within {target}×", "README.md")
+    for precision, cases in ends["precisions"].items():
+        for case, c in cases.items():
+            best = c["best"]
+            ratio = best["ours"]["peak_rss_mb"] / best["ctranslate2"]["peak_rss_mb"]
+            assert ratio <= target, (precision, case, ratio)

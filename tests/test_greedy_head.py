@@ -236,14 +236,14 @@ def test_masks_take_the_short_way_to_the_float_heads_tokens(monkeypatch):
 # -- the rewrite ---------------------------------------------------------------------------------
 
 
-def _merged(tmp_path_factory, head: str) -> Path:
+def _merged(tmp_path_factory, head: str, format: int | None = None) -> Path:
     folder = tm.write_export(tmp_path_factory.mktemp("greedy") / "export", head=head)
     config = json.loads((folder / "config.json").read_text())
     ids = {"eos_token_id": 0, "pad_token_id": 1, "decoder_start_token_id": 2}
     config.update(ids, is_encoder_decoder=True)
     (folder / "config.json").write_text(json.dumps(config))
     (folder / "generation_config.json").write_text(json.dumps(ids))
-    return merge_seq2seq(folder, tmp_path_factory.mktemp(head) / "model.onnx")
+    return merge_seq2seq(folder, tmp_path_factory.mktemp(head) / "model.onnx", format=format)
 
 
 @pytest.fixture(scope="module")
@@ -271,6 +271,12 @@ def untied(tmp_path_factory) -> Path:
     return _merged(tmp_path_factory, "untied")
 
 
+@pytest.fixture(scope="module")
+def untied_format_2(tmp_path_factory) -> Path:
+    """Both decoders under the If: each branch ends with its own MatMul by the weight."""
+    return _merged(tmp_path_factory, "untied", format=2)
+
+
 def test_an_untied_head_is_found_as_exported_and_its_rows_are_stored_once(untied, tmp_path):
     head = find_head(load_model(untied)[0])
     assert not isinstance(head, NoMatch), head
@@ -284,9 +290,14 @@ def test_an_untied_head_is_found_as_exported_and_its_rows_are_stored_once(untied
     assert ROWS in stored and tm.LM_HEAD not in stored
 
 
+@pytest.mark.parametrize("merged", ["untied", "untied_format_2"])
 def test_greedy_search_with_an_untied_head_gives_the_float_heads_tokens(
-    untied, tmp_path, monkeypatch, screen_every_step
+    merged, request, tmp_path, monkeypatch, screen_every_step
 ):
+    untied = request.getfixturevalue(merged)
+    head = find_head(load_model(untied)[0])
+    assert not isinstance(head, NoMatch) and head.columns, head
+    assert len(head.products) == (2 if merged == "untied_format_2" else 1)
     plain = Seq2SeqModel(untied)
     cached = Seq2SeqModel(untied, session_cache=tmp_path / "cache")
     assert cached._session.greedy_head is not None

@@ -81,6 +81,9 @@ class GreedyHead:
         self.weight = weight
         self.bias = bias
         self._mapping = mapping if hasattr(mmap, "MADV_DONTNEED") else None
+        self._base = 0  # the mapping's address
+        if self._mapping is not None:
+            self._base = np.frombuffer(self._mapping, np.uint8, 1).ctypes.data
         # The steps that run the float head after a costly one (``_GreedyHeadRunner``): kept
         # here, so that a model's later searches start from what its earlier ones found.
         self.float_steps = 0
@@ -137,12 +140,10 @@ class GreedyHead:
         if self._mapping is None:
             return
         rows = self.weight[tokens]
-        base = np.frombuffer(self._mapping, np.uint8, 1).ctypes.data
-        start = (rows.ctypes.data - base) // mmap.PAGESIZE * mmap.PAGESIZE
+        offset = rows.ctypes.data - self._base
+        start = offset // mmap.PAGESIZE * mmap.PAGESIZE
         try:
-            self._mapping.madvise(
-                mmap.MADV_DONTNEED, start, rows.ctypes.data - base + rows.nbytes - start
-            )
+            self._mapping.madvise(mmap.MADV_DONTNEED, start, offset + rows.nbytes - start)
         except (OSError, ValueError) as error:  # pragma: no cover - nothing is lost
             logger.debug("greedy head pages not dropped: %s", error)
 

@@ -89,18 +89,10 @@ class _Steps:
         self._cache = self.cache.kept(rows)  # the runner's own cache
 
     def reorder(self, rows: np.ndarray, *, within_batch: bool = False) -> None:
-        moved = np.flatnonzero(rows != np.arange(len(rows)))
-        if not moved.size:
-            return
-        cache = self.cache
-        own = [t for t in cache.decoder if t.flags.writeable]
-        if within_batch and own and len({t.ctypes.data for t in own}) == len(cache.decoder):
-            # The runner's own cache, which nothing else holds, one buffer a tensor: only the
-            # rows that move are copied, each once (the right side is gathered first).
-            for tensor in cache.decoder:
-                tensor[moved] = tensor[rows[moved]]
-            return
-        self._cache = cache.reorder(rows, encoder=not within_batch)
+        if within_batch:  # the runner's own cache: its rows move within its arrays
+            self._cache = self.cache.kept(rows, encoder=False)
+        else:
+            self._cache = self.cache.reorder(rows)
 
 
 class _PresentBuffers:

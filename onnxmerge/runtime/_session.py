@@ -109,24 +109,27 @@ class Cache:
             per_input=self.per_input,
         )
 
-    def kept(self, indices: np.ndarray) -> Cache:
-        """``reorder(indices)`` for a cache that only its caller holds, to no more rows than it
-        has: the rows move to the front of the same arrays. A new cache's arrays would hold a
-        second cache until the first goes, and onnxruntime's arena keeps what it made."""
+    def kept(self, indices: np.ndarray, *, encoder: bool = True) -> Cache:
+        """``reorder(indices, encoder=encoder)`` for a cache that only its caller holds, to no
+        more rows than it has: the rows move within the same arrays, to their front where fewer
+        stay, and only the rows that move are copied. New arrays would hold a second cache
+        until the first goes, and onnxruntime's arena keeps what it made."""
         idx = np.asarray(indices, dtype=np.int64)
-        own = self.decoder + self.encoder
-        picked = self._encoder_indices(idx) if self.encoder else None
+        moving = self.decoder + (self.encoder if encoder else ())
+        picked = self._encoder_indices(idx) if encoder and self.encoder else None
         if (
             self.tokens is not None
             or idx.size > self.rows
-            or not all(t.flags.writeable for t in own)
-            or len({t.ctypes.data for t in own}) < len(own)
+            or (not encoder and idx.size != self.rows)
+            or (idx.size and (idx.min() < 0 or idx.max() >= self.rows))
+            or not all(t.flags.writeable for t in moving)
+            or len({t.ctypes.data for t in moving}) < len(moving)
             or (picked is not None and picked.size > self.encoder[0].shape[0])
         ):
-            return self.reorder(idx)
-        if idx.size and (idx.min() < 0 or idx.max() >= self.rows):
-            return self.reorder(idx)  # which says what is wrong
-        mask = None if self.attention_mask is None else np.take(self.attention_mask, idx, axis=0)
+            return self.reorder(idx, encoder=encoder)  # which says what is wrong, if anything
+        mask = self.attention_mask
+        if encoder and mask is not None:
+            mask = np.take(mask, idx, axis=0)
         return Cache(
             attention_mask=mask,
             decoder=tuple(_moved_to_front(t, idx) for t in self.decoder),
@@ -166,7 +169,7 @@ class Cache:
 def _moved_to_front(tensor: np.ndarray, rows: np.ndarray) -> np.ndarray:
     """``tensor[rows]`` in ``tensor``'s first rows; the rows that move are gathered before any
     is written, so any order is safe."""
-    kept = tensor[: rows.size]
+    kept = tensor if rows.size == len(tensor) else tensor[: rows.size]
     moved = np.flatnonzero(rows != np.arange(rows.size))
     if moved.size:
         kept[moved] = tensor[rows[moved]]

@@ -175,11 +175,17 @@ def _maps(entry: str, path: str) -> bool:
         return False
 
 
-def anonymous_array(size: int, dtype: np.dtype) -> np.ndarray:
+def anonymous_array(size: int, dtype: np.dtype, *, huge_pages: bool = True) -> np.ndarray:
     """``np.empty(size, dtype)`` in a private anonymous mapping of its own: its pages are
     resident only once written and go back to the system when the array is freed (malloc
     serves sizes below its threshold, which freeing a mapping raises to 32 MB, from a heap that
-    keeps them)."""
+    keeps them).
+
+    ``huge_pages`` asks for transparent huge pages, as numpy does for its large arrays: fewer
+    TLB misses over an array written once and read often. Where the system compacts memory for
+    such a mapping's faults (``defrag`` set to ``madvise``, a common default), a fault can stall
+    for tens of milliseconds: an array whose pages are written a few at every step asks for none.
+    """
     nbytes = max(size * dtype.itemsize, 1)
     try:
         if hasattr(mmap, "MAP_ANONYMOUS"):  # POSIX; a plain anonymous mapping would be shared
@@ -188,7 +194,7 @@ def anonymous_array(size: int, dtype: np.dtype) -> np.ndarray:
             buffer = mmap.mmap(-1, nbytes)
     except OSError:  # a system that will not reserve this much address space
         return np.empty(size, dtype)
-    if hasattr(mmap, "MADV_HUGEPAGE"):  # as numpy asks for its large arrays: fewer TLB misses
+    if huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):
         buffer.madvise(mmap.MADV_HUGEPAGE)
     return np.frombuffer(buffer, dtype, count=size)
 

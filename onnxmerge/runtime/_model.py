@@ -149,10 +149,11 @@ class _PresentBuffers:
             while slot >= len(self._slots):
                 self._slots.append(np.empty(0, tensor.dtype))
             if self._slots[slot].size < size or self._slots[slot].dtype != tensor.dtype:
-                # Once per search, unless its rows change or it outgrows max_length.
+                # Once per search, unless its rows change or it outgrows max_length. Each step
+                # faults in a few pages more: small ones, which the system never compacts for.
                 longest = rows * heads * max(self._positions, length + 1) * width
                 grown = max(longest, 2 * self._slots[slot].size)
-                self._slots[slot] = memory.anonymous_array(grown, tensor.dtype)
+                self._slots[slot] = memory.anonymous_array(grown, tensor.dtype, huge_pages=False)
             arrays.append(self._slots[slot][:size].reshape(shape))
         self._step += 1
         return arrays

@@ -250,11 +250,42 @@ def test_readme_corpus_ends_ratios_are_the_corpus_ends_benchmark() -> None:
     s = ends["setting"]
     setting = f"{s['min_new_tokens']} to {s['max_new_tokens']} new tokens"
     _assert_quoted(" ".join(readme.split()), setting, "README.md")
-    # The README says every case's peak stays within the corpus benchmark's memory target.
     target = _load("corpus")["precisions"]["float32"]["targets"]["peak_rss"]
-    _assert_quoted(" ".join(readme.split()), f"peak memory stays within {target}×", "README.md")
-    for precision, cases in ends["precisions"].items():
-        for case, c in cases.items():
+    sentence = corpus_ends_memory_sentence(ends["precisions"], target)
+    _assert_quoted(" ".join(readme.split()), sentence, "README.md")
+
+
+CASE_NAMES = {"greedy": "greedy", "beam4": "beam 4"}
+
+
+def corpus_ends_memory_sentence(precisions: dict, target: float) -> str:
+    """The README's account of peak memory on the ends corpus: at each side's fastest batching,
+    within the corpus benchmark's memory target or not, and where not, our fastest batching
+    that stays within it."""
+    over = []
+    for precision in CORPUS_COLUMNS:
+        for case, c in precisions[precision].items():
             best = c["best"]
-            ratio = best["ours"]["peak_rss_mb"] / best["ctranslate2"]["peak_rss_mb"]
-            assert ratio <= target, (precision, case, ratio)
+            theirs = best["ctranslate2"]
+            ratio = best["ours"]["peak_rss_mb"] / theirs["peak_rss_mb"]
+            if ratio <= target:
+                continue
+            fitting = {
+                name: r
+                for name, r in c["settings"]["ours"].items()
+                if r["peak_rss_mb"] <= target * theirs["peak_rss_mb"]
+            }
+            text = f"{precision} {CASE_NAMES[case]} ({ratio:.2f}×, at {best['ours']['batching']}"
+            if fitting:
+                name = max(fitting, key=lambda k: fitting[k]["tokens_per_s"])
+                speed = fitting[name]["tokens_per_s"] / theirs["tokens_per_s"]
+                peak = fitting[name]["peak_rss_mb"] / theirs["peak_rss_mb"]
+                text += f"; at {name} ours runs {speed:.2f}× CTranslate2's speed"
+                text += f" at {peak:.2f}× its peak"
+            over.append(text + ")")
+    if not over:
+        return f"each case's peak memory stays within {target}× CTranslate2's here too"
+    return (
+        f"at each side's fastest batching our peak memory stays within {target}× CTranslate2's "
+        f"in every case but {_listed(over) if len(over) > 1 else over[0]}"
+    )

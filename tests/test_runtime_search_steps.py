@@ -454,7 +454,11 @@ def _vm_flags(array: np.ndarray) -> list[str]:
 
 
 @pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads Linux's smaps")
-@pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="no transparent huge pages")
+@pytest.mark.skipif(
+    not hasattr(mmap, "MADV_HUGEPAGE")
+    or not Path("/sys/kernel/mm/transparent_hugepage/enabled").exists(),
+    reason="no transparent huge pages",
+)
 def test_present_buffers_ask_for_no_huge_pages_and_the_logits_do():
     # A present buffer faults in a few pages at every step; asked for huge pages, each fault
     # could compact memory first: tens of milliseconds more a step at a few hundred rows.
@@ -464,6 +468,19 @@ def test_present_buffers_ask_for_no_huge_pages_and_the_logits_do():
     presents = buffers.next([np.zeros((64, 8, 1, 64), np.float32) for _ in range(2)])
     assert all("hg" not in _vm_flags(p) for p in presents)
     assert "hg" in _vm_flags(buffers.logits(4, flat=True))  # written once, read over and over
+
+
+def test_a_kernel_without_huge_pages_still_maps_arrays(monkeypatch):
+    from onnxmerge.runtime._memory import anonymous_array
+
+    class Refusing(mmap.mmap):
+        def madvise(self, *args):  # as a kernel without transparent huge pages answers
+            raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(mmap, "mmap", Refusing)
+    array = anonymous_array(1 << 20, np.dtype(np.float32))
+    array[:] = 1.5
+    assert array.shape == (1 << 20,) and float(array.sum()) == 1.5 * (1 << 20)
 
 
 PAST_READER = """

@@ -7,6 +7,7 @@ nothing.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import functools
@@ -195,7 +196,8 @@ def anonymous_array(size: int, dtype: np.dtype, *, huge_pages: bool = True) -> n
     except OSError:  # a system that will not reserve this much address space
         return np.empty(size, dtype)
     if huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):
-        buffer.madvise(mmap.MADV_HUGEPAGE)
+        with contextlib.suppress(OSError):  # a kernel without transparent huge pages
+            buffer.madvise(mmap.MADV_HUGEPAGE)
     return np.frombuffer(buffer, dtype, count=size)
 
 

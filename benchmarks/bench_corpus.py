@@ -118,7 +118,7 @@ def matrix_work(shape: dict, lengths: list[int], beams: int) -> float:
 def matmul_rate(shape: dict, threads: int, rows: int = 256) -> float:
     """Floating-point operations per second of one float32 ``Gemm`` of the LM head's shape
     (``rows`` by ``d_model`` times ``d_model`` by ``vocab_size``) in onnxruntime with ``threads``
-    threads: the best of 5 runs after one to warm up."""
+    threads: the best of 5 runs after one to warm up (``_common.timed_runs``)."""
     import numpy as np
     import onnx
     import onnxruntime
@@ -143,13 +143,8 @@ def matmul_rate(shape: dict, threads: int, rows: int = 256) -> float:
         providers=["CPUExecutionProvider"],
     )
     feeds = {"x": rng.standard_normal((rows, d)).astype(np.float32)}
-    session.run(None, feeds)
-    best = float("inf")
-    for _ in range(5):
-        started = time.perf_counter()
-        session.run(None, feeds)
-        best = min(best, time.perf_counter() - started)
-    return 2.0 * rows * d * vocab / best
+    times, _ = _common.timed_runs(lambda: session.run(None, feeds), 5)
+    return 2.0 * rows * d * vocab / min(times)
 
 
 def ceiling(precision: dict, work: dict[str, float], rate: float) -> dict:
@@ -391,24 +386,29 @@ def compare(ours: dict, theirs: dict, targets: dict) -> dict:
     }
 
 
+def fastest_within(settings: dict[str, dict], peak_rss_mb: float) -> str | None:
+    """The fastest of ``settings`` whose peak stays within ``peak_rss_mb``; None if none does."""
+    fitting = [k for k, r in settings.items() if r["peak_rss_mb"] <= peak_rss_mb]
+    return max(fitting, key=lambda k: settings[k]["tokens_per_s"], default=None)
+
+
 def within_peak(ours: dict, theirs: dict, peak_ratio: float) -> dict:
     """Per case, our fastest setting whose peak stays within ``peak_ratio`` times CTranslate2's
     (the larger of its fastest settings'), and its speed against CTranslate2's fastest: the one
     setting that answers both targets at once, where the fastest needs more memory."""
-    limit = peak_ratio * theirs["peak_rss_mb"]
     found = {}
     for case, result in ours["cases"].items():
-        fitting = {k: r for k, r in result["settings"].items() if r["peak_rss_mb"] <= limit}
-        if not fitting:
+        settings = result["settings"]
+        name = fastest_within(settings, peak_ratio * theirs["peak_rss_mb"])
+        if name is None:
             found[case] = None
             continue
-        name = max(fitting, key=lambda k: fitting[k]["tokens_per_s"])
         found[case] = {
             "batching": name,
-            "tokens_per_s": fitting[name]["tokens_per_s"],
-            "peak_rss_mb": fitting[name]["peak_rss_mb"],
-            "ratio": fitting[name]["tokens_per_s"] / theirs["cases"][case]["tokens_per_s"],
-            "peak_ratio": fitting[name]["peak_rss_mb"] / theirs["peak_rss_mb"],
+            "tokens_per_s": settings[name]["tokens_per_s"],
+            "peak_rss_mb": settings[name]["peak_rss_mb"],
+            "ratio": settings[name]["tokens_per_s"] / theirs["cases"][case]["tokens_per_s"],
+            "peak_ratio": settings[name]["peak_rss_mb"] / theirs["peak_rss_mb"],
         }
     return found
 

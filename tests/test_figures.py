@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.bench_corpus import fastest_within
+
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "benchmarks" / "out"
 
@@ -150,7 +152,7 @@ def test_readme_ctranslate2_ratios_are_the_ctranslate2_benchmark() -> None:
 
 
 def _listed(items: list[str]) -> str:
-    return f"{', '.join(items[:-1])} and {items[-1]}"
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
 
 
 def corpus_memory_sentence(corpus: dict) -> str:
@@ -270,16 +272,12 @@ def corpus_ends_memory_sentence(precisions: dict, target: float) -> str:
             ratio = best["ours"]["peak_rss_mb"] / theirs["peak_rss_mb"]
             if ratio <= target:
                 continue
-            fitting = {
-                name: r
-                for name, r in c["settings"]["ours"].items()
-                if r["peak_rss_mb"] <= target * theirs["peak_rss_mb"]
-            }
+            ours = c["settings"]["ours"]
+            name = fastest_within(ours, target * theirs["peak_rss_mb"])
             text = f"{precision} {CASE_NAMES[case]} ({ratio:.2f}×, at {best['ours']['batching']}"
-            if fitting:
-                name = max(fitting, key=lambda k: fitting[k]["tokens_per_s"])
-                speed = fitting[name]["tokens_per_s"] / theirs["tokens_per_s"]
-                peak = fitting[name]["peak_rss_mb"] / theirs["peak_rss_mb"]
+            if name is not None:
+                speed = ours[name]["tokens_per_s"] / theirs["tokens_per_s"]
+                peak = ours[name]["peak_rss_mb"] / theirs["peak_rss_mb"]
                 text += f"; at {name} ours runs {speed:.2f}× CTranslate2's speed"
                 text += f" at {peak:.2f}× its peak"
             over.append(text + ")")
@@ -287,5 +285,5 @@ def corpus_ends_memory_sentence(precisions: dict, target: float) -> str:
         return f"each case's peak memory stays within {target}× CTranslate2's here too"
     return (
         f"at each side's fastest batching our peak memory stays within {target}× CTranslate2's "
-        f"in every case but {_listed(over) if len(over) > 1 else over[0]}"
+        f"in every case but {_listed(over)}"
     )

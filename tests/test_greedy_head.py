@@ -14,6 +14,7 @@ import onnx_ir as ir
 import pytest
 
 from tests import textmodels as tm
+from tests.smaps import SMAPS, resident_bytes
 
 ort = pytest.importorskip("onnxruntime")
 
@@ -384,28 +385,15 @@ def test_a_step_with_many_tokens_left_takes_one_product_over_all_rows():
     assert bounds.float_share > 0.99  # every row whole
 
 
-def _resident_bytes(address: int) -> int:
-    """This process's resident bytes of the mapping that holds ``address`` (Linux's smaps)."""
-    inside = False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        fields = line.split()
-        if "-" in fields[0] and len(fields) >= 5:
-            start, end = (int(x, 16) for x in fields[0].split("-"))
-            inside = start <= address < end
-        elif inside and fields[0] == "Rss:":
-            return int(fields[1]) * 1024
-    raise AssertionError(f"no mapping holds {address:#x}")
-
-
-@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads Linux's smaps")
+@pytest.mark.skipif(not SMAPS.exists(), reason="reads Linux's smaps")
 def test_the_heads_rows_read_by_a_costly_step_are_dropped_and_read_back(tied, tmp_path):
     head = Seq2SeqModel(tied, session_cache=tmp_path / "cache")._session.greedy_head
     address = head.weight.ctypes.data
     expected = np.array(head.weight)  # every row read: all resident
-    assert _resident_bytes(address) >= head.weight.nbytes
+    assert resident_bytes(address) >= head.weight.nbytes
     head.drop_pages(slice(0, tm.VOCAB // 2))
     head.drop_pages(slice(tm.VOCAB // 2, None))
-    assert _resident_bytes(address) == 0
+    assert resident_bytes(address) == 0
     np.testing.assert_array_equal(head.weight, expected)  # read back from the file
 
 

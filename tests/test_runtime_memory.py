@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from onnxmerge.runtime._memory import clean_file_mappings, is_data_file_of, release_mapped_weights
+from tests.smaps import resident_bytes
 
 PAGE = mmap.PAGESIZE
 
@@ -42,16 +43,6 @@ def test_only_unwritten_mappings_of_the_model_data_are_chosen(tmp_path):
     ]
 
 
-def _resident_kb(start: int) -> int:
-    """Rss of the mapping that starts at ``start``, from /proc/self/smaps."""
-    lines = Path("/proc/self/smaps").read_text().splitlines()
-    for i, line in enumerate(lines):
-        if line.startswith(f"{start:x}-"):
-            rss = next(x for x in lines[i + 1 :] if x.startswith("Rss:"))
-            return int(rss.split()[1])
-    raise AssertionError("mapping not found")
-
-
 def _mapped_data(folder: Path) -> tuple[Path, Path, bytes, mmap.mmap]:
     """A model's data file of eight pages, mapped private and writable as onnxruntime maps
     external data: the model's path, the file's, its bytes and the mapping."""
@@ -68,10 +59,10 @@ def test_clean_pages_are_dropped_and_written_pages_kept(tmp_path):
     try:
         start = next(s for s, _ in clean_file_mappings(is_data_file_of(model)))
         assert bytes(view) == content  # every page resident now
-        assert _resident_kb(start) >= 8 * PAGE // 1024
+        assert resident_bytes(start) >= 8 * PAGE
 
         assert release_mapped_weights(model) == 8 * PAGE
-        assert _resident_kb(start) == 0
+        assert resident_bytes(start) == 0
         assert bytes(view) == content  # read back from the file
 
         view[0] = 255  # a page of the process's own now: the mapping is left alone
@@ -94,7 +85,7 @@ def test_gathered_pages_drop_only_the_pages_of_their_tensors(tmp_path):
         assert gathered.regions == [(start + 2 * PAGE, start + 5 * PAGE)]
         assert bytes(view) == content
         gathered.drop()
-        assert _resident_kb(start) == (8 - 3) * PAGE // 1024
+        assert resident_bytes(start) == (8 - 3) * PAGE
         assert bytes(view) == content  # read back from the file
         assert GatheredPages(model, [(tmp_path / "other.onnx_data", 0, PAGE)]).regions == []
     finally:

@@ -20,6 +20,7 @@ from onnxmerge.runtime.processors import (
     softmax,
 )
 from onnxmerge.settings import resolve_settings
+from tests.smaps import SMAPS, mapping_fields
 
 START, EOS, NEG = 2, 1, np.float32(-1.0e9)
 
@@ -442,18 +443,10 @@ def test_present_buffers_give_the_logits_one_array_every_step():
 
 
 def _vm_flags(array: np.ndarray) -> list[str]:
-    """The kernel's flags for the mapping that holds ``array`` (Linux's smaps)."""
-    address = array.ctypes.data
-    lines = Path("/proc/self/smaps").read_text().splitlines()
-    for i, line in enumerate(lines):
-        start, _, end = line.split(" ", 1)[0].partition("-")
-        if end and int(start, 16) <= address < int(end, 16):
-            flags = next(x for x in lines[i + 1 :] if x.startswith("VmFlags:"))
-            return flags.split()[1:]
-    raise AssertionError("mapping not found")
+    return mapping_fields(array.ctypes.data)["VmFlags"].split()
 
 
-@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads Linux's smaps")
+@pytest.mark.skipif(not SMAPS.exists(), reason="reads Linux's smaps")
 @pytest.mark.skipif(
     not hasattr(mmap, "MADV_HUGEPAGE")
     or not Path("/sys/kernel/mm/transparent_hugepage/enabled").exists(),

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import enum
 import json
 import logging
 import os
+import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import warnings
@@ -16,6 +19,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
+from typing import Any
 
 from onnxmerge import __version__
 from onnxmerge.errors import (
@@ -44,6 +48,7 @@ class ExitCode(enum.IntEnum):
     MISSING_DEPENDENCY = 4, "an optional dependency is missing: the message says what to install"
     INTERNAL = 5, "an unexpected error, a bug: rerun with -v and report the traceback"
     INTERRUPTED = 130, "interrupted (Ctrl-C)"
+    TERMINATED = 143, "terminated (SIGTERM), cleaned up as after Ctrl-C"
 
 
 def _human(n: int | float | None) -> str:
@@ -448,10 +453,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 class _LineProgress:
-    """Lines done and generated tokens per second, on stderr, when it is a terminal."""
+    """Lines done and generated tokens per second, on stderr, when it is a terminal that the
+    translations themselves do not go to."""
 
-    def __init__(self, quiet: bool):
-        self.shown = not quiet and sys.stderr.isatty()
+    def __init__(self, quiet: bool, to_stdout: bool):
+        terminal = sys.stderr.isatty()
+        self.shown = not quiet and terminal and not (to_stdout and sys.stdout.isatty())
         self.lines = self.tokens = 0
         self.started = self.drawn = time.perf_counter()
 
@@ -468,6 +475,11 @@ class _LineProgress:
         line = f"\r  {self.lines} lines, {self.tokens} tokens, {rate:.1f} tokens/s\033[K"
         print(line, end="", file=sys.stderr, flush=True)
 
+    def clear(self) -> None:
+        """Erase the drawn line, before something else goes to stderr; the next draw redraws it."""
+        if self.shown:
+            print("\r\033[K", end="", file=sys.stderr, flush=True)
+
     def finish(self) -> None:
         if self.shown and self.lines:
             self._draw(time.perf_counter())
@@ -475,15 +487,25 @@ class _LineProgress:
             self.shown = False
 
 
-def _source_lines(source: str) -> Iterator[bytes]:
-    """The lines of FILE (or stdin for ``-``) as bytes, without their line ends."""
-    stream = sys.stdin.buffer if source == "-" else open(source, "rb")  # noqa: SIM115
+def _source_lines(source: Path | None) -> Iterator[bytes]:
+    """The lines of ``source`` (stdin for None) as bytes, without their line ends or the first
+    line's UTF-8 byte order mark, which Windows editors write."""
+    stream = sys.stdin.buffer if source is None else open(source, "rb")  # noqa: SIM115
     try:
-        for line in stream:
-            yield line.rstrip(b"\r\n")
+        for number, line in enumerate(stream):
+            line = line.rstrip(b"\r\n")
+            yield line.removeprefix(b"\xef\xbb\xbf") if number == 0 else line
     finally:
         if stream is not sys.stdin.buffer:
             stream.close()
+
+
+def _line_ids(text: str) -> list[int] | None:
+    """``--ids``: the line's decimal ids, or None where a word is not one."""
+    words = text.split()
+    if not all(word.isascii() and word.isdigit() for word in words):
+        return None
+    return [int(word) for word in words]
 
 
 def _translate_inputs(args, model, tokenizer, lines: Iterable[bytes], records: deque):
@@ -491,7 +513,9 @@ def _translate_inputs(args, model, tokenizer, lines: Iterable[bytes], records: d
     number and error, None when good) goes to ``records`` as the line is read."""
     import numpy as np
 
-    positions = model.config.get("max_position_embeddings")
+    from onnxmerge.settings import encoder_positions
+
+    positions = encoder_positions(model.config)
     vocab = model.config.get("vocab_size")
     for number, raw in enumerate(lines, 1):
         try:
@@ -503,12 +527,11 @@ def _translate_inputs(args, model, tokenizer, lines: Iterable[bytes], records: d
             records.append((number, "empty line"))
             continue
         if args.ids:
-            try:
-                ids = [int(word) for word in text.split()]
-            except ValueError:
-                records.append((number, "--ids takes integers separated by spaces"))
+            ids = _line_ids(text)
+            if ids is None:
+                records.append((number, "--ids takes non-negative integers separated by spaces"))
                 continue
-            outside = [i for i in ids if i < 0 or (isinstance(vocab, int) and i >= vocab)]
+            outside = [i for i in ids if isinstance(vocab, int) and i >= vocab]
             if outside:
                 records.append(
                     (number, f"id {outside[0]} is outside the vocabulary 0..{vocab - 1}")
@@ -516,7 +539,7 @@ def _translate_inputs(args, model, tokenizer, lines: Iterable[bytes], records: d
                 continue
         else:
             ids = tokenizer(text)["input_ids"]
-        if isinstance(positions, int) and len(ids) > positions:
+        if positions is not None and len(ids) > positions:
             records.append(
                 (number, f"{len(ids)} tokens, more than the model's {positions} positions")
             )
@@ -531,91 +554,47 @@ def _check_translate_args(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _translate_source(name: str) -> Path | None:
+    """SOURCE as a path (None for stdin), refused here, before the model loads, where it cannot
+    be read: a pipe, ``/dev/stdin`` or ``<(...)`` is a file to read too."""
+    if name == "-":
+        return None
+    source = Path(name)
+    if not source.exists():
+        raise FileNotFoundError(2, "no such file", name)
+    if source.is_dir():
+        raise OnnxMergeError(f"{source} is a folder; give a text file, or - for stdin")
+    return source
+
+
+def _one_line(text: str) -> str:
+    """A translation on one output line: a line break inside it would shift every later line."""
+    return " ".join(text.splitlines()) if "\n" in text or "\r" in text else text
+
+
 def cmd_translate(args: argparse.Namespace) -> int:
     _need("onnxruntime", "runtime")
     if not args.ids:
         _need("transformers", "text")
         _tokenizers_only()
+    from onnxmerge import model_io
     from onnxmerge.runtime import Seq2SeqModel, TextGenerator
 
+    source = _translate_source(args.source)
     output = Path(args.output) if args.output else None
-    if output is not None and output.exists() and not args.overwrite:
-        raise RefusedOutputError(f"{output} exists; pass --overwrite to replace it")
-    if args.source != "-" and not Path(args.source).is_file():
-        raise FileNotFoundError(2, "no such file", args.source)
-    quiet = args.json or not sys.stderr.isatty()
-    with _Steps(quiet=quiet) as steps:
-        steps("loading the model")
-        threads = args.threads
-        if args.parallel_batches > 1:
-            from onnxmerge.runtime._ort import shared_pool_threads
-
-            threads = shared_pool_threads(args.parallel_batches, threads)
-        model = Seq2SeqModel(args.file, session_cache=args.session_cache, threads=threads)
-        tokenizer = None
-        if not args.ids:
-            steps("loading the tokenizer")
-            tokenizer = TextGenerator.load_tokenizer(model.path.parent)
-    options = {
-        k: v
-        for k, v in (("max_new_tokens", args.max_new_tokens), ("num_beams", args.num_beams))
-        if v is not None
-    }
-    records: deque = deque()
-    errors: list[dict] = []
-    progress = _LineProgress(quiet=args.json)
-    target = None
     if output is not None:
-        target = tempfile.NamedTemporaryFile(  # noqa: SIM115 - renamed into place at the end
-            "w",
-            encoding="utf-8",
-            dir=output.parent or ".",
-            prefix=f".{output.name}.",
-            delete=False,
+        model_io.check_output(output, [source] if source else [], overwrite=args.overwrite)
+    with contextlib.ExitStack() as cleanup:
+        # The output's temporary file first: an output that cannot be written fails at once.
+        sink = (
+            cleanup.enter_context(model_io.text_written_atomically(output))
+            if output is not None
+            else sys.stdout
         )
-    sink = target if target is not None else sys.stdout
-
-    def flush_errors() -> None:
-        while records and records[0][1] is not None:
-            number, message = records.popleft()
-            errors.append({"line": number, "message": message})
-            print(f"onnxmerge: line {number}: {message}", file=sys.stderr, flush=True)
-            sink.write("\n")
-
-    results = None
-    try:
-        inputs = _translate_inputs(args, model, tokenizer, _source_lines(args.source), records)
-        results = model.generate_many(
-            inputs,
-            max_batch_size=args.max_batch_size,
-            batch_type=args.batch_type,
-            parallel_batches=args.parallel_batches,
-            **options,
-        )
-        for sequences in results:
-            flush_errors()
-            records.popleft()
-            generated = sequences[0, 1:]
-            if tokenizer is None:  # --ids
-                sink.write(" ".join(map(str, generated.tolist())) + "\n")
-            else:
-                sink.write(tokenizer.decode(generated, skip_special_tokens=True) + "\n")
-            progress(generated.size)
-        flush_errors()
-        if target is not None:
-            assert output is not None  # the temporary file is made for an output file only
-            target.close()
-            os.replace(target.name, output)
-            target = None
-        else:
-            sys.stdout.flush()
-    finally:
-        if results is not None:  # stops the batches running now (an error, Ctrl-C)
-            results.close()
-        progress.finish()
-        if target is not None:  # failed before the end: no half-written output
-            target.close()
-            os.unlink(target.name)
+        model, tokenizer = _translation_model(args, Seq2SeqModel, TextGenerator)
+        progress = _LineProgress(quiet=args.json, to_stdout=output is None)
+        cleanup.callback(progress.finish)
+        errors = _translate_lines(args, model, tokenizer, source, sink, progress)
     total = progress.lines + len(errors)
     if args.json:
         print(
@@ -642,6 +621,75 @@ def cmd_translate(args: argparse.Namespace) -> int:
         )
         return ExitCode.ERROR
     return ExitCode.OK
+
+
+def _translation_model(args: argparse.Namespace, model_class: Any, text_class: Any) -> tuple:
+    """The model, opened for ``--parallel-batches``, and its tokenizer (None with ``--ids``)."""
+    with _Steps(quiet=args.json or not sys.stderr.isatty()) as steps:
+        steps("loading the model")
+        threads = args.threads
+        if args.parallel_batches > 1:
+            from onnxmerge.runtime._ort import shared_pool_threads
+
+            threads = shared_pool_threads(args.parallel_batches, threads)
+        model = model_class(args.file, session_cache=args.session_cache, threads=threads)
+        main = next((n for n in model.encoder_input_names if n != "attention_mask"), None)
+        if main != "input_ids":
+            raise OnnxMergeError(
+                f"{args.file} reads {main}, not token ids: translate takes text or ids; "
+                "call Seq2SeqModel.generate_many() on its inputs from Python"
+            )
+        tokenizer = None
+        if not args.ids:
+            steps("loading the tokenizer")
+            tokenizer = text_class.load_tokenizer(model.path.parent)
+    return model, tokenizer
+
+
+def _translate_lines(args, model, tokenizer, source, sink, progress) -> list[dict]:
+    """Every line of ``source`` translated to ``sink``, in order, an empty line for each line
+    that fails; the failures, as they are reported."""
+    options = {
+        k: v
+        for k, v in (("max_new_tokens", args.max_new_tokens), ("num_beams", args.num_beams))
+        if v is not None
+    }
+    model.resolve_settings(**options)  # a length past the positions fails before any line
+    records: deque = deque()
+    errors: list[dict] = []
+
+    def flush_errors() -> None:
+        while records and records[0][1] is not None:
+            number, message = records.popleft()
+            errors.append({"line": number, "message": message})
+            progress.clear()
+            print(f"onnxmerge: line {number}: {message}", file=sys.stderr, flush=True)
+            sink.write("\n")
+
+    inputs = _translate_inputs(args, model, tokenizer, _source_lines(source), records)
+    results = model.generate_many(
+        inputs,
+        max_batch_size=args.max_batch_size,
+        batch_type=args.batch_type,
+        parallel_batches=args.parallel_batches,
+        **options,
+    )
+    try:
+        for sequences in results:
+            flush_errors()
+            records.popleft()
+            generated = sequences[0, 1:]
+            if tokenizer is None:  # --ids
+                sink.write(" ".join(map(str, generated.tolist())) + "\n")
+            else:
+                text = tokenizer.decode(generated, skip_special_tokens=True)
+                sink.write(_one_line(text) + "\n")
+            progress(generated.size)
+        flush_errors()
+        sink.flush()
+    finally:  # stops the batches running now (an error, Ctrl-C)
+        results.close()
+    return errors
 
 
 def _tokenizers_only() -> None:
@@ -1276,11 +1324,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
+    previous = _raise_on_sigterm()
     try:
         return args.handler(args)
     except KeyboardInterrupt:
         print("onnxmerge: interrupted", file=sys.stderr)
         return ExitCode.INTERRUPTED
+    except _Terminated:
+        print("onnxmerge: terminated", file=sys.stderr)
+        return ExitCode.TERMINATED
     except BrokenPipeError:
         # The reader left early (`onnxmerge inspect m.onnx --json | head`): not a failure.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -1293,6 +1345,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.json:  # a reader of stdout gets the failure as JSON too
             print(json.dumps({"error": {"exit_code": int(code), "message": message}}, indent=2))
         return code
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+class _Terminated(BaseException):
+    """SIGTERM, raised on the main thread as Ctrl-C is, so that every cleanup runs: temporary
+    outputs are removed and running batches stop. Not an Exception: nothing may handle it."""
+
+
+def _raise_on_sigterm() -> Any:
+    """Have SIGTERM raise ``_Terminated``; the handler it replaces, or None where only the main
+    thread may set one."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def terminated(signum: int, frame: Any) -> None:
+        raise _Terminated
+
+    return signal.signal(signal.SIGTERM, terminated)
 
 
 def _failure(e: Exception) -> tuple[int, str]:

@@ -17,6 +17,7 @@ import stat
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import TextIO
 
 import numpy as np
 import onnx
@@ -395,7 +396,44 @@ def check_output(output: Path, inputs: Iterable[Path], *, overwrite: bool) -> No
             f"{output} exists; pass overwrite=True (--overwrite) to replace it"
         )
     if output.is_dir():
-        raise RefusedOutputError(f"{output} is a folder; give a file path ending in .onnx")
+        raise RefusedOutputError(f"{output} is a folder; give a file path")
+
+
+def _new_file_mode(output: Path) -> int:
+    """The permissions ``output`` would get from ``open()``, or keeps where it exists: a file
+    made by ``mkstemp`` is its owner's alone."""
+    with contextlib.suppress(OSError):
+        return stat.S_IMODE(output.stat().st_mode)
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+@contextlib.contextmanager
+def text_written_atomically(output: Path) -> Iterator[TextIO]:
+    """A UTF-8 text stream that replaces ``output`` when the block ends without an error; on
+    any error (or interruption) it is removed and ``output`` is left as it was. The folder is
+    made here, so a path that cannot be written fails before any work."""
+    folder = output.parent
+    blocking = next((p for p in (folder, *folder.parents) if p.exists()), None)
+    if blocking is not None and not blocking.is_dir():
+        raise RefusedOutputError(f"cannot write {output}: {blocking} is a file, not a folder")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        handle, name = tempfile.mkstemp(prefix=f".{output.name}.", suffix=".tmp", dir=folder)
+    except OSError as e:
+        raise RefusedOutputError(f"cannot write {output}: {e.strerror or e}") from e
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8", newline="\n") as stream:
+            yield stream
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.chmod(name, _new_file_mode(output))
+        os.replace(name, output)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(name)
+        raise
 
 
 def save_model_atomically(

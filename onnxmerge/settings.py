@@ -187,9 +187,10 @@ def resolve_settings(
     elif "max_length" not in given and max_length == GLOBAL_DEFAULTS["max_length"]:
         # transformers: an unset max_length means 20 new tokens, capped by the positions.
         max_length = max_length + prompt_length
-        positions = config.get("max_position_embeddings")
+        positions = decoder_positions(config)
         if positions is not None:
             max_length = min(max_length, positions)
+    _check_decoder_positions(config, int(max_length), prompt_length)
     min_length = values["min_length"]
     if values["min_new_tokens"] is not None:
         min_length = values["min_new_tokens"] + prompt_length
@@ -206,6 +207,38 @@ def resolve_settings(
     settings = GenerationSettings(**read, prompt_length=prompt_length)
     validate_settings(settings)
     return settings
+
+
+def encoder_positions(config: dict) -> int | None:
+    """How many ``input_ids`` the encoder's position table holds; None where nothing bounds them
+    (T5's relative positions) or the encoder reads no ids (Whisper's audio frames)."""
+    positions = config.get("max_position_embeddings")
+    return positions if isinstance(positions, int) else None
+
+
+def decoder_positions(config: dict) -> int | None:
+    """How many positions the decoder's table holds (Whisper: ``max_target_positions``); None
+    where nothing bounds them."""
+    positions = config.get("max_target_positions", config.get("max_position_embeddings"))
+    return positions if isinstance(positions, int) else None
+
+
+def _check_decoder_positions(config: dict, max_length: int, prompt_length: int) -> None:
+    """Refuse a length past the decoder's positions before anything runs, rather than fail in
+    the runtime mid-corpus: every token but the last is fed back, at positions 0..max_length-2."""
+    positions = decoder_positions(config)
+    if positions is None or max_length <= positions + 1:
+        return
+    if prompt_length > positions:
+        raise GenerationError(
+            f"the decoder prompt has {prompt_length} tokens, more than the decoder's "
+            f"{positions} positions"
+        )
+    raise GenerationError(
+        f"max_length {max_length} ({max_length - prompt_length} new tokens) is past the "
+        f"decoder's {positions} positions: give max_new_tokens of at most "
+        f"{positions + 1 - prompt_length}"
+    )
 
 
 def validate_settings(s: GenerationSettings) -> None:
@@ -262,4 +295,6 @@ __all__ = [
     "model_generation_defaults",
     "resolve_settings",
     "validate_settings",
+    "encoder_positions",
+    "decoder_positions",
 ]

@@ -3,8 +3,11 @@ own error on stderr and a non-zero exit at the end, and nothing else is lost or 
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -68,6 +71,7 @@ def test_bad_lines_get_an_empty_line_and_their_own_error(model, tmp_path, at_onc
         " ".join(map(str, good[0])).encode(),
         b"",
         b"7 eight 9",
+        b"1_2 3",  # int() would read 12
         " ".join(map(str, good[1])).encode(),
         b"\xff\xfe 5",
         f"5 {tm.VOCAB + 4}".encode(),
@@ -92,23 +96,25 @@ def test_bad_lines_get_an_empty_line_and_their_own_error(model, tmp_path, at_onc
         expected_line(model, good[0]),
         "",
         "",
+        "",
         expected_line(model, good[1]),
         "",
         "",
         expected_line(model, good[2]),
     ]
     errors = result.stderr.splitlines()
-    assert errors[:4] == [
+    assert errors[:5] == [
         "onnxmerge: line 2: empty line",
-        "onnxmerge: line 3: --ids takes integers separated by spaces",
-        "onnxmerge: line 5: not UTF-8 (byte 1); nothing translated",
-        f"onnxmerge: line 6: id {tm.VOCAB + 4} is outside the vocabulary 0..{tm.VOCAB - 1}",
+        "onnxmerge: line 3: --ids takes non-negative integers separated by spaces",
+        "onnxmerge: line 4: --ids takes non-negative integers separated by spaces",
+        "onnxmerge: line 6: not UTF-8 (byte 1); nothing translated",
+        f"onnxmerge: line 7: id {tm.VOCAB + 4} is outside the vocabulary 0..{tm.VOCAB - 1}",
     ]
-    assert errors[4] == (
-        ERROR_PREFIX + "4 of 7 lines not translated (lines 2, 3, 5, 6); an "
+    assert errors[5] == (
+        ERROR_PREFIX + "5 of 8 lines not translated (lines 2, 3, 4, 6, 7); an "
         "empty line stands in for each"
     )
-    assert len(errors) == 5
+    assert len(errors) == 6
 
 
 def test_json_reports_every_line_and_needs_an_output_file(model, tmp_path):  # noqa: F811
@@ -139,7 +145,12 @@ def test_an_existing_output_needs_overwrite_and_stays_as_it_was(model, tmp_path)
     assert list(tmp_path.glob(".out.txt.*")) == []  # no temporary file left behind
 
 
-def test_ctrl_c_ends_batches_at_once_and_leaves_no_output(model, tmp_path):  # noqa: F811
+@pytest.mark.parametrize(
+    "sent, code, said",
+    [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")],
+    ids=["ctrl-c", "sigterm"],
+)
+def test_a_signal_ends_batches_at_once_and_leaves_no_output(model, tmp_path, sent, code, said):  # noqa: F811
     source = tmp_path / "ids.txt"
     source.write_text("".join(" ".join(map(str, ids)) + "\n" for ids in id_lines(20000)))
     out = tmp_path / "out.txt"
@@ -156,24 +167,75 @@ def test_ctrl_c_ends_batches_at_once_and_leaves_no_output(model, tmp_path):  # n
                 break
             time.sleep(0.1)
         time.sleep(0.5)
-        process.send_signal(signal.SIGINT)
+        process.send_signal(sent)
         _, stderr = process.communicate(timeout=120)
     finally:
         process.kill()
-    assert process.returncode == 130, stderr
-    assert stderr.strip().endswith("onnxmerge: interrupted")
+    assert process.returncode == code, stderr
+    assert stderr.strip().endswith(f"onnxmerge: {said}")
     assert not out.exists() and list(tmp_path.glob(".out.txt.*")) == []
 
 
 def test_a_missing_source_is_refused(model, tmp_path):  # noqa: F811
     result = run("translate", model.path, tmp_path / "absent.txt", "--ids")
     assert result.returncode == 3 and "absent.txt: no such file" in result.stderr
+    folder = run("translate", model.path, tmp_path, "--ids")
+    assert folder.returncode == 3 and f"{tmp_path} is a folder" in folder.stderr
+
+
+def test_a_pipe_is_a_source_and_a_byte_order_mark_is_not_part_of_the_first_line(model):  # noqa: F811
+    result = run(
+        "translate",
+        model.path,
+        "/dev/stdin",  # as <(...) and named pipes are: not regular files
+        "--ids",
+        "--max-new-tokens",
+        MAX_NEW,
+        stdin=b"\xef\xbb\xbf5 6 7\n5 6 7\n",
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [expected_line(model, [5, 6, 7])] * 2
+
+
+def test_an_output_path_that_cannot_be_written_is_refused_before_the_model_loads(model, tmp_path):  # noqa: F811
+    source = tmp_path / "ids.txt"
+    source.write_text("5 6 7\n")
+    (tmp_path / "folder").mkdir()
+    for output, message in [
+        (tmp_path / "folder", "is a folder; give a file path"),
+        (source / "out.txt", f"{source} is a file, not a folder"),
+        (source, "is the input"),
+    ]:
+        result = run("translate", model.path, source, "--ids", "-o", output, "--overwrite")
+        assert result.returncode == 3 and message in result.stderr, result.stderr
+        assert "loading" not in result.stderr
+    assert source.read_text() == "5 6 7\n"
+
+
+def test_the_output_gets_the_permissions_a_new_file_gets_or_keeps_those_it_had(model, tmp_path):  # noqa: F811
+    source = tmp_path / "ids.txt"
+    source.write_text("5 6 7\n")
+    fresh = tmp_path / "made" / "here" / "out.txt"  # its folders are made too
+    umask = os.umask(0o022)
+    try:
+        assert run("translate", model.path, source, "--ids", "-o", fresh).returncode == 0
+        kept = tmp_path / "kept.txt"
+        kept.write_text("old\n")
+        kept.chmod(0o640)
+        assert (
+            run("translate", model.path, source, "--ids", "-o", kept, "--overwrite").returncode == 0
+        )
+    finally:
+        os.umask(umask)
+    assert stat.S_IMODE(fresh.stat().st_mode) == 0o644
+    assert stat.S_IMODE(kept.stat().st_mode) == 0o640
+    assert kept.read_text() == fresh.read_text() != "old\n"
 
 
 def test_text_lines_translate_with_the_demo_model(demo_export, tmp_path):
     import shutil
 
-    from onnxmerge import merge_seq2seq
+    from onnxmerge import Seq2SeqModel, merge_seq2seq
     from onnxmerge.demo import english_number, french_number
 
     folder = Path(shutil.copytree(demo_export, tmp_path / "export"))
@@ -197,23 +259,64 @@ def test_text_lines_translate_with_the_demo_model(demo_export, tmp_path):
     assert lines[0] == "onnxmerge: line 2: empty line"
     assert lines[1].startswith("onnxmerge: line 3: ")
     assert lines[1].endswith(" tokens, more than the model's 64 positions")
+    # 64 decoder positions hold 64 new tokens after the start token, every one but the last fed
+    # back; one more is refused before any line runs, not in onnxruntime mid-file.
+    demo = Seq2SeqModel(merged)
+    ids = np.asarray([[5, 6, 7, 0]])
+    assert demo.generate(ids, max_new_tokens=64, min_new_tokens=64).shape == (1, 65)
+    out = tmp_path / "en.txt"
+    past = run("translate", merged, source, "--max-new-tokens", 65, "-o", out)
+    assert past.returncode == 3 and "give max_new_tokens of at most 64" in past.stderr
+    assert not out.exists()
 
 
 def test_progress_shows_lines_and_tokens_per_second_on_a_terminal_only(monkeypatch, capsys):
     from onnxmerge import cli
 
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
-    progress = cli._LineProgress(quiet=False)
+    progress = cli._LineProgress(quiet=False, to_stdout=False)
     progress.drawn -= 1  # as if the last drawing were a second ago
     progress(7)
+    progress.clear()  # before a line's error goes to stderr: it starts on a clean line
     progress(5)
     progress.finish()
     shown = capsys.readouterr().err
     assert "\r  1 lines, 7 tokens, " in shown
+    assert "tokens/s\033[K\r\033[K" in shown
     assert "\r  2 lines, 12 tokens, " in shown and "tokens/s" in shown
     assert shown.endswith("\n")  # the finished line stays, the next output starts below it
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    beside = cli._LineProgress(quiet=False, to_stdout=True)  # the translations show progress
+    beside(3)
+    beside.finish()
+    assert capsys.readouterr().err == ""
     monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
-    quiet = cli._LineProgress(quiet=False)
+    quiet = cli._LineProgress(quiet=False, to_stdout=False)
     quiet(3)
     quiet.finish()
     assert capsys.readouterr().err == ""
+
+
+def test_a_translation_stays_on_its_line_and_a_model_of_no_ids_is_refused():
+    from onnxmerge import cli
+    from onnxmerge.errors import OnnxMergeError
+
+    assert cli._one_line("two\nhundred\r\nthree") == "two hundred three"
+    assert cli._one_line("two hundred") == "two hundred"
+
+    class Whisper:
+        encoder_input_names = ("input_features",)
+
+        def __init__(self, *args, **kwargs):
+            pass
+
+    args = argparse.Namespace(
+        file="whisper.onnx",
+        threads=None,
+        parallel_batches=1,
+        session_cache=None,
+        ids=True,
+        json=True,
+    )
+    with pytest.raises(OnnxMergeError, match="reads input_features, not token ids"):
+        cli._translation_model(args, Whisper, None)

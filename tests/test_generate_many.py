@@ -119,6 +119,72 @@ def test_a_bad_input_is_named_by_its_index(model, bad, message):  # noqa: F811
         list(model.generate_many([[5, 6], bad, [7]], max_new_tokens=2))
 
 
+def test_encoder_side_processors_see_each_input_without_its_batch_padding(model, monkeypatch):  # noqa: F811
+    from onnxmerge.runtime import _model
+
+    seen: list[list[list[int]]] = []
+    build = _model.build_processors
+
+    def recording(settings, encoder_input_ids=None):
+        seen.append([list(map(int, row)) for row in encoder_input_ids])
+        return build(settings, encoder_input_ids)
+
+    monkeypatch.setattr(_model, "build_processors", recording)
+    inputs = sources(8, seed=2)
+    settings = {"max_new_tokens": MAX_NEW, "encoder_no_repeat_ngram_size": 2}
+    got = list(model.generate_many(inputs, max_batch_size=4, **settings))
+    fed = sorted(map(tuple, (row for batch in seen for row in batch)))
+    assert fed == sorted(tuple(map(int, source)) for source in inputs)  # no pad ids among them
+    monkeypatch.setattr(_model, "build_processors", build)
+    for source, result in zip(inputs, got, strict=True):
+        np.testing.assert_array_equal(result, alone(model, source, **settings))
+
+
+def test_an_iterator_that_refills_one_array_gives_each_input_its_own_result(model):  # noqa: F811
+    inputs = sources(6, seed=4)
+    buffer = np.empty(9, np.int64)
+
+    def refilled():
+        for source in inputs:
+            view = buffer[: source.size]
+            view[:] = source
+            yield view
+
+    got = list(model.generate_many(refilled(), max_new_tokens=MAX_NEW))
+    for source, result in zip(inputs, got, strict=True):
+        np.testing.assert_array_equal(result, alone(model, source, max_new_tokens=MAX_NEW))
+
+
+@pytest.fixture
+def eight_positions(model):  # noqa: F811
+    """The same file, its config giving 8 positions to the encoder and the decoder, as a
+    Marian config's max_position_embeddings does."""
+    from onnxmerge import Seq2SeqModel
+
+    limited = Seq2SeqModel(model.path)
+    limited.config["max_position_embeddings"] = 8
+    return limited
+
+
+def test_a_source_past_the_positions_is_a_generation_error_naming_its_input(eight_positions):
+    too_long = list(range(3, 12))
+    message = "input_ids has 9 tokens, more than the model's 8 positions"
+    with pytest.raises(GenerationError, match=f"input 1: {message}"):
+        list(eight_positions.generate_many([[5, 6], too_long, [7]], max_new_tokens=2))
+    with pytest.raises(GenerationError, match=message):
+        eight_positions.generate(np.asarray([too_long]), max_new_tokens=2)
+    assert eight_positions.generate(np.asarray([too_long[:8]]), max_new_tokens=2).shape[0] == 1
+
+
+def test_a_length_past_the_decoder_positions_is_refused_before_anything_runs(eight_positions):
+    # Every token but the last is fed back: 8 positions hold max_length 9.
+    assert eight_positions.resolve_settings(max_new_tokens=8).max_length == 9
+    with pytest.raises(GenerationError, match="give max_new_tokens of at most 8"):
+        next(eight_positions.generate_many([[5, 6]], max_new_tokens=9))
+    with pytest.raises(GenerationError, match="past the decoder's 8 positions"):
+        eight_positions.generate(np.asarray([[5, 6]]), max_length=10)
+
+
 @pytest.fixture(scope="module")
 def one_thread_model(model):  # noqa: F811
     """The same file with one intra-op thread a batch, as batches at once should have it."""
@@ -151,6 +217,12 @@ def test_batches_at_once_over_every_core_each_are_warned_about(model, caplog):  
     with caplog.at_level(logging.WARNING, logger="onnxmerge.runtime._model"):
         list(model.generate_many(sources(3), parallel_batches=2, max_new_tokens=2))
     assert f"they compete; open the model with threads={max(1, cores() - 1)}" in caplog.text
+
+
+def test_more_batches_at_once_than_cores_are_told_to_run_fewer(one_thread_model, caplog):
+    with caplog.at_level(logging.WARNING, logger="onnxmerge.runtime._model"):
+        list(one_thread_model.generate_many(sources(3), parallel_batches=cores() + 1))
+    assert f"they compete; run at most {cores()} batches at once" in caplog.text
 
 
 def test_threads_are_a_positive_count_without_session_options_beside_them(model):  # noqa: F811

@@ -63,6 +63,36 @@ def test_encoder_no_repeat_ngram(size, length):
     )
 
 
+def _ragged_rows() -> list[np.ndarray]:
+    """Encoder ids of three inputs, each of its own length: generate_many's inputs without the
+    padding their batch gives them."""
+    rng = np.random.default_rng(5)
+    return [rng.integers(0, 12, size=n) for n in (2, 7, 4)]
+
+
+def test_encoder_repetition_penalty_takes_rows_of_their_own_lengths():
+    rows = _ragged_rows()
+    ids, scores = _inputs(1)
+    got = p.EncoderRepetitionPenalty(1.7, rows)(ids, scores.copy())
+    for i, row in enumerate(rows):  # encoder row i goes with score row i, as in transformers
+        alone = tlp.EncoderRepetitionPenaltyLogitsProcessor(1.7, torch.from_numpy(row[None]))
+        expected = alone(torch.from_numpy(ids[i : i + 1]), torch.from_numpy(scores[i : i + 1]))
+        np.testing.assert_array_equal(got[i], expected.numpy()[0])
+    np.testing.assert_array_equal(got[len(rows) :], scores[len(rows) :])
+
+
+def test_encoder_no_repeat_ngram_takes_rows_of_their_own_lengths():
+    rows = _ragged_rows()
+    ids, scores = _inputs(1)
+    got = p.EncoderNoRepeatNGram(2, rows)(ids, scores.copy())
+    per_input = ROWS // len(rows)
+    for i, row in enumerate(rows):
+        lines = slice(i * per_input, (i + 1) * per_input)
+        alone = tlp.EncoderNoRepeatNGramLogitsProcessor(2, torch.from_numpy(row[None]))
+        expected = alone(torch.from_numpy(ids[lines]), torch.from_numpy(scores[lines].copy()))
+        np.testing.assert_array_equal(got[lines], expected.numpy())
+
+
 @pytest.mark.parametrize("eos", [[2], [2, 5]])
 def test_no_bad_words(eos):
     words = [[3], [2], [4, 5], [1, 2, 3], [7, 7], [11]]

@@ -20,7 +20,13 @@ from onnxmerge.runtime._greedy_head import GreedyHead, LogitBounds
 from onnxmerge.runtime._search import GreedyRunner, beam_search, greedy_or_sample
 from onnxmerge.runtime._session import Cache, MergedSession, StepOutput
 from onnxmerge.runtime.processors import build_processors
-from onnxmerge.settings import GENERATE_KEYWORDS, SCHEMA, GenerationSettings, resolve_settings
+from onnxmerge.settings import (
+    GENERATE_KEYWORDS,
+    SCHEMA,
+    GenerationSettings,
+    encoder_positions,
+    resolve_settings,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -368,6 +374,12 @@ class Seq2SeqModel:
                 f"input_ids is empty (shape {tuple(ids.shape)}); give every row at least one "
                 "token, e.g. the eos token"
             )
+        positions = encoder_positions(self.config)
+        if ids is not None and positions is not None and ids.shape[1] > positions:
+            raise GenerationError(
+                f"input_ids has {ids.shape[1]} tokens, more than the model's {positions} "
+                "positions; shorten or split the input"
+            )
         if ids is not None and mask is not None and mask.shape != ids.shape:
             raise GenerationError(
                 f"attention_mask has shape {tuple(mask.shape)} but input_ids has "
@@ -469,8 +481,11 @@ class Seq2SeqModel:
         seed: int | None,
         keywords: dict[str, Any],
         stop: threading.Event | None = None,
+        encoder_rows: list[np.ndarray] | None = None,
     ) -> np.ndarray:
-        """``generate()``, ending between steps with ``corpus.Stopped`` once ``stop`` is set."""
+        """``generate()``, ending between steps with ``corpus.Stopped`` once ``stop`` is set.
+        ``encoder_rows``: each row's ``input_ids`` as the encoder-side processors see them (a
+        padded batch's rows without the padding); by default the ``input_ids`` given."""
         overrides = {k: v for k, v in keywords.items() if k in GENERATE_KEYWORDS}
         named_inputs = {k: v for k, v in keywords.items() if k not in GENERATE_KEYWORDS}
         if isinstance(encoder_inputs, Mapping) or encoder_inputs is None:
@@ -492,10 +507,10 @@ class Seq2SeqModel:
         prompt = self._prompt(decoder_input_ids, batch, start.decoder_start_token_id)
         settings = resolve_settings(self.config, self.generation_config, overrides, prompt.shape[1])
         self._default_attention_mask(inputs, settings.pad_token_id, settings.eos_token_id)
-        encoder_ids = inputs.get("input_ids")
-        processors = build_processors(
-            settings, encoder_ids if encoder_ids is not None and encoder_ids.ndim == 2 else None
-        )
+        if encoder_rows is None:
+            encoder_ids = inputs.get("input_ids")
+            encoder_rows = list(encoder_ids) if encoder_ids is not None else None
+        processors = build_processors(settings, encoder_rows)
         rng = np.random.default_rng(seed)
         if settings.num_beams == 1:
             if settings.num_return_sequences > 1:
@@ -571,11 +586,12 @@ class Seq2SeqModel:
         main = self._main_input()
         examples = (self._one_example(index, item, settings) for index, item in enumerate(inputs))
 
-        Job = tuple[int, list[int], dict[str, np.ndarray]]
+        Job = tuple[int, list[int], dict[str, np.ndarray], list[np.ndarray] | None]
 
         def batches() -> Iterator[Job]:
             """Each batch as (its window's size, or 0 before the window's last, its inputs'
-            places in the window, its encoder inputs)."""
+            places in the window, its encoder inputs, each input's own ids for the
+            encoder-side processors, which would count the padding as tokens)."""
             for window in corpus.windows(
                 examples, lambda ex: ex[main].shape[-1], max_batch_size, batch_type
             ):
@@ -592,15 +608,16 @@ class Seq2SeqModel:
                         else np.concatenate([r[name] for r in rows])
                         for name in rows[0]
                     }
-                    yield (len(window) if number == len(cut) - 1 else 0), batch, fed
+                    own_ids = [r["input_ids"][0] for r in rows] if "input_ids" in fed else None
+                    yield (len(window) if number == len(cut) - 1 else 0), batch, fed, own_ids
 
         stop = threading.Event()
         seed = generate_kwargs.get("seed")
         keywords = {k: v for k, v in generate_kwargs.items() if k != "seed"}
 
         def run(job: Job) -> tuple[int, list[int], np.ndarray]:
-            window_size, batch, fed = job
-            return window_size, batch, self._generate(fed, None, seed, keywords, stop)
+            window_size, batch, fed, own_ids = job
+            return window_size, batch, self._generate(fed, None, seed, keywords, stop, own_ids)
 
         results: dict[int, np.ndarray] = {}
         jobs = corpus.ordered_map(run, batches(), parallel_batches, stop)
@@ -627,15 +644,20 @@ class Seq2SeqModel:
         cores = ort.cores()
         used = parallel_batches + (threads or cores) - 1
         if used > cores:
+            advice = (
+                f"run at most {cores} batches at once"
+                if parallel_batches > cores
+                else f"open the model with threads={ort.shared_pool_threads(parallel_batches)}"
+            )
             logger.warning(
                 "%s: %d batches at once and a pool of %d intra-op threads make %d threads on "
-                "%d cores: they compete; open the model with threads=%d",
+                "%d cores: they compete; %s",
                 self.path,
                 parallel_batches,
                 (threads or cores) - 1,
                 used,
                 cores,
-                ort.shared_pool_threads(parallel_batches),
+                advice,
             )
 
     def _paddable(self, name: str) -> bool:
@@ -665,10 +687,11 @@ class Seq2SeqModel:
             batched = {}
             for name, value in given.items():
                 spec = self._session.inputs.get(name)
-                if not isinstance(value, np.ndarray):
-                    value = np.asarray(value)
-                    if not value.size and spec is not None:  # [] reads as float64
-                        value = value.astype(spec.dtype)
+                given_array = isinstance(value, np.ndarray)
+                # A copy: the window runs later, and a caller may refill its array meanwhile.
+                value = np.array(value)
+                if not given_array and not value.size and spec is not None:  # [] is float64
+                    value = value.astype(spec.dtype)
                 rank = len(spec.shape) if spec is not None else value.ndim + 1
                 if value.ndim == rank - 1:
                     value = value[None]

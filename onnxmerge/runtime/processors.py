@@ -23,6 +23,8 @@ if TYPE_CHECKING:
     from onnxmerge.settings import GenerationSettings
 
 NEG_INF = np.float32(-np.inf)
+# Encoder ids per input: ``[batch, seq]``, or one sequence per input, each of its own length.
+TokenRows = np.ndarray | Sequence[np.ndarray] | Sequence[Sequence[int]]
 
 
 class LogitsProcessor(Protocol):
@@ -59,13 +61,19 @@ def _positive(name: str, value: float, context: str = "") -> float:
     return value
 
 
-def _penalize(scores: np.ndarray, ids: np.ndarray, penalty: float) -> np.ndarray:
-    """Divide positive (multiply negative) scores at ``ids`` ``[rows, n]`` of each row."""
-    rows = np.arange(ids.shape[0])[:, None]
+def _penalize(scores: np.ndarray, rows: np.ndarray, ids: np.ndarray, penalty: float) -> np.ndarray:
+    """Divide positive (multiply negative) scores at (``rows``, ``ids``), each token once
+    however often it is listed: every score is read before any is written."""
     picked = scores[rows, ids]
     penalized = np.where(picked < 0, picked * penalty, picked / penalty)
     scores[rows, ids] = penalized.astype(scores.dtype, copy=False)
     return scores
+
+
+def _token_rows(encoder_input_ids: TokenRows) -> list[np.ndarray]:
+    """Each input's encoder ids as a 1-D array of its own length: a ``[batch, seq]`` array's
+    rows, or rows of different lengths (``generate_many``'s inputs, without their padding)."""
+    return [np.asarray(row, dtype=np.int64).reshape(-1) for row in encoder_input_ids]
 
 
 class RepetitionPenalty:
@@ -77,7 +85,8 @@ class RepetitionPenalty:
         self.penalty = float(_positive("repetition_penalty", penalty))
 
     def __call__(self, input_ids: np.ndarray, scores: np.ndarray) -> np.ndarray:
-        return _penalize(scores, input_ids, self.penalty)
+        rows = np.broadcast_to(np.arange(input_ids.shape[0])[:, None], input_ids.shape)
+        return _penalize(scores, rows, input_ids, self.penalty)
 
 
 class NoRepeatNGram(_Mask):
@@ -107,29 +116,35 @@ class EncoderRepetitionPenalty:
     """Raise the scores of tokens present in the encoder's ``input_ids`` (penalty < 1 lowers them).
 
     As in transformers, the encoder rows pair with the first score rows only.
+    ``encoder_input_ids``: ``[batch, seq]``, or one sequence per input, each of its own length.
     """
 
     keeps_bounds = True
     by_row = True
 
-    def __init__(self, penalty: float, encoder_input_ids: np.ndarray):
+    def __init__(self, penalty: float, encoder_input_ids: TokenRows):
         self.penalty = 1 / float(_positive("encoder_repetition_penalty", penalty))
-        self.encoder_input_ids = np.asarray(encoder_input_ids, dtype=np.int64)
+        tokens = _token_rows(encoder_input_ids)
+        self.rows = np.repeat(np.arange(len(tokens)), [t.size for t in tokens])
+        self.ids = np.concatenate(tokens) if tokens else np.empty(0, np.int64)
 
     def __call__(self, input_ids: np.ndarray, scores: np.ndarray) -> np.ndarray:
-        return _penalize(scores, self.encoder_input_ids[: scores.shape[0]], self.penalty)
+        paired = self.rows < scores.shape[0]
+        return _penalize(scores, self.rows[paired], self.ids[paired], self.penalty)
 
 
 class EncoderNoRepeatNGram(_Mask):
-    """Ban tokens that would repeat an n-gram of the row's encoder ``input_ids``."""
+    """Ban tokens that would repeat an n-gram of the row's encoder ``input_ids``
+    (``[batch, seq]``, or one sequence per input, each of its own length)."""
 
     by_row = True
 
-    def __init__(self, ngram_size: int, encoder_input_ids: np.ndarray):
+    def __init__(self, ngram_size: int, encoder_input_ids: TokenRows):
         self.ngram_size = int(_positive("encoder_no_repeat_ngram_size", ngram_size))
-        self.batch_size = encoder_input_ids.shape[0]
+        rows = _token_rows(encoder_input_ids)
+        self.batch_size = len(rows)
         self.ngrams: list[dict[tuple[int, ...], list[int]]] = []
-        for tokens in np.asarray(encoder_input_ids).tolist():
+        for tokens in (row.tolist() for row in rows):
             table: dict[tuple[int, ...], list[int]] = {}
             for start in range(len(tokens) - ngram_size + 1):
                 gram = tokens[start : start + ngram_size]
@@ -400,12 +415,14 @@ class ProcessorList(list):
 
 
 def build_processors(
-    settings: GenerationSettings, encoder_input_ids: np.ndarray | None = None
+    settings: GenerationSettings,
+    encoder_input_ids: TokenRows | None = None,
 ) -> ProcessorList:
     """The processors transformers would build for ``settings``, in transformers' order.
 
-    ``encoder_input_ids`` (``[batch, seq]``, one row per input) feed the encoder-side
-    processors; without them those settings are ignored, as transformers ignores them.
+    ``encoder_input_ids`` (``[batch, seq]``, or one sequence per input of its own length) feed
+    the encoder-side processors; without them those settings are ignored, as transformers
+    ignores them.
     """
     s = settings
     eos = s.eos_token_id

@@ -457,8 +457,7 @@ class _LineProgress:
     translations themselves do not go to."""
 
     def __init__(self, quiet: bool, to_stdout: bool):
-        terminal = sys.stderr.isatty()
-        self.shown = not quiet and terminal and not (to_stdout and sys.stdout.isatty())
+        self.shown = not quiet and sys.stderr.isatty() and not (to_stdout and sys.stdout.isatty())
         self.lines = self.tokens = 0
         self.started = self.drawn = time.perf_counter()
 
@@ -633,7 +632,7 @@ def _translation_model(args: argparse.Namespace, model_class: Any, text_class: A
 
             threads = shared_pool_threads(args.parallel_batches, threads)
         model = model_class(args.file, session_cache=args.session_cache, threads=threads)
-        main = next((n for n in model.encoder_input_names if n != "attention_mask"), None)
+        main = model._main_input()
         if main != "input_ids":
             raise OnnxMergeError(
                 f"{args.file} reads {main}, not token ids: translate takes text or ids; "
@@ -654,7 +653,6 @@ def _translate_lines(args, model, tokenizer, source, sink, progress) -> list[dic
         for k, v in (("max_new_tokens", args.max_new_tokens), ("num_beams", args.num_beams))
         if v is not None
     }
-    model.resolve_settings(**options)  # a length past the positions fails before any line
     records: deque = deque()
     errors: list[dict] = []
 

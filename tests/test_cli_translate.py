@@ -305,10 +305,11 @@ def test_a_translation_stays_on_its_line_and_a_model_of_no_ids_is_refused():
     assert cli._one_line("two hundred") == "two hundred"
 
     class Whisper:
-        encoder_input_names = ("input_features",)
-
         def __init__(self, *args, **kwargs):
             pass
+
+        def _main_input(self):
+            return "input_features"
 
     args = argparse.Namespace(
         file="whisper.onnx",

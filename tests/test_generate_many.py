@@ -90,6 +90,32 @@ def test_token_batches_keep_the_padded_budget():
 
 
 @pytest.mark.parametrize(
+    "count, most, parallel, sizes",
+    [
+        (300, 64, 2, [50] * 6),  # cut full: 64, 64, 64, 64, 44, the last alone on one thread
+        (1000, 64, 2, [63] * 8 + [62] * 8),
+        (65, 64, 3, [22, 22, 21]),
+        (2, 64, 4, [1, 1]),  # no empty batches: one input each at most
+        (7, 3, 1, [3, 3, 1]),  # one at a time: cut full, as CTranslate2 does
+    ],
+)
+def test_batches_at_once_get_a_multiple_of_them_evenly_sized(count, most, parallel, sizes):
+    lengths = list(range(count))
+    batches = corpus.cut_batches(lengths, [()] * count, most, "examples", parallel)
+    assert [len(b) for b in batches] == sizes
+    # Still longest first, every input once.
+    assert [i for b in batches for i in b] == sorted(lengths, reverse=True)
+
+
+def test_even_batches_keep_inputs_of_other_shapes_apart():
+    batches = corpus.cut_batches([2, 3, 2, 5, 5], ["a", "b", "a", "b", "a"], 8, "examples", 2)
+    assert batches == [[4, 0], [2], [3], [1]]
+    # By tokens the budget already decides each batch: the cut stays as it is.
+    lengths = [3, 10, 4, 4, 9, 2, 30]
+    assert corpus.cut_batches(lengths, [()] * 7, 20, "tokens", 2) == [[6], [1, 4], [2, 3, 0, 5]]
+
+
+@pytest.mark.parametrize(
     "options, message",
     [
         ({"max_batch_size": 0}, "max_batch_size must be at least 1"),
@@ -100,9 +126,16 @@ def test_token_batches_keep_the_padded_budget():
         ({"decoder_input_ids": np.ones((1, 1), np.int64)}, "prompt per input is not supported"),
     ],
 )
-def test_bad_options_are_generation_errors(model, options, message):  # noqa: F811
+def test_bad_options_are_generation_errors_at_the_call(model, options, message):  # noqa: F811
+    read = []
+
+    def inputs():
+        read.append(True)
+        yield [5, 6]
+
     with pytest.raises(GenerationError, match=message):
-        next(model.generate_many([[5, 6]], **options))
+        model.generate_many(inputs(), **options)  # not at the first next(): nothing is read
+    assert not read
 
 
 @pytest.mark.parametrize(
@@ -180,7 +213,7 @@ def test_a_length_past_the_decoder_positions_is_refused_before_anything_runs(eig
     # Every token but the last is fed back: 8 positions hold max_length 9.
     assert eight_positions.resolve_settings(max_new_tokens=8).max_length == 9
     with pytest.raises(GenerationError, match="give max_new_tokens of at most 8"):
-        next(eight_positions.generate_many([[5, 6]], max_new_tokens=9))
+        eight_positions.generate_many([[5, 6]], max_new_tokens=9)
     with pytest.raises(GenerationError, match="past the decoder's 8 positions"):
         eight_positions.generate(np.asarray([[5, 6]]), max_length=10)
 

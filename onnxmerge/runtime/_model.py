@@ -560,15 +560,18 @@ class Seq2SeqModel:
         batch. ``generate_kwargs`` are ``generate()``'s settings.
 
         ``parallel_batches`` batches run at once, each on a thread of its own over this
-        model's session, as with CTranslate2's ``inter_threads``. They share the session's
+        model's session, as with CTranslate2's ``inter_threads``; by ``"examples"`` a window
+        is cut into a multiple of ``parallel_batches`` batches of even sizes, so that none runs
+        alone at its end. They share the session's
         intra-op pool, which has ``threads - 1`` threads besides each caller: open the model
         with ``threads`` at the cores minus ``parallel_batches``, plus one, or the threads
         compete for the cores (a warning is logged). Leaving the loop early (an error,
         ``close()``, Ctrl-C) ends the batches already running at their next step.
 
         Raises:
-            GenerationError: invalid options, or an invalid input (its index is in the message;
-                the results of the inputs before its window have been yielded by then).
+            GenerationError: invalid options, at the call; or an invalid input, as its window
+                is read (its index is in the message; the results of the inputs before its
+                window have been yielded by then).
         """
         corpus.check_batching(max_batch_size, batch_type, parallel_batches)
         unknown = sorted(set(generate_kwargs) - set(GENERATE_KEYWORDS) - {"seed"})
@@ -582,6 +585,21 @@ class Seq2SeqModel:
         )
         if parallel_batches > 1:
             self._warn_unless_threads_divided(parallel_batches)
+        return self._many(
+            inputs, settings, max_batch_size, batch_type, parallel_batches, generate_kwargs
+        )
+
+    def _many(
+        self,
+        inputs: Iterable[Any],
+        settings: GenerationSettings,
+        max_batch_size: int,
+        batch_type: str,
+        parallel_batches: int,
+        generate_kwargs: dict[str, Any],
+    ) -> Generator[np.ndarray, None, None]:
+        """``generate_many`` once its options are checked: a generator, so nothing runs until
+        the first result is asked for."""
         pad = settings.pad_token_id if settings.pad_token_id is not None else 0
         main = self._main_input()
         examples = (self._one_example(index, item, settings) for index, item in enumerate(inputs))
@@ -597,7 +615,9 @@ class Seq2SeqModel:
             ):
                 lengths = [ex[main].shape[-1] for ex in window]
                 keys = [self._batch_key(ex) for ex in window]
-                cut = corpus.cut_batches(lengths, keys, max_batch_size, batch_type)
+                cut = corpus.cut_batches(
+                    lengths, keys, max_batch_size, batch_type, parallel_batches
+                )
                 for number, batch in enumerate(cut):
                     rows = [window[i] for i in batch]
                     fed = {

@@ -9,6 +9,7 @@ row in a batch runs on (padded) until the batch's last row ends.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import deque
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
@@ -82,36 +83,30 @@ def cut_batches(
     batch of a window would run alone while the other threads wait (5 batches of 300 inputs at
     64 keep one of two threads busy for the fifth)."""
     order = sorted(range(len(lengths)), key=lambda i: (keys[i], -lengths[i]))
-    if batch_type == "examples" and parallel > 1:
-        return [
-            batch
-            for group in _runs_of_equal(order, keys)
-            for batch in _balanced(group, max_batch_size, parallel)
-        ]
     batches: list[list[int]] = []
-    batch: list[int] = []
-    for i in order:
-        if batch:
-            rows = len(batch) + 1
-            size = rows if batch_type == "examples" else rows * lengths[batch[0]]
-            if keys[i] != keys[batch[0]] or size > max_batch_size:
-                batches.append(batch)
-                batch = []
-        batch.append(i)
-    if batch:
-        batches.append(batch)
+    for _, group in itertools.groupby(order, key=keys.__getitem__):
+        items = list(group)
+        if batch_type == "examples" and parallel > 1:
+            batches += _balanced(items, max_batch_size, parallel)
+        else:
+            batches += _within_budget(items, lengths, max_batch_size, batch_type)
     return batches
 
 
-def _runs_of_equal(order: list[int], keys: Sequence[Any]) -> list[list[int]]:
-    """``order`` cut where the key changes."""
-    runs: list[list[int]] = []
-    for i in order:
-        if runs and keys[runs[-1][0]] == keys[i]:
-            runs[-1].append(i)
-        else:
-            runs.append([i])
-    return runs
+def _within_budget(
+    items: list[int], lengths: Sequence[int], most: int, batch_type: str
+) -> list[list[int]]:
+    """``items`` in order, each batch taking the next while the budget holds it."""
+    batches: list[list[int]] = []
+    for i in items:
+        if batches:
+            rows = len(batches[-1]) + 1
+            size = rows if batch_type == "examples" else rows * lengths[batches[-1][0]]
+            if size <= most:
+                batches[-1].append(i)
+                continue
+        batches.append([i])
+    return batches
 
 
 def _balanced(items: list[int], most: int, parallel: int) -> list[list[int]]:
@@ -120,8 +115,8 @@ def _balanced(items: list[int], most: int, parallel: int) -> list[list[int]]:
     count = -(-len(items) // most)
     count = min(-(-count // parallel) * parallel, len(items))
     size, larger = divmod(len(items), count)
-    bounds = np.cumsum([0] + [size + (b < larger) for b in range(count)])
-    return [items[start:end] for start, end in zip(bounds[:-1], bounds[1:], strict=True)]
+    starts = [b * size + min(b, larger) for b in range(count + 1)]
+    return [items[start:end] for start, end in itertools.pairwise(starts)]
 
 
 def pad_right(arrays: Sequence[np.ndarray], value: int) -> np.ndarray:

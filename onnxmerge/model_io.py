@@ -430,6 +430,7 @@ def text_written_atomically(output: Path) -> Iterator[TextIO]:
             os.fsync(stream.fileno())
         os.chmod(name, _new_file_mode(output))
         os.replace(name, output)
+        _fsync_dir(folder)  # the new name survives a power cut, as the model writer's does
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(name)

@@ -392,3 +392,26 @@ def test_failure_between_data_and_model_keeps_the_previous_output(tmp_path, monk
     assert sorted(p.name for p in output.parent.iterdir()) == ["model.onnx", "model.onnx_data"]
     after = tm.run_merged(output, inputs, use_cache=False)
     assert tm.max_abs_diff(before, after) == 0.0
+
+
+@pytest.mark.parametrize("write", ["model", "text"])
+def test_writers_sync_the_folder_after_the_new_name_is_in_place(tmp_path, monkeypatch, write):
+    """A renamed file's new name lives in its folder: without syncing the folder after
+    ``os.replace``, a power cut can bring back the old file or none."""
+    output = tmp_path / "out" / "result"
+    events: list[tuple[str, Path]] = []
+    real_replace = os.replace
+
+    def replace(src, dst, **kwargs):
+        real_replace(src, dst, **kwargs)
+        events.append(("replace", Path(dst)))
+
+    monkeypatch.setattr(model_io.os, "replace", replace)
+    monkeypatch.setattr(model_io, "_fsync_dir", lambda path: events.append(("sync", Path(path))))
+    if write == "model":
+        merge_seq2seq(tm.write_export(tmp_path / "export", seed=0), output)
+    else:
+        with model_io.text_written_atomically(output) as stream:
+            stream.write("one line\n")
+    assert events[-1] == ("sync", output.parent)
+    assert ("replace", output) in events[:-1]

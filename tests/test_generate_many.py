@@ -138,6 +138,27 @@ def test_bad_options_are_generation_errors_at_the_call(model, options, message):
     assert not read
 
 
+class _Words:
+    """A tokenizer of words ``w<id>``, enough for ``translate``."""
+
+    def __call__(self, texts):
+        return {"input_ids": [[int(w[1:]) for w in text.split()] for text in texts]}
+
+    def batch_decode(self, ids, skip_special_tokens=True):
+        return [" ".join(f"w{i}" for i in row) for row in ids]
+
+
+def test_translate_checks_its_options_without_texts_too(model):  # noqa: F811
+    with pytest.raises(GenerationError, match="max_batch_size must be at least 1"):
+        model.translate([], tokenizer=_Words(), max_batch_size=0)
+    with pytest.raises(GenerationError, match="num_beams"):
+        model.translate([], tokenizer=_Words(), num_beams=0)
+    assert model.translate([], tokenizer=_Words()) == []
+    assert model.translate(["w5 w6"], tokenizer=_Words(), max_new_tokens=2) == [
+        model.translate("w5 w6", tokenizer=_Words(), max_new_tokens=2)
+    ]
+
+
 @pytest.mark.parametrize(
     "bad, message",
     [

@@ -90,9 +90,8 @@ class TextGenerator:
         ``batch_type`` as there), so each text's result is the one it gets alone."""
         single = isinstance(texts, str)
         batch = [texts] if single else list(texts)
-        if not batch:
-            return []
-        encoded = self.tokenizer(batch)
+        # No texts still go through generate_many, which checks the options at the call.
+        encoded = self.tokenizer(batch) if batch else {}
         names = [n for n in self.model.encoder_input_names if n in encoded]
         inputs = (
             {name: np.asarray(encoded[name][i], dtype=np.int64) for name in names}

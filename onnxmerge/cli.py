@@ -577,7 +577,6 @@ def cmd_translate(args: argparse.Namespace) -> int:
         _need("transformers", "text")
         _tokenizers_only()
     from onnxmerge import model_io
-    from onnxmerge.runtime import Seq2SeqModel, TextGenerator
 
     source = _translate_source(args.source)
     output = Path(args.output) if args.output else None
@@ -590,7 +589,7 @@ def cmd_translate(args: argparse.Namespace) -> int:
             if output is not None
             else sys.stdout
         )
-        model, tokenizer = _translation_model(args, Seq2SeqModel, TextGenerator)
+        model, tokenizer = _translation_model(args)
         progress = _LineProgress(quiet=args.json, to_stdout=output is None)
         cleanup.callback(progress.finish)
         errors = _translate_lines(args, model, tokenizer, source, sink, progress)
@@ -622,8 +621,10 @@ def cmd_translate(args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
-def _translation_model(args: argparse.Namespace, model_class: Any, text_class: Any) -> tuple:
+def _translation_model(args: argparse.Namespace) -> tuple:
     """The model, opened for ``--parallel-batches``, and its tokenizer (None with ``--ids``)."""
+    from onnxmerge.runtime import Seq2SeqModel, TextGenerator
+
     with _Steps(quiet=args.json or not sys.stderr.isatty()) as steps:
         steps("loading the model")
         threads = args.threads
@@ -631,18 +632,23 @@ def _translation_model(args: argparse.Namespace, model_class: Any, text_class: A
             from onnxmerge.runtime._ort import shared_pool_threads
 
             threads = shared_pool_threads(args.parallel_batches, threads)
-        model = model_class(args.file, session_cache=args.session_cache, threads=threads)
-        main = model._main_input()
-        if main != "input_ids":
-            raise OnnxMergeError(
-                f"{args.file} reads {main}, not token ids: translate takes text or ids; "
-                "call Seq2SeqModel.generate_many() on its inputs from Python"
-            )
+        model = Seq2SeqModel(args.file, session_cache=args.session_cache, threads=threads)
+        _refuse_without_ids(model, args.file)
         tokenizer = None
         if not args.ids:
             steps("loading the tokenizer")
-            tokenizer = text_class.load_tokenizer(model.path.parent)
+            tokenizer = TextGenerator.load_tokenizer(model.path.parent)
     return model, tokenizer
+
+
+def _refuse_without_ids(model: Any, file: str) -> None:
+    """translate feeds token ids: a model whose encoder reads something else is refused."""
+    main = model._main_input()
+    if main != "input_ids":
+        raise OnnxMergeError(
+            f"{file} reads {main}, not token ids: translate takes text or ids; "
+            "call Seq2SeqModel.generate_many() on its inputs from Python"
+        )
 
 
 def _translate_lines(args, model, tokenizer, source, sink, progress) -> list[dict]:

@@ -3,7 +3,6 @@ own error on stderr and a non-zero exit at the end, and nothing else is lost or 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -305,19 +304,8 @@ def test_a_translation_stays_on_its_line_and_a_model_of_no_ids_is_refused():
     assert cli._one_line("two hundred") == "two hundred"
 
     class Whisper:
-        def __init__(self, *args, **kwargs):
-            pass
-
         def _main_input(self):
             return "input_features"
 
-    args = argparse.Namespace(
-        file="whisper.onnx",
-        threads=None,
-        parallel_batches=1,
-        session_cache=None,
-        ids=True,
-        json=True,
-    )
     with pytest.raises(OnnxMergeError, match="reads input_features, not token ids"):
-        cli._translation_model(args, Whisper, None)
+        cli._refuse_without_ids(Whisper(), "whisper.onnx")

@@ -507,10 +507,9 @@ class Seq2SeqModel:
         prompt = self._prompt(decoder_input_ids, batch, start.decoder_start_token_id)
         settings = resolve_settings(self.config, self.generation_config, overrides, prompt.shape[1])
         self._default_attention_mask(inputs, settings.pad_token_id, settings.eos_token_id)
-        if encoder_rows is None:
-            encoder_ids = inputs.get("input_ids")
-            encoder_rows = list(encoder_ids) if encoder_ids is not None else None
-        processors = build_processors(settings, encoder_rows)
+        processors = build_processors(
+            settings, encoder_rows if encoder_rows is not None else inputs.get("input_ids")
+        )
         rng = np.random.default_rng(seed)
         if settings.num_beams == 1:
             if settings.num_return_sequences > 1:

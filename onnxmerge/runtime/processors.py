@@ -85,8 +85,7 @@ class RepetitionPenalty:
         self.penalty = float(_positive("repetition_penalty", penalty))
 
     def __call__(self, input_ids: np.ndarray, scores: np.ndarray) -> np.ndarray:
-        rows = np.broadcast_to(np.arange(input_ids.shape[0])[:, None], input_ids.shape)
-        return _penalize(scores, rows, input_ids, self.penalty)
+        return _penalize(scores, np.arange(input_ids.shape[0])[:, None], input_ids, self.penalty)
 
 
 class NoRepeatNGram(_Mask):

@@ -11,9 +11,11 @@ side, precision and case in a fresh process, alternated in the same run.
 Each side's batching is its best on this machine: every candidate setting (``max_batch_size``
 with ``batch_type`` ``examples`` or ``tokens``, one batch at a time or two at once, each with
 half the threads: our ``parallel_batches=2``, CTranslate2's ``inter_threads=2``) translates the
-whole corpus, each in a process of its own, and the fastest counts. A sample of the corpus
-would not do: its batches are cut from a few inputs, with more padding than the corpus'
-length-sorted ones, which favours small batches.
+whole corpus, each in a process of its own, and the fastest counts. Where a side's fastest is
+the smallest or largest ``max_batch_size`` tried with as many batches at once, half or twice it
+is tried too, on both sides, until it is not (``widen``): the grid must not hide a side's best.
+A sample of the corpus would not do: its batches are cut from a few inputs, with more padding
+than the corpus' length-sorted ones, which favours small batches.
 Reported per case and setting: tokens per second (new tokens of the corpus over the corpus' wall
 time) and the peak resident memory of the process translating the corpus; for the fastest, the
 share of sampled inputs whose tokens equal those the same side generates for that input alone,
@@ -46,6 +48,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -171,6 +174,47 @@ def setting_name(batch_type: str, size: int, parallel: int) -> str:
 def parse_setting(name: str) -> tuple[str, int, int]:
     batch_type, size, *at_once = name.split()
     return batch_type, int(size), int(at_once[0][1:]) if at_once else 1
+
+
+def beyond_edge(runs: dict[str, dict], largest: int) -> str | None:
+    """Where the fastest of ``runs`` (results by setting name) is an ``examples`` size at the
+    edge of those tried with as many batches at once, the setting past that edge (half the
+    smallest, twice the largest) not tried yet; None where the fastest lies between two tried
+    sizes, or past the edge there is nothing to try (below 1 input, above ``largest``)."""
+    fastest = max(runs, key=lambda k: runs[k]["tokens_per_s"])
+    batch_type, size, parallel = parse_setting(fastest)
+    if batch_type != "examples":
+        return None
+    sizes = sorted(s for t, s, p in map(parse_setting, runs) if t == batch_type and p == parallel)
+    past = size // 2 if size == sizes[0] else size * 2 if size == sizes[-1] else 0
+    if not 1 <= past <= largest:
+        return None
+    name = setting_name(batch_type, past, parallel)
+    return None if name in runs else name
+
+
+def widen(
+    tried: dict[str, dict[str, dict]],
+    run: Callable[[str, str], dict],
+    deciding: Sequence[str],
+    largest: int,
+    most: int = 3,
+) -> list[str]:
+    """Settings beyond the grid, added to every side of ``tried`` (``run(side, setting)``, the
+    sides alternated) while the fastest of a side in ``deciding`` is at the grid's edge, at
+    most ``most`` of them: a side's best must lie between two tried sizes, or the grid hid a
+    faster one. The names added, in order."""
+    added: list[str] = []
+    while len(added) < most:
+        past = next(
+            (n for n in (beyond_edge(tried[s], largest) for s in deciding) if n is not None), None
+        )
+        if past is None:
+            break
+        for side in tried:
+            tried[side][past] = run(side, past)
+        added.append(past)
+    return added
 
 
 def sampled(count: int) -> list[int]:
@@ -476,6 +520,23 @@ def _shared_note(environment: dict) -> str:
     )
 
 
+def _widened_note(widened: dict[str, dict[str, list[str]]] | None) -> str:
+    """What ``widen`` added to the grid in a run, for the text beside its tables."""
+    if widened is None:  # a run from before the grid was widened
+        return ""
+    added = [
+        f"{precision} {case}: {', '.join(names)}"
+        for precision, cases in widened.items()
+        for case, names in cases.items()
+        if names
+    ]
+    text = (
+        "; where a side's fastest was the smallest or largest size tried with as many batches "
+        "at once, half or twice that size was tried too, on both sides, until it was not"
+    )
+    return text + (f" (added: {'; '.join(added)})" if added else " (none was)")
+
+
 def ceiling_markdown(data: dict) -> list[str]:
     """What the float32 matrix products allow: each side's share of this machine's rate."""
     c = data["float32_ceiling"]
@@ -517,7 +578,7 @@ def markdown(data: dict) -> list[str]:
         f"{s['ours']}; CTranslate2: {s['ctranslate2']}. Each side's batching is the fastest of "
         f"{', '.join(s['candidates'])} (x2: two batches at once, each with half the threads), "
         "each over the whole corpus in a process of its own (the third table has them all; a "
-        "sample would favour small batches). Tokens/s is "
+        f"sample would favour small batches){_widened_note(s.get('widened'))}. Tokens/s is "
         "new tokens over the corpus' wall time; the ratio is onnxmerge / CTranslate2, above 1 is "
         "better (for memory, below 1). *Alone* is the share of "
         f"{s['alone_sample']} sampled inputs whose tokens equal those the same side generates "
@@ -570,12 +631,15 @@ def markdown(data: dict) -> list[str]:
                 f"| **{point['ratio']:.2f}x** | >= {target}x | {point['peak_rss_mb']:.0f} "
                 f"| {point['peak_ratio']:.2f}x |"
             )
+    columns = [*s["candidates"]]
+    for cases in (s.get("widened") or {}).values():
+        columns += [n for added in cases.values() for n in added if n not in columns]
     lines += [
         "",
-        "Every setting, tokens/s (peak memory):",
+        "Every setting, tokens/s (peak memory); empty where a setting was not tried:",
         "",
-        "| precision | search | side | " + " | ".join(s["candidates"]) + " |",
-        "|---|---|---|" + "---:|" * len(s["candidates"]),
+        "| precision | search | side | " + " | ".join(columns) + " |",
+        "|---|---|---|" + "---:|" * len(columns),
     ]
     for precision, p in data["precisions"].items():
         for case in p["ours"]["cases"]:
@@ -583,7 +647,9 @@ def markdown(data: dict) -> list[str]:
                 tried = p[side]["cases"][case]["settings"]
                 cells = [
                     f"{tried[c]['tokens_per_s']:.0f} ({tried[c]['peak_rss_mb']:.0f} MB)"
-                    for c in s["candidates"]
+                    if c in tried
+                    else ""
+                    for c in columns
                 ]
                 name = "CTranslate2" if side == "ctranslate2" else "onnxmerge"
                 lines.append(f"| {precision} | {case} | {name} | " + " | ".join(cells) + " |")
@@ -632,6 +698,7 @@ def main(argv: list[str] | None = None) -> int:
             onnxmerge.Seq2SeqModel(path, session_cache=caches[precision])
         ct2 = convert_ctranslate2(export.pytorch_dir, scratch, config)
         precisions = {}
+        widened: dict[str, dict[str, list[str]]] = {"float32": {}, "int8": {}}
         for precision in ("float32", "int8"):
             sides = {
                 "ctranslate2": (ct2[precision], config, args.inputs, args.threads, None),
@@ -644,6 +711,13 @@ def main(argv: list[str] | None = None) -> int:
                     name = setting_name(*candidate)
                     for side, given in sides.items():  # alternated, setting by setting
                         tried[side][name] = _child(side, *given, case, name)
+                if not args.quick:  # the quick run checks the pipeline, not the grid
+                    widened[precision][case] = widen(
+                        tried,
+                        lambda side, name: _child(side, *sides[side], case, name),  # noqa: B023
+                        list(sides),
+                        args.inputs,
+                    )
                 for side, given in sides.items():
                     cases[side][case] = best_of(tried[side], _child(side, *given, case))
             theirs = side_results(cases["ctranslate2"])
@@ -678,6 +752,7 @@ def main(argv: list[str] | None = None) -> int:
             "new_tokens_per_input": NEW_TOKENS,
             "threads": args.threads,
             "candidates": [setting_name(*c) for c in candidates],
+            "widened": None if args.quick else widened,
             "alone_sample": len(sampled(args.inputs)),
             "ours": "Seq2SeqModel(threads=threads - x + 1).generate_many(max_batch_size, "
             "batch_type, parallel_batches=x) through a session cache written beforehand",

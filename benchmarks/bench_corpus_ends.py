@@ -11,7 +11,8 @@ length-sorted batches mix short and long outputs more than a real corpus would: 
 case where dropping rows matters most.
 
 The same 1,000 inputs as ``bench_corpus.py``, greedy and 4 beams, float32 and int8, 2 threads, two
-batches at once on each side (its best in ``bench_corpus.py``) at each of ``SETTINGS``, each run
+batches at once on each side (its best in ``bench_corpus.py``) at each of ``SETTINGS``, and past
+them where a side's fastest is the smallest or largest tried (``bench_corpus.widen``), each run
 in a process of its own, the sides alternated. Sides: CTranslate2's ``translate_batch``; our
 ``generate_many``; and ours with ended rows kept to the batch's end (transformers' way, and ours
 before). Tokens are counted without eos on every side (CTranslate2 returns none), so an output
@@ -23,6 +24,7 @@ Usage: python benchmarks/bench_corpus_ends.py [--quick] [--inputs 1000]
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import sys
@@ -35,7 +37,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks import _common  # noqa: E402
-from benchmarks.bench_corpus import CASES, setting_name  # noqa: E402
+from benchmarks.bench_corpus import CASES, _widened_note, setting_name, widen  # noqa: E402
 from benchmarks.bench_corpus import _child as corpus_child  # noqa: E402
 from benchmarks.bench_ctranslate2 import convert_ctranslate2, quantize_ours  # noqa: E402
 
@@ -64,6 +66,13 @@ def _translated(side, path, config, count, threads, cache, case, batching) -> di
     eos = config["eos_token_id"]
     tokens = [t[:-1] if t and t[-1] == eos else t for t in result["tokens"]]
     return {**result, "tokens": tokens, "tokens_per_s": sum(map(len, tokens)) / result["s"]}
+
+
+def _run_side(ct2_path, our_path, cache, config, count, threads, case, side, batching) -> dict:
+    """``_translated`` for ``side`` with that side's file (and our session cache)."""
+    if side == "ctranslate2":
+        return _translated(side, ct2_path, config, count, threads, None, case, batching)
+    return _translated(side, our_path, config, count, threads, cache, case, batching)
 
 
 # -- the comparison -------------------------------------------------------------------------------
@@ -120,7 +129,8 @@ def markdown(data: dict) -> list[str]:
         f"{data['model']} with an untied head and a raised eos logit, so that outputs end where "
         f"the model puts eos, {s['min_new_tokens']} to {s['max_new_tokens']} new tokens; the "
         f"same {s['inputs']} inputs as above, {s['threads']} threads, two batches at once on "
-        f"each side at {', '.join(s['settings'])} (`benchmarks/bench_corpus_ends.py`). Output "
+        f"each side at {', '.join(s['settings'])}{_widened_note(s.get('widened'))} "
+        "(`benchmarks/bench_corpus_ends.py`). Output "
         "lengths here do not follow the source's, so length-sorted batches mix short and long "
         "outputs more than a real corpus would. *Rows kept*: ours with ended rows run to the "
         "batch's end, as transformers runs them. Tokens/s counts tokens without eos on every "
@@ -178,19 +188,23 @@ def main(argv: list[str] | None = None) -> int:
             onnxmerge.Seq2SeqModel(path, session_cache=caches[precision])
         ct2 = convert_ctranslate2(export.pytorch_dir, scratch, config)
         precisions: dict[str, dict] = {}
+        widened: dict[str, dict[str, list[str]]] = {"float32": {}, "int8": {}}
         for precision in ("float32", "int8"):
-            paths = {"ctranslate2": ct2[precision], "ours": ours[precision]}
             precisions[precision] = {}
             for case, _ in CASES:
+                run = functools.partial(
+                    _run_side, ct2[precision], ours[precision], caches[precision], config,
+                    args.inputs, args.threads, case,
+                )  # fmt: skip
                 tried: dict[str, dict[str, dict]] = {side: {} for side in SIDES}
                 for setting in settings:
                     name = setting_name(*setting)
                     for side in SIDES:
-                        path = paths["ctranslate2" if side == "ctranslate2" else "ours"]
-                        cache = None if side == "ctranslate2" else caches[precision]
-                        tried[side][name] = _translated(
-                            side, path, config, args.inputs, args.threads, cache, case, name
-                        )
+                        tried[side][name] = run(side, name)
+                if not args.quick:  # the quick run checks the pipeline, not the grid
+                    widened[precision][case] = widen(
+                        tried, run, ("ctranslate2", "ours"), args.inputs
+                    )
                 precisions[precision][case] = summarize(tried)
             _common.write_results(args.out, {"partial": True, "precisions": precisions})
     finally:
@@ -207,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
             "max_new_tokens": MAX_NEW,
             "threads": args.threads,
             "settings": [setting_name(*s) for s in settings],
+            "widened": None if args.quick else widened,
             "ours": "generate_many(max_batch_size, batch_type, parallel_batches=2) through a "
             "session cache written beforehand, as in bench_corpus.py",
             "rows kept": "the same with ended rows run to the batch's end",

@@ -520,6 +520,12 @@ def _shared_note(environment: dict) -> str:
     )
 
 
+def _column_order(setting: str) -> tuple[int, bool, int]:
+    """One batch at a time before two at once, examples before tokens, small batches first."""
+    batch_type, size, at_once = parse_setting(setting)
+    return at_once, batch_type == "tokens", size
+
+
 def _widened_note(widened: dict[str, dict[str, list[str]]] | None) -> str:
     """What ``widen`` added to the grid in a run, for the text beside its tables."""
     if widened is None:  # a run from before the grid was widened
@@ -532,7 +538,8 @@ def _widened_note(widened: dict[str, dict[str, list[str]]] | None) -> str:
     ]
     text = (
         "; where a side's fastest was the smallest or largest size tried with as many batches "
-        "at once, half or twice that size was tried too, on both sides, until it was not"
+        "at once, half or twice that size was tried too, on every side, until it was not, three "
+        "at most"
     )
     return text + (f" (added: {'; '.join(added)})" if added else " (none was)")
 
@@ -631,9 +638,10 @@ def markdown(data: dict) -> list[str]:
                 f"| **{point['ratio']:.2f}x** | >= {target}x | {point['peak_rss_mb']:.0f} "
                 f"| {point['peak_ratio']:.2f}x |"
             )
-    columns = [*s["candidates"]]
+    names = {*s["candidates"]}
     for cases in (s.get("widened") or {}).values():
-        columns += [n for added in cases.values() for n in added if n not in columns]
+        names.update(n for added in cases.values() for n in added)
+    columns = sorted(names, key=_column_order)
     lines += [
         "",
         "Every setting, tokens/s (peak memory); empty where a setting was not tried:",

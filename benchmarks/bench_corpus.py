@@ -41,6 +41,7 @@ Usage: python benchmarks/bench_corpus.py [--quick] [--inputs 1000]
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -378,6 +379,11 @@ def _child(
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+def _side_child(sides: dict[str, tuple], case: str, side: str, batching: str) -> dict:
+    """``_child`` for ``side``, whose file and options ``sides`` holds, over the corpus."""
+    return _child(side, *sides[side], case, batching)
+
+
 def best_of(tried: dict[str, dict], alone_tokens: dict[str, list[int]]) -> dict:
     """A case's fastest setting with its tokens, every setting's speed and peak, and how many
     sampled inputs got their alone tokens."""
@@ -526,7 +532,7 @@ def _column_order(setting: str) -> tuple[int, bool, int]:
     return at_once, batch_type == "tokens", size
 
 
-def _widened_note(widened: dict[str, dict[str, list[str]]] | None) -> str:
+def widened_note(widened: dict[str, dict[str, list[str]]] | None) -> str:
     """What ``widen`` added to the grid in a run, for the text beside its tables."""
     if widened is None:  # a run from before the grid was widened
         return ""
@@ -585,7 +591,7 @@ def markdown(data: dict) -> list[str]:
         f"{s['ours']}; CTranslate2: {s['ctranslate2']}. Each side's batching is the fastest of "
         f"{', '.join(s['candidates'])} (x2: two batches at once, each with half the threads), "
         "each over the whole corpus in a process of its own (the third table has them all; a "
-        f"sample would favour small batches){_widened_note(s.get('widened'))}. Tokens/s is "
+        f"sample would favour small batches){widened_note(s.get('widened'))}. Tokens/s is "
         "new tokens over the corpus' wall time; the ratio is onnxmerge / CTranslate2, above 1 is "
         "better (for memory, below 1). *Alone* is the share of "
         f"{s['alone_sample']} sampled inputs whose tokens equal those the same side generates "
@@ -638,10 +644,14 @@ def markdown(data: dict) -> list[str]:
                 f"| **{point['ratio']:.2f}x** | >= {target}x | {point['peak_rss_mb']:.0f} "
                 f"| {point['peak_ratio']:.2f}x |"
             )
-    names = {*s["candidates"]}
-    for cases in (s.get("widened") or {}).values():
-        names.update(n for added in cases.values() for n in added)
-    columns = sorted(names, key=_column_order)
+    ran = {
+        name
+        for p in data["precisions"].values()
+        for side in ("ctranslate2", "ours")
+        for case in p[side]["cases"].values()
+        for name in case["settings"]
+    }
+    columns = sorted(ran, key=_column_order)
     lines += [
         "",
         "Every setting, tokens/s (peak memory); empty where a setting was not tried:",
@@ -714,18 +724,14 @@ def main(argv: list[str] | None = None) -> int:
             }
             cases: dict[str, dict] = {side: {} for side in sides}
             for case, _ in CASES:
+                run = functools.partial(_side_child, sides, case)
                 tried: dict[str, dict] = {side: {} for side in sides}
                 for candidate in candidates:
                     name = setting_name(*candidate)
-                    for side, given in sides.items():  # alternated, setting by setting
-                        tried[side][name] = _child(side, *given, case, name)
+                    for side in sides:  # alternated, setting by setting
+                        tried[side][name] = run(side, name)
                 if not args.quick:  # the quick run checks the pipeline, not the grid
-                    widened[precision][case] = widen(
-                        tried,
-                        lambda side, name: _child(side, *sides[side], case, name),  # noqa: B023
-                        list(sides),
-                        args.inputs,
-                    )
+                    widened[precision][case] = widen(tried, run, list(sides), args.inputs)
                 for side, given in sides.items():
                     cases[side][case] = best_of(tried[side], _child(side, *given, case))
             theirs = side_results(cases["ctranslate2"])

@@ -37,7 +37,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks import _common  # noqa: E402
-from benchmarks.bench_corpus import CASES, _widened_note, setting_name, widen  # noqa: E402
+from benchmarks.bench_corpus import CASES, setting_name, widen, widened_note  # noqa: E402
 from benchmarks.bench_corpus import _child as corpus_child  # noqa: E402
 from benchmarks.bench_ctranslate2 import convert_ctranslate2, quantize_ours  # noqa: E402
 
@@ -129,7 +129,7 @@ def markdown(data: dict) -> list[str]:
         f"{data['model']} with an untied head and a raised eos logit, so that outputs end where "
         f"the model puts eos, {s['min_new_tokens']} to {s['max_new_tokens']} new tokens; the "
         f"same {s['inputs']} inputs as above, {s['threads']} threads, two batches at once on "
-        f"each side at {', '.join(s['settings'])}{_widened_note(s.get('widened'))} "
+        f"each side at {', '.join(s['settings'])}{widened_note(s.get('widened'))} "
         "(`benchmarks/bench_corpus_ends.py`). Output "
         "lengths here do not follow the source's, so length-sorted batches mix short and long "
         "outputs more than a real corpus would. *Rows kept*: ours with ended rows run to the "

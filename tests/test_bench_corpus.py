@@ -90,7 +90,7 @@ def test_corpus_tables_show_what_the_grid_added_and_runs_from_before_it():
         page.index("Every setting, tokens/s (peak memory); empty where a setting was not tried:") :
     ]
     header = table[2].split(" | ")
-    assert header[header.index("tokens 1024") + 1 :][:2] == ["examples 8 x2", "examples 32 x2"]
+    assert header[header.index("tokens 1024") + 1 :][:2] == ["examples 8 x2", "examples 16 x2"]
     rows = [line for line in table if line.startswith(("| float32 |", "| int8 |"))]
     assert len(rows) == 8
     for row in rows:

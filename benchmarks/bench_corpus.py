@@ -348,7 +348,7 @@ def alone(
     return {str(i): runner.run([inputs[i]], beams, "examples", 1)[0] for i in sampled(count)}
 
 
-def _child(
+def side_worker(
     side: str,
     path: Path,
     config: dict,
@@ -380,8 +380,8 @@ def _child(
 
 
 def _side_child(sides: dict[str, tuple], case: str, side: str, batching: str) -> dict:
-    """``_child`` for ``side``, whose file and options ``sides`` holds, over the corpus."""
-    return _child(side, *sides[side], case, batching)
+    """``side_worker`` for ``side``, whose file and options ``sides`` holds, over the corpus."""
+    return side_worker(side, *sides[side], case, batching)
 
 
 def best_of(tried: dict[str, dict], alone_tokens: dict[str, list[int]]) -> dict:
@@ -469,9 +469,9 @@ def compare_row_scales(int8: dict, sides: dict[str, tuple]) -> dict:
     cases = {}
     for case in int8["ours"]["cases"]:
         batching = int8["ours"]["cases"][case]["batching"]
-        per_batch = _child(*sides["int8"], case, batching)
-        per_row = _child(*sides[ROW], case, batching)
-        found = best_of({batching: per_row}, _child(*sides[ROW], case))
+        per_batch = side_worker(*sides["int8"], case, batching)
+        per_row = side_worker(*sides[ROW], case, batching)
+        found = best_of({batching: per_row}, side_worker(*sides[ROW], case))
         theirs = int8["ctranslate2"]["cases"][case]["tokens_per_s"]
         cases[case] = {
             "batching": batching,
@@ -733,7 +733,7 @@ def main(argv: list[str] | None = None) -> int:
                 if not args.quick:  # the quick run checks the pipeline, not the grid
                     widened[precision][case] = widen(tried, run, list(sides), args.inputs)
                 for side, given in sides.items():
-                    cases[side][case] = best_of(tried[side], _child(side, *given, case))
+                    cases[side][case] = best_of(tried[side], side_worker(side, *given, case))
             theirs = side_results(cases["ctranslate2"])
             mine = side_results(cases["ours"])
             precisions[precision] = {

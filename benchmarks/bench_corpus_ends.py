@@ -37,8 +37,13 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks import _common  # noqa: E402
-from benchmarks.bench_corpus import CASES, setting_name, widen, widened_note  # noqa: E402
-from benchmarks.bench_corpus import _child as corpus_child  # noqa: E402
+from benchmarks.bench_corpus import (  # noqa: E402
+    CASES,
+    setting_name,
+    side_worker,
+    widen,
+    widened_note,
+)
 from benchmarks.bench_ctranslate2 import convert_ctranslate2, quantize_ours  # noqa: E402
 
 MIN_NEW, MAX_NEW = 12, 48
@@ -51,7 +56,7 @@ def _translated(side, path, config, count, threads, cache, case, batching) -> di
     """``bench_corpus``'s worker over the corpus, its tokens without eos (ours ends each output
     with one, CTranslate2 returns none) and its speed counted so."""
     worker = "ctranslate2" if side == "ctranslate2" else "ours"
-    result = corpus_child(
+    result = side_worker(
         worker,
         path,
         config,

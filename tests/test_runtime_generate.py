@@ -193,6 +193,24 @@ def test_whisper_tokens_match_whispers_own_generate(merged):
     assert not np.isin(ours[:, 1:], [5, 9]).any()
 
 
+@pytest.mark.parametrize(
+    ("arch", "variant"), [("whisper", "default"), ("vision-encoder-decoder", "no-past")]
+)
+@pytest.mark.parametrize("settings", [{}, {"num_beams": 3}], ids=["greedy", "beam3"])
+def test_generate_many_takes_each_input_as_a_mapping_without_the_batch_axis(
+    merged, arch, variant, settings
+):
+    from onnxmerge.testing import zoo
+
+    model, pt_model, export = merged(arch, variant)
+    ((name, batch),) = zoo.sample_encoder_inputs(export, batch=5, seed=7).items()
+    settings = {"max_new_tokens": 6, **settings}
+    got = list(model.generate_many([{name: row} for row in batch], max_batch_size=2, **settings))
+    assert len(got) == 5
+    for row, result in zip(batch, got, strict=True):
+        np.testing.assert_array_equal(result, _reference(pt_model, {name: row[None]}, **settings))
+
+
 def test_attention_mask_is_inferred_from_padding(merged):
     from onnxmerge.testing import zoo
 

@@ -379,7 +379,7 @@ def side_worker(
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def _side_child(sides: dict[str, tuple], case: str, side: str, batching: str) -> dict:
+def _run_side(sides: dict[str, tuple], case: str, side: str, batching: str) -> dict:
     """``side_worker`` for ``side``, whose file and options ``sides`` holds, over the corpus."""
     return side_worker(side, *sides[side], case, batching)
 
@@ -724,7 +724,7 @@ def main(argv: list[str] | None = None) -> int:
             }
             cases: dict[str, dict] = {side: {} for side in sides}
             for case, _ in CASES:
-                run = functools.partial(_side_child, sides, case)
+                run = functools.partial(_run_side, sides, case)
                 tried: dict[str, dict] = {side: {} for side in sides}
                 for candidate in candidates:
                     name = setting_name(*candidate)

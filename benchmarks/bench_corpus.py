@@ -379,8 +379,9 @@ def side_worker(
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def _run_side(sides: dict[str, tuple], case: str, side: str, batching: str) -> dict:
-    """``side_worker`` for ``side``, whose file and options ``sides`` holds, over the corpus."""
+def _run_side(sides: dict[str, tuple], case: str, side: str, batching: str | None = None) -> dict:
+    """``side_worker`` for ``side``, whose file and options ``sides`` holds: the corpus with
+    ``batching``, or without it the sampled inputs alone."""
     return side_worker(side, *sides[side], case, batching)
 
 
@@ -732,8 +733,8 @@ def main(argv: list[str] | None = None) -> int:
                         tried[side][name] = run(side, name)
                 if not args.quick:  # the quick run checks the pipeline, not the grid
                     widened[precision][case] = widen(tried, run, list(sides), args.inputs)
-                for side, given in sides.items():
-                    cases[side][case] = best_of(tried[side], side_worker(side, *given, case))
+                for side in sides:
+                    cases[side][case] = best_of(tried[side], run(side))
             theirs = side_results(cases["ctranslate2"])
             mine = side_results(cases["ours"])
             precisions[precision] = {

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from onnxmerge._version import __version__
 from onnxmerge.errors import (
+    AudioInputError,
     ExportFolderError,
     GenerationError,
     IncompatibleModelsError,
+    InvalidArgumentError,
     InvalidMergedModelError,
     MergedModelRunError,
     MissingDependencyError,
@@ -15,6 +17,7 @@ from onnxmerge.errors import (
     QuantizationError,
     RefusedOutputError,
     UnsafeExternalDataError,
+    WireFormatError,
 )
 
 __all__ = [
@@ -26,6 +29,7 @@ __all__ = [
     "quantize",
     "Seq2SeqModel",
     "OnnxMergeError",
+    "InvalidArgumentError",
     "ExportFolderError",
     "ModelNotFoundError",
     "IncompatibleModelsError",
@@ -36,6 +40,8 @@ __all__ = [
     "GenerationError",
     "MissingDependencyError",
     "QuantizationError",
+    "AudioInputError",
+    "WireFormatError",
     "build_generator",
 ]
 

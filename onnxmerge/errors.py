@@ -4,6 +4,7 @@ from __future__ import annotations
 
 __all__ = [
     "OnnxMergeError",
+    "InvalidArgumentError",
     "ExportFolderError",
     "ModelNotFoundError",
     "IncompatibleModelsError",
@@ -21,6 +22,26 @@ __all__ = [
 
 class OnnxMergeError(Exception):
     """Base class of every error raised on purpose by onnxmerge."""
+
+
+class InvalidArgumentError(OnnxMergeError, ValueError):
+    """An argument has a value the call cannot take; nothing was read or written.
+
+    Raised before any file is opened. ``argument`` names the parameter (or the CLI option) at
+    fault, and the message says which values it takes.
+
+    Example:
+        >>> from onnxmerge.errors import InvalidArgumentError
+        >>> try:
+        ...     raise InvalidArgumentError("threads must be at least 1, got 0", argument="threads")
+        ... except ValueError as error:
+        ...     print(error.argument)
+        threads
+    """
+
+    def __init__(self, message: str, *, argument: str | None = None):
+        self.argument = argument
+        super().__init__(message)
 
 
 class ExportFolderError(OnnxMergeError):
@@ -56,7 +77,7 @@ class InvalidMergedModelError(OnnxMergeError):
     """A file is not a merged seq2seq model, or a produced model failed validation."""
 
 
-class MergedModelRunError(InvalidMergedModelError):
+class MergedModelRunError(OnnxMergeError):
     """onnxruntime cannot run a model that onnxmerge wrote; nothing was published.
 
     ``step`` says where it failed: ``"load"``, ``"first"`` (``use_cache_branch = false``: encoder
@@ -90,8 +111,9 @@ class MissingDependencyError(OnnxMergeError, ImportError):
     install (the CLI exits 4)."""
 
 
-class GenerationError(OnnxMergeError, ValueError):
-    """Arguments to generation are invalid (wrong dtype, rank, missing inputs, bad settings)."""
+class GenerationError(InvalidArgumentError):
+    """Inputs or settings of a generation are invalid (wrong dtype, rank, missing inputs, bad
+    settings, a source past the model's positions)."""
 
 
 class WireFormatError(OnnxMergeError, ValueError):

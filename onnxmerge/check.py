@@ -122,40 +122,23 @@ def run_once(path: Path, sources: Sequence[Path] = ()) -> None:
     """
     if importlib.util.find_spec("onnxruntime") is None:
         return
-    options = one_run_options()
-    try:
-        session = open_session(path, options)
-    except Exception as e:  # onnxruntime raises its own types
-        for source in sources:
-            try:
-                open_session(source, options)
-            except Exception:
-                logger.info("not run: onnxruntime cannot load %s here either", source)
-                return
-        raise MergedModelRunError("load", _reason(e)) from e
+    session = _load_unless_sources_fail(path, sources)
+    if session is None:
+        return
     meta = session.get_modelmeta().custom_metadata_map
     config = json.loads(meta.get(contract.META_CONFIG, "{}"))
-    one_decoder = meta.get(contract.META_FORMAT_VERSION) in contract.ONE_DECODER_FORMAT_VERSIONS
-    suffix = "-one-decoder" if one_decoder else ""
-    inputs = {i.name: i for i in session.get_inputs()}
     rng = np.random.default_rng(0)
     feeds, vocab = sample_inputs(
         session, path, config, batch=_BATCH, length=_ENCODER_LENGTH, rng=rng
     )
     if contract.META_GENERATOR in meta:
-        feeds[contract.MAX_NEW_TOKENS] = np.array(_GENERATED, np.int64)
-        if "audio" in inputs:  # the audio generator: a second of 16 kHz noise a row
-            feeds = {k: v for k, v in feeds.items() if k in inputs}
-            feeds["audio"] = (0.1 * rng.standard_normal((_BATCH, 16000))).astype(np.float32)
-            feeds["audio_lengths"] = np.full(_BATCH, 16000, np.int64)
-        try:
-            session.run(None, feeds)
-        except Exception as e:
-            raise MergedModelRunError("generate", _reason(e)) from e
+        _generate_once(session, feeds, rng)
         return
+    one_decoder = meta.get(contract.META_FORMAT_VERSION) in contract.ONE_DECODER_FORMAT_VERSIONS
+    suffix = "-one-decoder" if one_decoder else ""
     ids = rng.integers(0, vocab, (_BATCH, _DECODER_LENGTH)).astype(np.int64)
     first = dict(feeds, **{contract.DECODER_INPUT_IDS: ids})
-    has_past = contract.USE_CACHE_BRANCH in inputs
+    has_past = contract.USE_CACHE_BRANCH in {i.name for i in session.get_inputs()}
     if has_past:
         first.update(first_step_feeds(session, _BATCH))
     names = [o.name for o in session.get_outputs()]
@@ -165,19 +148,57 @@ def run_once(path: Path, sources: Sequence[Path] = ()) -> None:
         raise MergedModelRunError("first" + suffix, _reason(e)) from e
     if not has_past:
         return
+    try:
+        session.run(None, _cached_feeds(feeds, ids, outputs))
+    except Exception as e:
+        raise MergedModelRunError("cached" + suffix, _reason(e)) from e
+
+
+def _load_unless_sources_fail(path: Path, sources: Sequence[Path]):
+    """An onnxruntime session of ``path``; None where one of ``sources`` cannot be loaded
+    either."""
+    options = one_run_options()
+    try:
+        return open_session(path, options)
+    except Exception as e:  # onnxruntime raises its own types
+        for source in sources:
+            try:
+                open_session(source, options)
+            except Exception:
+                logger.info("not run: onnxruntime cannot load %s here either", source)
+                return None
+        raise MergedModelRunError("load", _reason(e)) from e
+
+
+def _generate_once(session, feeds: dict[str, np.ndarray], rng: np.random.Generator) -> None:
+    """Run a generator for two tokens."""
+    inputs = {i.name for i in session.get_inputs()}
+    feeds[contract.MAX_NEW_TOKENS] = np.array(_GENERATED, np.int64)
+    if "audio" in inputs:  # the audio generator: a second of 16 kHz noise a row
+        feeds = {k: v for k, v in feeds.items() if k in inputs}
+        feeds["audio"] = (0.1 * rng.standard_normal((_BATCH, 16000))).astype(np.float32)
+        feeds["audio_lengths"] = np.full(_BATCH, 16000, np.int64)
+    try:
+        session.run(None, feeds)
+    except Exception as e:
+        raise MergedModelRunError("generate", _reason(e)) from e
+
+
+def _cached_feeds(
+    feeds: dict[str, np.ndarray], ids: np.ndarray, first: dict[str, np.ndarray]
+) -> dict[str, np.ndarray]:
+    """A cached step after the first: the last token, the first step's presents as the past,
+    the encoder inputs cut to zero length (all but the mask, which the step reads)."""
     cached = {
         name: value if name == contract.ATTENTION_MASK else value[:, ..., :0]
         for name, value in feeds.items()
     }
     cached[contract.DECODER_INPUT_IDS] = ids[:, -1:]
     cached[contract.USE_CACHE_BRANCH] = np.array([True])
-    for name, value in outputs.items():
+    for name, value in first.items():
         if contract.is_present_name(name):
             cached[contract.past_name_of(name)] = value
-    try:
-        session.run(None, cached)
-    except Exception as e:
-        raise MergedModelRunError("cached" + suffix, _reason(e)) from e
+    return cached
 
 
 def _reason(error: Exception) -> str:

@@ -154,20 +154,7 @@ def resolve_settings(
 
     ``prompt_length`` is the decoder prompt's length (1 for the decoder start token alone).
     """
-    values = model_generation_defaults(config, generation_config)
-    for key, off in UNSUPPORTED_OFF_VALUES.items():
-        if key in values and values[key] not in off:
-            raise GenerationError(
-                f"the model's generation config sets {key}={values[key]!r}, which this runtime "
-                "does "
-                "not implement; pass a supported configuration or use transformers for this model"
-            )
-    given = {k: v for k, v in overrides.items() if v is not None}
-    unknown = sorted(set(given) - set(GLOBAL_DEFAULTS))
-    if unknown:
-        raise GenerationError(f"unknown generation settings: {', '.join(unknown)}")
-    values.update(given)
-
+    values, given = _merged_values(config, generation_config, overrides)
     eos = _as_token_list(values["eos_token_id"])
     pad = values["pad_token_id"]
     if pad is None and eos is not None:
@@ -180,7 +167,47 @@ def resolve_settings(
             "neither decoder_start_token_id nor bos_token_id is set in the model's configs; pass "
             "decoder_input_ids that start with the decoder start token"
         )
+    max_length, min_length = _lengths(config, values, given, prompt_length)
+    fields = {f.name for f in dataclasses.fields(GenerationSettings)}
+    read = {name: SCHEMA[name].read(values[name]) for name in SCHEMA if name in fields}
+    read.update(
+        max_length=max_length,
+        min_length=min_length,
+        pad_token_id=None if pad is None else int(pad),
+        eos_token_id=eos,
+        decoder_start_token_id=int(start),
+    )
+    settings = GenerationSettings(**read, prompt_length=prompt_length)
+    validate_settings(settings)
+    return settings
 
+
+def _merged_values(
+    config: dict, generation_config: dict, overrides: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Every setting's value, overrides over the model's, and the overrides given; refuses
+    settings this runtime does not implement or know."""
+    values = model_generation_defaults(config, generation_config)
+    for key, off in UNSUPPORTED_OFF_VALUES.items():
+        if key in values and values[key] not in off:
+            raise GenerationError(
+                f"the model's generation config sets {key}={values[key]!r}, which this runtime "
+                "does not implement; pass a supported configuration or use transformers for "
+                "this model"
+            )
+    given = {k: v for k, v in overrides.items() if v is not None}
+    unknown = sorted(set(given) - set(GLOBAL_DEFAULTS))
+    if unknown:
+        raise GenerationError(f"unknown generation settings: {', '.join(unknown)}")
+    values.update(given)
+    return values, given
+
+
+def _lengths(
+    config: dict, values: dict[str, Any], given: dict[str, Any], prompt_length: int
+) -> tuple[int, int]:
+    """``max_length`` and ``min_length`` of the whole sequence, prompt included, as
+    transformers resolves them; refuses a length past the decoder's positions."""
     max_length = values["max_length"]
     if values["max_new_tokens"] is not None:
         max_length = values["max_new_tokens"] + prompt_length
@@ -194,19 +221,7 @@ def resolve_settings(
     min_length = values["min_length"]
     if values["min_new_tokens"] is not None:
         min_length = values["min_new_tokens"] + prompt_length
-
-    fields = {f.name for f in dataclasses.fields(GenerationSettings)}
-    read = {name: SCHEMA[name].read(values[name]) for name in SCHEMA if name in fields}
-    read.update(
-        max_length=int(max_length),
-        min_length=int(min_length or 0),
-        pad_token_id=None if pad is None else int(pad),
-        eos_token_id=eos,
-        decoder_start_token_id=int(start),
-    )
-    settings = GenerationSettings(**read, prompt_length=prompt_length)
-    validate_settings(settings)
-    return settings
+    return int(max_length), int(min_length or 0)
 
 
 def encoder_positions(config: dict) -> int | None:

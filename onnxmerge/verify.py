@@ -80,9 +80,28 @@ def verify(
     from onnxmerge.merge import load_export
 
     merged, export_dir = Path(merged), Path(export_dir)
+    model, meta = _open_merged(merged, optimized)
+    tolerance, relative = _tolerance(meta, tolerance)
+    dtype = dtype or export_layout.recorded_dtype(meta.get(contract.META_SOURCES))
+    layout = export_layout.resolve(export_dir, dtype)
+    chosen, _, _ = load_export(layout.model_dir, merged, ignore_merged=True, files=layout.files)
+    rng = np.random.default_rng(seed)
+    config = json.loads(meta.get(contract.META_CONFIG, "{}"))
+    feeds, vocab = sample_inputs(model, merged, config, batch=batch, length=encoder_length, rng=rng)
+    decoder_ids = rng.integers(2, max(3, vocab - 2), (batch, decoder_length)).astype(np.int64)
+    first_ref, diffs = _compare_first_step(model, chosen, optimized, feeds, decoder_ids)
+    if contract.USE_CACHE_BRANCH in {i.name for i in model.get_inputs()}:
+        next_ids = rng.integers(2, max(3, vocab - 2), (batch, 1)).astype(np.int64)
+        diffs += _compare_cached_step(model, chosen, optimized, feeds, first_ref, next_ids)
+    report = VerifyReport(tuple(diffs), tolerance, relative)
+    logger.info("verified %s: %d outputs, max |diff| %.3g", merged, len(diffs), report.max_abs_diff)
+    return report
+
+
+def _open_merged(merged: Path, optimized: bool):
+    """A session of ``merged`` and its metadata, its contract checked."""
     if not merged.is_file():
         raise InvalidMergedModelError(f"{merged} does not exist")
-    rng = np.random.default_rng(seed)
     try:
         model = _session(merged, optimized)
     except Exception as e:  # onnxruntime raises its own types for unreadable files
@@ -91,60 +110,74 @@ def verify(
     contract.read_contract(
         meta, [i.name for i in model.get_inputs()], [o.name for o in model.get_outputs()], merged
     )
-    config = json.loads(meta.get(contract.META_CONFIG, "{}"))
+    return model, meta
+
+
+def _tolerance(meta: dict[str, str], tolerance: float | None) -> tuple[float, bool]:
+    """The bound on max |diff| and whether it is relative: a quantized file's coarsest
+    precision sets a share of each output's peak."""
     precision = json.loads(meta.get(contract.META_PRECISION, "{}"))
     coarsest = max(
         precision.values(),
         key=lambda p: RELATIVE_TOLERANCE.get(p, 0.0),
         default=None,
     )
-    relative = coarsest in RELATIVE_TOLERANCE
-    if tolerance is None:
-        tolerance = (
-            RELATIVE_TOLERANCE[coarsest] if coarsest in RELATIVE_TOLERANCE else DEFAULT_TOLERANCE
-        )
-    dtype = dtype or export_layout.recorded_dtype(meta.get(contract.META_SOURCES))
-    layout = export_layout.resolve(export_dir, dtype)
-    chosen, _, _ = load_export(layout.model_dir, merged, ignore_merged=True, files=layout.files)
-    feeds, vocab = sample_inputs(model, merged, config, batch=batch, length=encoder_length, rng=rng)
-    decoder_ids = rng.integers(2, max(3, vocab - 2), (batch, decoder_length)).astype(np.int64)
-    mask = feeds.get(contract.ATTENTION_MASK)
+    if coarsest not in RELATIVE_TOLERANCE:
+        return (DEFAULT_TOLERANCE if tolerance is None else tolerance), False
+    return (RELATIVE_TOLERANCE[coarsest] if tolerance is None else tolerance), True
 
-    # Reference: the original files.
+
+def _outputs(session, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    names = [o.name for o in session.get_outputs()]
+    return dict(zip(names, session.run(None, feed), strict=True))
+
+
+def _compare_first_step(
+    model, chosen, optimized: bool, feeds: dict[str, np.ndarray], ids: np.ndarray
+) -> tuple[dict[str, np.ndarray], list[OutputDiff]]:
+    """The original encoder + decoder's outputs on a first step, and the merged file's diffs."""
     encoder = _session(chosen[Role.ENCODER], optimized)
     hidden = encoder.run(None, {i.name: feeds[i.name] for i in encoder.get_inputs()})[0]
-    first_ref = _run_decoder(chosen, optimized, decoder_ids, mask, hidden, past=None)
-    input_names = {i.name for i in model.get_inputs()}
-    has_past = contract.USE_CACHE_BRANCH in input_names
-    first_feed = dict(feeds, decoder_input_ids=decoder_ids)
-    if has_past:
-        first_feed.update(first_step_feeds(model, batch))
-    output_names = [o.name for o in model.get_outputs()]
-    first = dict(zip(output_names, model.run(None, first_feed), strict=True))
-    diffs = [_diff("first", n, first[n], ref) for n, ref in first_ref.items() if n in first]
-    if has_past:
-        past = {
-            contract.past_name_of(n): v for n, v in first_ref.items() if contract.is_present_name(n)
-        }
-        next_ids = rng.integers(2, max(3, vocab - 2), (batch, 1)).astype(np.int64)
-        cached_ref = _run_decoder(chosen, optimized, next_ids, mask, None, past=past)
-        cached_feed = {
-            name: np.zeros((batch,) + (0,) * (value.ndim - 1), value.dtype)
-            if name != contract.ATTENTION_MASK
-            else value
-            for name, value in feeds.items()
-        }
-        cached_feed.update(past, decoder_input_ids=next_ids)
-        cached_feed[contract.USE_CACHE_BRANCH] = np.array([True])
-        cached = dict(zip(output_names, model.run(None, cached_feed), strict=True))
-        diffs += [
-            _diff("cached", n, cached[n], ref)
-            for n, ref in cached_ref.items()
-            if n in cached and not contract.is_encoder_present(n)
-        ]
-    report = VerifyReport(tuple(diffs), tolerance, relative)
-    logger.info("verified %s: %d outputs, max |diff| %.3g", merged, len(diffs), report.max_abs_diff)
-    return report
+    mask = feeds.get(contract.ATTENTION_MASK)
+    reference = _run_decoder(chosen, optimized, ids, mask, hidden, past=None)
+    feed = dict(feeds, decoder_input_ids=ids)
+    if contract.USE_CACHE_BRANCH in {i.name for i in model.get_inputs()}:
+        feed.update(first_step_feeds(model, ids.shape[0]))
+    actual = _outputs(model, feed)
+    diffs = [_diff("first", n, actual[n], ref) for n, ref in reference.items() if n in actual]
+    return reference, diffs
+
+
+def _compare_cached_step(
+    model,
+    chosen,
+    optimized: bool,
+    feeds: dict[str, np.ndarray],
+    first_ref: dict[str, np.ndarray],
+    ids: np.ndarray,
+) -> list[OutputDiff]:
+    """The merged file's diffs on a cached step, both sides fed the reference's first presents."""
+    past = {
+        contract.past_name_of(n): v for n, v in first_ref.items() if contract.is_present_name(n)
+    }
+    mask = feeds.get(contract.ATTENTION_MASK)
+    reference = _run_decoder(chosen, optimized, ids, mask, None, past=past)
+    # A cached step reads no encoder input but the mask: the others go in empty.
+    feed = {
+        name: np.zeros((ids.shape[0],) + (0,) * (value.ndim - 1), value.dtype)
+        if name != contract.ATTENTION_MASK
+        else value
+        for name, value in feeds.items()
+    }
+    feed.update(past, decoder_input_ids=ids)
+    feed[contract.USE_CACHE_BRANCH] = np.array([True])
+    actual = _outputs(model, feed)
+    # Encoder presents are not recomputed on a cached step.
+    return [
+        _diff("cached", n, actual[n], ref)
+        for n, ref in reference.items()
+        if n in actual and not contract.is_encoder_present(n)
+    ]
 
 
 def _diff(step: str, name: str, actual: np.ndarray, expected: np.ndarray) -> OutputDiff:

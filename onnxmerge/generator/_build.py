@@ -346,6 +346,25 @@ def _assemble_one_decoder(
     from a zero-length self-attention past. The decoder's weights are read in one graph only."""
     graph = model.graph
     if_node = _use_cache_if(graph)
+    branches = _take_one_decoder_branches(graph, if_node)
+    inputs = {name_of(v): v for v in graph.inputs}
+    names, main, body, max_new = _builders(model)
+    first = _one_decoder_first_step(main, info, s, num_beams, branches, inputs, max_new, prompt)
+    encoder_names = contract.present_names(info.num_layers, "encoder")
+    presents = dict(zip(encoder_names, first.encoder_presents, strict=True))
+    for value in if_node.outputs:
+        _redirect(value, branches.cached_all, presents[name_of(value)])
+    cached = _wire_cached_decoder(body, info, branches, inputs, first, with_encoder=False)
+    vocab = _vocab_size(info, branches.cached_out[contract.LOGITS])
+    parts = _LoopParts(main, body, names, s, vocab, num_beams, first, cached)
+    loop = _first_in_loop(parts)
+    _place(graph, info, loop, branches.cached_nodes + body.nodes, branches.first_nodes + main.nodes)
+    graph.inputs.append(max_new)
+
+
+def _take_one_decoder_branches(graph: ir.Graph, if_node: ir.Node) -> _Branches:
+    """Empty the ``If``'s branches and take the decoder out of the main graph; return the
+    first step's nodes and cross-attention outputs, and the decoder's nodes and outputs."""
     first_graph = if_node.attributes["else_branch"].value
     cached_graph = if_node.attributes["then_branch"].value
     first_nodes = list(first_graph)
@@ -356,6 +375,23 @@ def _assemble_one_decoder(
     cached_graph.outputs.clear()
     outputs = {name_of(v): v for v in graph.outputs}
     graph.outputs.clear()
+    before = _runs_before_loop(graph, if_node, first_nodes)
+    decoder_nodes = [n for n in graph if n is not if_node and n not in before]
+    graph.remove([*decoder_nodes, if_node])
+    return _Branches(
+        first_nodes=first_nodes,
+        cached_nodes=decoder_nodes,
+        first_all=set(),
+        cached_all={m for n in decoder_nodes for m in (n, *_subgraph_nodes(n))},
+        first_out=cross,
+        cached_out=outputs,
+    )
+
+
+def _runs_before_loop(
+    graph: ir.Graph, if_node: ir.Node, first_nodes: list[ir.Node]
+) -> set[ir.Node]:
+    """The main graph's nodes that stay out of the Loop: computed once per run."""
     # What the first part reads from the main graph (a weight's Cast, say) stays before the Loop.
     before = _producers_of([v for n in (if_node, *first_nodes) for v in _outer_reads(n)], graph)
     # So does what reads only stored tensors (an int4 weight's DequantizeLinear): computed once
@@ -365,20 +401,28 @@ def _assemble_one_decoder(
         if node is not if_node and all(v is None or v in constant for v in _outer_reads(node)):
             before.add(node)
             constant.update(node.outputs)
-    decoder_nodes = [n for n in graph if n is not if_node and n not in before]
-    graph.remove([*decoder_nodes, if_node])
-    decoder_all = {m for n in decoder_nodes for m in (n, *_subgraph_nodes(n))}
-    inputs = {name_of(v): v for v in graph.inputs}
-    layers = info.num_layers
-    encoder_names = contract.present_names(layers, "encoder")
+    return before
 
-    names, main, body, max_new = _builders(model)
+
+def _one_decoder_first_step(
+    main: Ops,
+    info: contract.ContractInfo,
+    s: GenerationSettings,
+    num_beams: int,
+    branches: _Branches,
+    inputs: dict[str, ir.Value],
+    max_new: ir.Value,
+    prompt: list[int] | None,
+) -> _FirstStep:
+    """What the Loop starts from: the encoder's key/values and inputs, rows repeated for every
+    beam, an empty self-attention past and the prompt; the first iteration computes the logits."""
+    encoder_names = contract.present_names(info.num_layers, "encoder")
     encoder_inputs = [inputs[n] for n in info.encoder_inputs]
     batch = main.dim(encoder_inputs[0], 0)
     encoder_ids = inputs.get("input_ids") if "input_ids" in info.encoder_inputs else None
     mask = inputs.get(contract.ATTENTION_MASK)
     cached_mask = mask
-    encoder_presents = [cross[n] for n in encoder_names]
+    encoder_presents = [branches.first_out[n] for n in encoder_names]
     # Format 4: every beam reads its input's cross-attention row, which is then not repeated.
     repeat_rows: Callable[[ir.Value], ir.Value] = lambda v: v  # noqa: E731
     if num_beams > 1:
@@ -389,24 +433,14 @@ def _assemble_one_decoder(
             encoder_presents = [repeat(v) for v in encoder_presents]
         cached_mask = repeat(mask) if mask is not None else None
         encoder_ids = repeat(encoder_ids) if encoder_ids is not None else None
-    for value in if_node.outputs:
-        _redirect(value, decoder_all, encoder_presents[encoder_names.index(name_of(value))])
     # Each layer's self-attention past starts empty: its cross key/value's heads, one row a beam.
     empty_past = []
     for present in encoder_presents:
         empty = repeat_rows(main.slice(present, 0, 0, axis=2))
-        empty.type = cross[encoder_names[0]].type
+        empty.type = branches.first_out[encoder_names[0]].type
         empty_past.append(empty)
-    if prompt and len(prompt) > 1 and info.prompt_tokens_per_step == 1:
-        raise GenerationError(
-            f"the merged model takes a decoder prompt one token per step, and this model's "
-            f"prompt has {len(prompt)}: merge the export with format=2 (--format 2) to build "
-            "its generator"
-        )
-    tokens = prompt or [s.decoder_start_token_id]
-    start = main.op("Expand", main.i64([tokens]), main.vector(batch, main.i64(len(tokens))))
-    first = _FirstStep(
-        start=start,
+    return _FirstStep(
+        start=_prompt_rows(main, info, batch, prompt or [s.decoder_start_token_id]),
         batch=batch,
         logits=None,  # computed by the Loop's first iteration
         max_length=main.op("Add", max_new, main.i64(s.prompt_length)),
@@ -417,20 +451,19 @@ def _assemble_one_decoder(
         mask=mask,
         cached_mask=cached_mask,
     )
-    branches = _Branches(
-        first_nodes=first_nodes,
-        cached_nodes=decoder_nodes,
-        first_all=set(),
-        cached_all=decoder_all,
-        first_out=cross,
-        cached_out=outputs,
-    )
-    cached = _wire_cached_decoder(body, info, branches, inputs, first, with_encoder=False)
-    vocab = _vocab_size(info, outputs[contract.LOGITS])
-    parts = _LoopParts(main, body, names, s, vocab, num_beams, first, cached)
-    loop = _first_in_loop(parts)
-    _place(graph, info, loop, decoder_nodes + body.nodes, first_nodes + main.nodes)
-    graph.inputs.append(max_new)
+
+
+def _prompt_rows(
+    main: Ops, info: contract.ContractInfo, batch: ir.Value, tokens: list[int]
+) -> ir.Value:
+    """``[batch, len(tokens)]``: the decoder prompt in every row."""
+    if len(tokens) > 1 and info.prompt_tokens_per_step == 1:
+        raise GenerationError(
+            f"the merged model takes a decoder prompt one token per step, and this model's "
+            f"prompt has {len(tokens)}: merge the export with format=2 (--format 2) to build "
+            "its generator"
+        )
+    return main.op("Expand", main.i64([tokens]), main.vector(batch, main.i64(len(tokens))))
 
 
 def _place(

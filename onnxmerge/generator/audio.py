@@ -184,8 +184,34 @@ def features_graph(
 ) -> ir.Value:
     """Append to ``ops`` the nodes from PCM to ``[batch, n_mels, frames]`` features; the mel bank
     and the DFT basis become initializers of ``graph``. Returns the features."""
-    n, hop, total = spec.n_fft, spec.hop_length, spec.n_samples
-    # Cut to the window, zero the samples past each row's length, zero-pad to the window.
+    signal, width = _padded_signal(ops, audio, lengths, spec)
+    framed, count = _frames(ops, signal, width, spec)
+    basis = _initializer(graph, ops.names, "dft_basis", _dft_basis(spec), np.float64)
+    spectrum = ops.op("MatMul", framed, basis)  # [batch, count, 2 * bins]: re, then im
+    power = ops.op("Mul", spectrum, spectrum)
+    # re² and im² each meet the mel bank: one product over the stacked bank sums them.
+    bank = mel_filters(spec)
+    stacked = _initializer(
+        graph, ops.names, "mel_filters", np.concatenate([bank, bank], axis=0), np.float64
+    )
+    mel = ops.op("Cast", ops.op("MatMul", power, stacked), to=ir.DataType.FLOAT)
+    missing_frames = ops.op("Sub", ops.i64(spec.frames), count)
+    mel = ops.op("Pad", mel, ops.vector(ops.i64([0, 0, 0, 0]), missing_frames, ops.i64([0])))
+    log = ops.op(
+        "Mul", ops.op("Log", ops.op("Max", mel, ops.f32(MEL_FLOOR))), ops.f32(1 / math.log(10))
+    )
+    peak = ops.reduce("ReduceMax", ops.reduce("ReduceMax", log, 2, True), 1, True)
+    log = ops.op("Max", log, ops.op("Sub", peak, ops.f32(8.0)))
+    scaled = ops.op("Div", ops.op("Add", log, ops.f32(4.0)), ops.f32(4.0))
+    return ops.op("Transpose", scaled, perm=[0, 2, 1])
+
+
+def _padded_signal(
+    ops: Ops, audio: ir.Value, lengths: ir.Value, spec: FeatureSpec
+) -> tuple[ir.Value, ir.Value]:
+    """Each row cut to the window, zeroed past its length, zero-padded to the window and
+    reflect-padded for centered frames; and the cut width."""
+    total = spec.n_samples
     cut = ops.slice(audio, 0, total, axis=1)
     width = ops.dim(cut, 1)
     positions = ops.op("Range", ops.i64(0), width, ops.i64(1))
@@ -195,18 +221,27 @@ def features_graph(
     pads = ops.vector(ops.i64([0, 0, 0]), missing)
     signal = ops.op("Pad", cut, pads, mode="constant")
     # Centered frames: reflect n/2 on both sides, as torch.stft(center=True) and transformers do.
-    half = n // 2
+    half = spec.n_fft // 2
     signal = ops.op("Pad", signal, ops.i64([0, half, 0, half]), mode="reflect")
+    return signal, width
+
+
+def _frames(
+    ops: Ops, signal: ir.Value, width: ir.Value, spec: FeatureSpec
+) -> tuple[ir.Value, ir.Value]:
+    """``[batch, count, n_fft]`` frames of the padded signal, in float64, and ``count``: the
+    frames that read any sample of the longest row."""
+    n, hop, half = spec.n_fft, spec.hop_length, spec.n_fft // 2
     # Frames past the longest row read zeros only: their mel energy is 0, the floor. Compute the
     # first ``count`` frames and pad the rest with zeros; frame t reads samples [t*hop, t*hop + n)
     # of the padded signal, that is, in chunks of g = gcd(hop, n), chunks t*r .. t*r + m - 1.
     g = math.gcd(hop, n)
     r, m = hop // g, n // g
-    frames = total // hop  # the extractor drops the last of total // hop + 1
     reach = ops.op(
         "Add", ops.op("Div", ops.op("Add", width, ops.i64(half - 1)), ops.i64(hop)), ops.i64(1)
     )
-    count = ops.op("Min", reach, ops.i64(frames))
+    # The extractor drops the last of n_samples // hop + 1 frames.
+    count = ops.op("Min", reach, ops.i64(spec.frames))
     prefix = ops.op(
         "Mul", ops.op("Add", ops.op("Mul", count, ops.i64(r)), ops.i64(m - r)), ops.i64(g)
     )
@@ -227,25 +262,7 @@ def features_graph(
         )
         for j in range(m)
     ]
-    framed = ops.op("Concat", *pieces, axis=2)  # [batch, count, n]
-    basis = _initializer(graph, ops.names, "dft_basis", _dft_basis(spec), np.float64)
-    spectrum = ops.op("MatMul", framed, basis)  # [batch, count, 2 * bins]: re, then im
-    power = ops.op("Mul", spectrum, spectrum)
-    # re² and im² each meet the mel bank: one product over the stacked bank sums them.
-    bank = mel_filters(spec)
-    stacked = _initializer(
-        graph, ops.names, "mel_filters", np.concatenate([bank, bank], axis=0), np.float64
-    )
-    mel = ops.op("Cast", ops.op("MatMul", power, stacked), to=ir.DataType.FLOAT)
-    missing_frames = ops.op("Sub", ops.i64(frames), count)
-    mel = ops.op("Pad", mel, ops.vector(ops.i64([0, 0, 0, 0]), missing_frames, ops.i64([0])))
-    log = ops.op(
-        "Mul", ops.op("Log", ops.op("Max", mel, ops.f32(MEL_FLOOR))), ops.f32(1 / math.log(10))
-    )
-    peak = ops.reduce("ReduceMax", ops.reduce("ReduceMax", log, 2, True), 1, True)
-    log = ops.op("Max", log, ops.op("Sub", peak, ops.f32(8.0)))
-    scaled = ops.op("Div", ops.op("Add", log, ops.f32(4.0)), ops.f32(4.0))
-    return ops.op("Transpose", scaled, perm=[0, 2, 1])
+    return ops.op("Concat", *pieces, axis=2), count
 
 
 def features_model(spec: FeatureSpec) -> ir.Model:
@@ -410,16 +427,40 @@ def whisper_prompt(
     if start is None:
         raise GenerationError("the generation config has no decoder_start_token_id")
     prompt: list[int | None] = [int(start)]
-    forced = g.get("forced_decoder_ids") or []
-    if language is None and task is None and forced and forced[0][0] == 1:
-        for position, (index, token) in enumerate(forced, start=1):
-            if index != position:
-                raise GenerationError(
-                    f"forced_decoder_ids {forced} do not follow Whisper's prompt pattern"
-                )
-            prompt.append(token)
-    lang_to_id = g.get("lang_to_id") or {}
-    task_to_id = g.get("task_to_id") or {}
+    if language is None and task is None:
+        prompt += _forced_tokens(g.get("forced_decoder_ids") or [])
+    prompt = _with_language(prompt, language, g.get("lang_to_id") or {})
+    prompt = _with_task(prompt, task, language, g.get("task_to_id") or {})
+    no_timestamps = g.get("no_timestamps_token_id")
+    if no_timestamps is not None and prompt[-1] != no_timestamps:
+        prompt.append(no_timestamps)
+    return [int(t) for t in prompt if t is not None]
+
+
+def _forced_tokens(forced: list) -> list[int | None]:
+    """The tokens ``forced_decoder_ids`` put after the start token, in Whisper's pattern
+    (positions 1, 2, ... in order); none where they do not start at position 1."""
+    from onnxmerge.errors import GenerationError
+
+    if not forced or forced[0][0] != 1:
+        return []
+    tokens = []
+    for position, (index, token) in enumerate(forced, start=1):
+        if index != position:
+            raise GenerationError(
+                f"forced_decoder_ids {forced} do not follow Whisper's prompt pattern"
+            )
+        tokens.append(token)
+    return tokens
+
+
+def _with_language(
+    prompt: list[int | None], language: str | None, lang_to_id: Mapping[str, int]
+) -> list[int | None]:
+    """``prompt`` with ``language``'s token second; refuses a multilingual model's prompt
+    without one, whose language ``generate()`` would detect."""
+    from onnxmerge.errors import GenerationError
+
     if language is not None:
         token = language if language.startswith("<|") else f"<|{language.lower()}|>"
         if token not in lang_to_id:
@@ -427,26 +468,32 @@ def whisper_prompt(
                 f"language {language!r} is not one of the model's: give a code such as 'en' "
                 f"({', '.join(sorted(lang_to_id)[:8])}, ...)"
             )
-        prompt[1:2] = [lang_to_id[token]]
-    elif lang_to_id and (len(prompt) == 1 or prompt[1] is None):
+        return [*prompt[:1], lang_to_id[token], *prompt[2:]]
+    if lang_to_id and (len(prompt) == 1 or prompt[1] is None):
         raise GenerationError(
             "this multilingual Whisper detects the language when none is given, which the graph "
             "does not do: pass language='en' (or another code) in generation_config"
         )
+    return prompt
+
+
+def _with_task(
+    prompt: list[int | None], task: str | None, language: str | None, task_to_id: Mapping[str, int]
+) -> list[int | None]:
+    """``prompt`` with ``task``'s token in place of a forced one or appended; ``transcribe``
+    where only a language is given."""
+    from onnxmerge.errors import GenerationError
+
     if task is not None:
         if task not in task_to_id:
             raise GenerationError(f"task {task!r} is not one of {sorted(task_to_id)}")
         tasks = set(task_to_id.values())
         if any(t in tasks for t in prompt):
-            prompt = [task_to_id[task] if t in tasks else t for t in prompt]
-        else:
-            prompt.append(task_to_id[task])
-    elif language is not None and task_to_id and not set(task_to_id.values()) & set(prompt):
-        prompt.append(task_to_id["transcribe"])
-    no_timestamps = g.get("no_timestamps_token_id")
-    if no_timestamps is not None and prompt[-1] != no_timestamps:
-        prompt.append(no_timestamps)
-    return [int(t) for t in prompt if t is not None]
+            return [task_to_id[task] if t in tasks else t for t in prompt]
+        return [*prompt, task_to_id[task]]
+    if language is not None and task_to_id and not set(task_to_id.values()) & set(prompt):
+        return [*prompt, task_to_id["transcribe"]]
+    return prompt
 
 
 __all__ = [

@@ -38,55 +38,81 @@ def checkpoint_problems(
     embeddings (Marian's ``share_encoder_decoder_embeddings: false``) shares none by design.
     """
     role_of = {value.name: role for role, value in origin.values()}
-    sources = {p.role: p.source for p in parts}
-    problems: list[str] = []
+    by_role = {p.role: p for p in parts}
+    problems = [_decoders_apart(by_role, origin, shared, role_of)]
+    separate = (config or {}).get("share_encoder_decoder_embeddings") is False
+    if not separate:
+        problems.append(_encoder_decoder_apart(by_role, origin, shared, role_of))
+    return [p for p in problems if p is not None]
 
-    def large(role: Role) -> list[ir.Value]:
-        return [
-            v
-            for r, v in origin.values()
-            if r == role
-            and v.const_value is not None
-            and v.const_value.nbytes >= dedup.MIN_SHARED_BYTES
-        ]
 
-    merged_decoder = sources.get(Role.DECODER) == sources.get(Role.DECODER_WITH_PAST)
-    if Role.DECODER_WITH_PAST in sources and not merged_decoder:
-        total = sum(tensor_of(v).nbytes for v in large(Role.DECODER_WITH_PAST))
-        matched = sum(
-            s.nbytes
-            for s in shared
-            if role_of.get(s.removed) == Role.DECODER_WITH_PAST
-            and role_of.get(s.kept) in (Role.DECODER, Role.ENCODER)
-        )
-        if total and matched < MIN_SHARED_FRACTION * total:
-            problems.append(
-                f"{sources[Role.DECODER_WITH_PAST].name} shares {matched / total:.0%} of its "
-                f"weights with {sources[Role.DECODER].name}; the two decoders come from "
-                "different checkpoints"
-            )
-    decoder_roles = {Role.DECODER, Role.DECODER_WITH_PAST}
+def _large(origin: dict[int, tuple[Role, ir.Value]], role: Role) -> list[ir.Value]:
+    """The initializers ``role`` brought that are large enough to be shared."""
+    return [
+        v
+        for r, v in origin.values()
+        if r == role
+        and v.const_value is not None
+        and v.const_value.nbytes >= dedup.MIN_SHARED_BYTES
+    ]
+
+
+def _decoders_apart(
+    by_role: dict[Role, Part],
+    origin: dict[int, tuple[Role, ir.Value]],
+    shared: list[dedup.SharedTensor],
+    role_of: dict[str | None, Role],
+) -> str | None:
+    """Why the decoder with past is not from the decoder's checkpoint, if it is not."""
+    with_past, decoder = by_role.get(Role.DECODER_WITH_PAST), by_role.get(Role.DECODER)
+    if with_past is None or (decoder is not None and decoder.source == with_past.source):
+        return None
+    total = sum(tensor_of(v).nbytes for v in _large(origin, Role.DECODER_WITH_PAST))
+    matched = sum(
+        s.nbytes
+        for s in shared
+        if role_of.get(s.removed) == Role.DECODER_WITH_PAST
+        and role_of.get(s.kept) in (Role.DECODER, Role.ENCODER)
+    )
+    if not total or matched >= MIN_SHARED_FRACTION * total:
+        return None
+    return (
+        f"{with_past.source.name} shares {matched / total:.0%} of its "
+        f"weights with {by_role[Role.DECODER].source.name}; the two decoders come from "
+        "different checkpoints"
+    )
+
+
+def _encoder_decoder_apart(
+    by_role: dict[Role, Part],
+    origin: dict[int, tuple[Role, ir.Value]],
+    shared: list[dedup.SharedTensor],
+    role_of: dict[str | None, Role],
+) -> str | None:
+    """Why the encoder and the decoders are not from one checkpoint, if they hold embeddings of
+    one shape yet share no weights."""
     # Only real weights count: every file holds the same small shape and axis constants.
     crossing = any(
         (role_of.get(s.kept) == Role.ENCODER) != (role_of.get(s.removed) == Role.ENCODER)
         for s in shared
         if s.nbytes >= dedup.MIN_SHARED_BYTES
     )
-    separate = (config or {}).get("share_encoder_decoder_embeddings") is False
-    if not crossing and not separate:
-        encoder_shapes = {_key(v) for v in large(Role.ENCODER) if len(tensor_of(v).shape) == 2}
-        decoder_shapes = {
-            _key(v) for role in decoder_roles for v in large(role) if len(tensor_of(v).shape) == 2
-        }
-        # An embedding-sized matrix in both, yet nothing shared: they were trained apart.
-        embeddings = {k for k in encoder_shapes & decoder_shapes if max(k[1]) >= 4 * min(k[1])}
-        if embeddings:
-            problems.append(
-                f"{sources[Role.ENCODER].name} and {sources[Role.DECODER].name} both hold an "
-                f"embedding of shape {list(sorted(embeddings)[0][1])} but share no weights; they "
-                "come from different checkpoints"
-            )
-    return problems
+    if crossing:
+        return None
+    matrices = {
+        role: {_key(v) for v in _large(origin, role) if len(tensor_of(v).shape) == 2}
+        for role in (Role.ENCODER, Role.DECODER, Role.DECODER_WITH_PAST)
+    }
+    decoder_shapes = matrices[Role.DECODER] | matrices[Role.DECODER_WITH_PAST]
+    # An embedding-sized matrix in both, yet nothing shared: they were trained apart.
+    embeddings = {k for k in matrices[Role.ENCODER] & decoder_shapes if max(k[1]) >= 4 * min(k[1])}
+    if not embeddings:
+        return None
+    return (
+        f"{by_role[Role.ENCODER].source.name} and {by_role[Role.DECODER].source.name} both hold an "
+        f"embedding of shape {list(sorted(embeddings)[0][1])} but share no weights; they "
+        "come from different checkpoints"
+    )
 
 
 def _key(value: ir.Value) -> tuple:

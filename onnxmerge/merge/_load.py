@@ -46,6 +46,21 @@ def load_export(
             f"{export_dir} holds no .onnx file; export the model first, e.g. `optimum-cli export "
             f"onnx --model MODEL --task text2text-generation-with-past {export_dir}`"
         )
+    models, data_files, judged = _read_and_judge(candidates, output, ignore_merged)
+    chosen = _choose_roles(judged, export_dir)
+    kept = set(chosen.values())
+    return (
+        chosen,
+        {p: m for p, m in models.items() if p in kept},
+        {p: d for p, d in data_files.items() if p in kept},
+    )
+
+
+def _read_and_judge(
+    candidates: list[Path], output: Path, ignore_merged: bool
+) -> tuple[dict[Path, ir.Model], dict[Path, set[Path]], dict[Path, roles.Judgement]]:
+    """Every candidate's model, external data files and role, skipping merged models that are
+    ignored or the output itself."""
     models: dict[Path, ir.Model] = {}
     data_files: dict[Path, set[Path]] = {}
     judged: dict[Path, roles.Judgement] = {}
@@ -60,6 +75,11 @@ def load_export(
             continue  # the previous result of this merge, about to be replaced
         models[path], data_files[path], judged[path] = model, model_data, judgement
         logger.debug("%s: %s (%s)", path.name, judgement.role, judgement.reason)
+    return models, data_files, judged
+
+
+def _choose_roles(judged: dict[Path, roles.Judgement], export_dir: Path) -> dict[Role, Path]:
+    """The file the merge takes for each role, or why the folder cannot be merged."""
     chosen = roles.assign_roles(judged)
     if Role.MERGED_MODEL in chosen:
         raise InvalidMergedModelError(
@@ -82,7 +102,7 @@ def load_export(
     if (
         Role.DECODER in chosen
         and Role.MERGED_DECODER in chosen
-        and (Role.DECODER_WITH_PAST in chosen)
+        and Role.DECODER_WITH_PAST in chosen
     ):
         # The separate decoders hold the same graphs; the merged one adds nothing.
         del chosen[Role.MERGED_DECODER]
@@ -94,9 +114,4 @@ def load_export(
             f"{export_dir} has {chosen[Role.DECODER_WITH_PAST].name} but no decoder without past "
             "for the first step; export again or add decoder_model.onnx"
         )
-    kept = set(chosen.values())
-    return (
-        chosen,
-        {p: m for p, m in models.items() if p in kept},
-        {p: d for p, d in data_files.items() if p in kept},
-    )
+    return chosen

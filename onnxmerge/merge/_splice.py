@@ -177,21 +177,8 @@ def splice(
     with_past = by_role.get(Role.DECODER_WITH_PAST)
     decoder_parts = [decoder] + ([with_past] if with_past else [])
     opsets, ir_version = _check_opsets(models)
-
-    encoder_output = encoder.outputs.get(contract.OPTIMUM_ENCODER_OUTPUT)
-    if encoder_output is None:
-        raise ExportFolderError(f"{encoder.source} has no last_hidden_state output")
-    main_inputs, renames, problems = _main_inputs(encoder, decoder_parts, with_past is not None)
-    problems += _hidden_state_problems(encoder, decoder, with_past, encoder_output)
-    if problems:
-        raise IncompatibleModelsError("the encoder and decoders do not fit together:", problems)
+    main_inputs, renames, encoder_output = _fitting_inputs(encoder, decoder, with_past)
     encoder_inputs = list(encoder.inputs)
-    if with_past is not None:
-        main_inputs[contract.USE_CACHE_BRANCH] = ir.Value(
-            name=contract.USE_CACHE_BRANCH,
-            type=ir.TensorType(ir.DataType.BOOL),
-            shape=ir.Shape([1]),
-        )
     output_names = _output_names(decoder, with_past is not None)
 
     # Names: contract names are reserved; every part keeps its own where it is free.
@@ -201,28 +188,7 @@ def splice(
     )
     _move_initializers(parts, main)
     _wire(encoder, decoder_parts, main_inputs, renames, encoder_output)
-
-    version, layout = contract.FORMAT_VERSION, contract.LAYOUT_WITH_PAST
-    if with_past is not None and cross is not None:
-        _one_decoder(main, main_inputs, encoder, decoder, with_past, cross, output_names)
-        version = contract.ONE_DECODER_FORMAT_VERSION
-    else:
-        first_step_nodes = _take_nodes(encoder) + _take_nodes(decoder)
-        first_step_outputs = [decoder.outputs[n] for n in output_names]
-        if with_past is None:
-            _add_first_step(main, first_step_nodes, output_names, first_step_outputs)
-            layout = contract.LAYOUT_WITHOUT_PAST
-        else:
-            if_node = _use_cache_if(
-                main_inputs[contract.USE_CACHE_BRANCH],
-                (first_step_nodes, first_step_outputs),
-                with_past,
-                decoder,
-                output_names,
-                values,
-            )
-            main.append(if_node)
-            main.outputs.extend(if_node.outputs)
+    version, layout = _add_steps(main, main_inputs, by_role, cross, output_names, values)
     return ir.Model(
         main,
         ir_version=ir_version,
@@ -235,6 +201,60 @@ def splice(
             contract.META_ENCODER_INPUTS: json.dumps(encoder_inputs),
         },
     )
+
+
+def _fitting_inputs(
+    encoder: Part, decoder: Part, with_past: Part | None
+) -> tuple[dict[str, ir.Value], dict[str, str], ir.Value]:
+    """The merged graph's inputs, the decoders' input renames and the encoder's output, or
+    why the parts do not fit together."""
+    encoder_output = encoder.outputs.get(contract.OPTIMUM_ENCODER_OUTPUT)
+    if encoder_output is None:
+        raise ExportFolderError(f"{encoder.source} has no last_hidden_state output")
+    decoder_parts = [decoder] + ([with_past] if with_past else [])
+    main_inputs, renames, problems = _main_inputs(encoder, decoder_parts, with_past is not None)
+    problems += _hidden_state_problems(encoder, decoder, with_past, encoder_output)
+    if problems:
+        raise IncompatibleModelsError("the encoder and decoders do not fit together:", problems)
+    if with_past is not None:
+        main_inputs[contract.USE_CACHE_BRANCH] = ir.Value(
+            name=contract.USE_CACHE_BRANCH,
+            type=ir.TensorType(ir.DataType.BOOL),
+            shape=ir.Shape([1]),
+        )
+    return main_inputs, renames, encoder_output
+
+
+def _add_steps(
+    main: ir.Graph,
+    main_inputs: dict[str, ir.Value],
+    by_role: dict[Role, Part],
+    cross: CrossAttention | None,
+    output_names: list[str],
+    values: _Names,
+) -> tuple[str, str]:
+    """Put the parts' nodes and the outputs in ``main``; return the format version and layout."""
+    encoder, decoder = by_role[Role.ENCODER], by_role[Role.DECODER]
+    with_past = by_role.get(Role.DECODER_WITH_PAST)
+    if with_past is not None and cross is not None:
+        _one_decoder(main, main_inputs, encoder, decoder, with_past, cross, output_names)
+        return contract.ONE_DECODER_FORMAT_VERSION, contract.LAYOUT_WITH_PAST
+    first_step_nodes = _take_nodes(encoder) + _take_nodes(decoder)
+    first_step_outputs = [decoder.outputs[n] for n in output_names]
+    if with_past is None:
+        _add_first_step(main, first_step_nodes, output_names, first_step_outputs)
+        return contract.FORMAT_VERSION, contract.LAYOUT_WITHOUT_PAST
+    if_node = _use_cache_if(
+        main_inputs[contract.USE_CACHE_BRANCH],
+        (first_step_nodes, first_step_outputs),
+        with_past,
+        decoder,
+        output_names,
+        values,
+    )
+    main.append(if_node)
+    main.outputs.extend(if_node.outputs)
+    return contract.FORMAT_VERSION, contract.LAYOUT_WITH_PAST
 
 
 def _main_inputs(
@@ -371,6 +391,31 @@ def _one_decoder(
     cache_problems = _cache_mismatches(output_names, with_past)
     if cache_problems:
         raise IncompatibleModelsError("the decoders' caches do not match:", cache_problems)
+    first_step_nodes = _take_cross_attention_nodes(encoder, decoder, cross)
+    cached_nodes = _take_nodes(with_past)
+    cross_names = [n for n in output_names if contract.is_encoder_present(n)]
+    if_node = _cross_attention_if(main_inputs, decoder, cross_names, first_step_nodes, cached_nodes)
+    main.append(if_node)
+    main.extend(cached_nodes)
+    by_name = dict(zip(cross_names, if_node.outputs, strict=True))
+    cached_set = set(cached_nodes)
+    for name in output_names:
+        value = by_name.get(name)
+        if value is None:
+            value = _cached_output(main, name, with_past, decoder, cached_set)
+        main.outputs.append(value)
+    # What computed the empty encoder presents of an optimum merged decoder's cached branch.
+    outputs = set(main.outputs)
+    for node in reversed(cached_nodes):
+        if not any(v.uses() or v in outputs for v in node.outputs):
+            main.remove(node, safe=True)
+
+
+def _take_cross_attention_nodes(
+    encoder: Part, decoder: Part, cross: CrossAttention
+) -> list[ir.Node]:
+    """Detach the first step's nodes of format 3: the encoder's, and the decoder's projections
+    of its states, which read their batch size from the encoder's output."""
     hidden = encoder.outputs[contract.OPTIMUM_ENCODER_OUTPUT]
     encoder_nodes = _take_nodes(encoder)
     for node in cross.batch_reads:
@@ -381,9 +426,18 @@ def _one_decoder(
     decoder.graph.remove([n for n in decoder.graph if n not in kept], safe=True)
     cross_nodes = list(decoder.graph)
     decoder.graph.remove(cross_nodes)
-    cached_nodes = _take_nodes(with_past)
+    return encoder_nodes + cross_nodes
 
-    cross_names = [n for n in output_names if contract.is_encoder_present(n)]
+
+def _cross_attention_if(
+    main_inputs: dict[str, ir.Value],
+    decoder: Part,
+    cross_names: list[str],
+    first_step_nodes: list[ir.Node],
+    cached_nodes: list[ir.Node],
+) -> ir.Node:
+    """The ``If`` yielding the cross-attention keys and values: computed on the first step, the
+    past inputs on the others. The cached nodes read its outputs instead of those inputs."""
     computed = [decoder.outputs[n] for n in cross_names]
     passed = [main_inputs[contract.past_name(*_layer_part_kind(n))] for n in cross_names]
     if_node = passes_base.node(
@@ -392,40 +446,36 @@ def _one_decoder(
         [_input_like(n, v) for n, v in zip(cross_names, computed, strict=True)],
         name="use_cache_branch",
         then_branch=_branch("with_past", [], passed),
-        else_branch=_branch("no_past", encoder_nodes + cross_nodes, computed),
+        else_branch=_branch("no_past", first_step_nodes, computed),
     )
     cached_set = set(cached_nodes)
     for past, branch_output in zip(passed, if_node.outputs, strict=True):
         for use in list(past.uses()):
             if use.node in cached_set:
                 use.node.replace_input_with(use.idx, branch_output)
-    main.append(if_node)
-    main.extend(cached_nodes)
-    by_name = dict(zip(cross_names, if_node.outputs, strict=True))
-    for name in output_names:
-        value = by_name.get(name)
-        if value is None:
-            value = with_past.outputs.get(name)
-            if value is None:
-                raise IncompatibleModelsError(
-                    f"{with_past.source.name} lacks the output {name!r} that "
-                    f"{decoder.source.name} has; the two decoders are not from one export"
-                )
-            if not _produced_in(value, cached_set) or value in main.outputs:
-                identity = passes_base.node("Identity", [value], [_input_like(name, value)])
-                main.append(identity)
-                value = identity.outputs[0]
-            else:
-                value.name = name
-            # The interface is the first step's: the decoder with past was declared for one
-            # new token a step.
-            value.shape = decoder.outputs[name].shape
-        main.outputs.append(value)
-    # What computed the empty encoder presents of an optimum merged decoder's cached branch.
-    outputs = set(main.outputs)
-    for node in reversed(cached_nodes):
-        if not any(v.uses() or v in outputs for v in node.outputs):
-            main.remove(node, safe=True)
+    return if_node
+
+
+def _cached_output(
+    main: ir.Graph, name: str, with_past: Part, decoder: Part, cached_nodes: set[ir.Node]
+) -> ir.Value:
+    """The decoder with past's output ``name``, ready to be the main graph's output ``name``."""
+    value = with_past.outputs.get(name)
+    if value is None:
+        raise IncompatibleModelsError(
+            f"{with_past.source.name} lacks the output {name!r} that "
+            f"{decoder.source.name} has; the two decoders are not from one export"
+        )
+    if not _produced_in(value, cached_nodes) or value in main.outputs:
+        identity = passes_base.node("Identity", [value], [_input_like(name, value)])
+        main.append(identity)
+        value = identity.outputs[0]
+    else:
+        value.name = name
+    # The interface is the first step's: the decoder with past was declared for one new token
+    # a step.
+    value.shape = decoder.outputs[name].shape
+    return value
 
 
 def _layer_part_kind(name: str) -> tuple[int, str, str]:

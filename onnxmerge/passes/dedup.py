@@ -248,15 +248,22 @@ def deduplicate_initializers(graph: ir.Graph) -> list[SharedTensor]:
     A tensor equal to another's transpose is replaced by one ``Transpose`` node in this graph.
     Keys are (dtype, shape, sha256); every match is confirmed byte by byte.
     """
-    shared: list[SharedTensor] = []
-    digests: dict[str, bytes] = {}
+    survivors, shared = _drop_equal(graph)
+    shared = _resolve_chains(shared + _drop_transposed(graph, survivors))
+    for item in shared:
+        logger.debug(
+            "%s is %s%s (%d bytes)",
+            item.removed,
+            item.kept,
+            "^T" if item.transposed else "",
+            item.nbytes,
+        )
+    return shared
 
-    def digest_of(value: ir.Value) -> bytes:
-        name = name_of(value)
-        if name not in digests:
-            digests[name] = _stored_digest(tensor_of(value))
-        return digests[name]
 
+def _drop_equal(graph: ir.Graph) -> tuple[list[ir.Value], list[SharedTensor]]:
+    """Make every initializer equal to an earlier one read that one instead; return the
+    initializers left and what was shared."""
     candidates = [
         v
         for v in graph.initializers.values()
@@ -264,9 +271,10 @@ def deduplicate_initializers(graph: ir.Graph) -> list[SharedTensor]:
     ]
     kept: dict[tuple, ir.Value] = {}
     survivors: list[ir.Value] = []
+    shared: list[SharedTensor] = []
     for value in candidates:
         tensor = tensor_of(value)
-        key = (tensor.dtype, tuple(tensor.shape), digest_of(value))
+        key = (tensor.dtype, tuple(tensor.shape), _stored_digest(tensor))
         first = kept.get(key)
         if (
             first is not None
@@ -279,22 +287,28 @@ def deduplicate_initializers(graph: ir.Graph) -> list[SharedTensor]:
             continue
         kept.setdefault(key, value)
         survivors.append(value)
+    return survivors, shared
 
-    # Transposed copies: only 2-D tensors whose transposed shape also occurs are hashed again.
-    def transposable(value: ir.Value) -> bool:
-        tensor = tensor_of(value)
-        return (
-            len(tensor.shape) == 2
-            and tensor.nbytes >= MIN_SHARED_BYTES
-            and tensor.dtype.bitwidth in (8, 16, 32, 64)
-        )
 
-    shapes = {(tensor_of(v).dtype, tuple(tensor_of(v).shape)) for v in survivors if transposable(v)}
+def _transposable(value: ir.Value) -> bool:
+    tensor = tensor_of(value)
+    return (
+        len(tensor.shape) == 2
+        and tensor.nbytes >= MIN_SHARED_BYTES
+        and tensor.dtype.bitwidth in (8, 16, 32, 64)
+    )
+
+
+def _drop_transposed(graph: ir.Graph, survivors: list[ir.Value]) -> list[SharedTensor]:
+    """Make every 2-D initializer equal to an earlier one's transpose read one shared
+    ``Transpose`` of it; return what was shared."""
+    # Only tensors whose transposed shape also occurs are hashed again.
+    candidates = [v for v in survivors if _transposable(v)]
+    shapes = {(tensor_of(v).dtype, tuple(tensor_of(v).shape)) for v in candidates}
     transposed_of: dict[tuple, ir.Value] = {}
     transposes: dict[str, ir.Value] = {}
-    for value in survivors:
-        if not transposable(value):
-            continue
+    shared: list[SharedTensor] = []
+    for value in candidates:
         tensor = tensor_of(value)
         shape = tuple(tensor.shape)
         flipped = (tensor.dtype, shape[::-1])
@@ -314,15 +328,6 @@ def deduplicate_initializers(graph: ir.Graph) -> list[SharedTensor]:
             shared.append(SharedTensor(source_name, name_of(value), tensor.nbytes, True))
             continue
         transposed_of.setdefault((*flipped, _frame_hash(tensor, transposed=True)), value)
-    shared = _resolve_chains(shared)
-    for item in shared:
-        logger.debug(
-            "%s is %s%s (%d bytes)",
-            item.removed,
-            item.kept,
-            "^T" if item.transposed else "",
-            item.nbytes,
-        )
     return shared
 
 

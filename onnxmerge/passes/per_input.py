@@ -138,17 +138,7 @@ def _fold(
     name = f"per_input.{index}"  # node names must be unique
     query = matmul.inputs[0]
     assert query is not None  # find_products checked
-    ints = {
-        key: initializer(graph, f"onnxmerge.per_input.{key}", np.array(values, np.int64))
-        for key, values in {
-            "minus_one": [-1],
-            "0": [0],
-            "1": [1],
-            "2": [2],
-            "3": [3],
-            "4": [4],
-        }.items()
-    }
+    ints = _small_ints(graph)
     new: list[ir.Node] = []
     count = [0]
 
@@ -193,3 +183,12 @@ def _fold(
     if result in graph.outputs:  # the interface keeps its name
         graph.outputs[graph.outputs.index(result)] = unfolded
         unfolded.name, result.name = result.name, f"{name}.product"
+
+
+def _small_ints(graph: ir.Graph) -> dict[str, ir.Value]:
+    """The one-element int64 initializers that the rewrite slices and reshapes with."""
+    values = {"minus_one": -1, **{str(i): i for i in range(5)}}
+    return {
+        key: initializer(graph, f"onnxmerge.per_input.{key}", np.array([value], np.int64))
+        for key, value in values.items()
+    }

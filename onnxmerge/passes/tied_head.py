@@ -80,58 +80,15 @@ def gemm_for_transposed_weights(model: ir.Model) -> int:
     rewritten = 0
     prefixes: set[str] = set()
     for node in list(ir.traversal.RecursiveGraphIterator(main)):
-        if not is_op(node, "MatMul"):
+        operands = _hidden_and_weight(node, main)
+        if operands is None:
             continue
-        weight = _transposed_initializer(node.inputs[1], main)
-        hidden = node.inputs[0]
-        if (
-            weight is None
-            or hidden is None
-            or weight.shape is None
-            or weight.dtype not in _EXACT_DTYPES
-        ):
-            continue
-        out_features, in_features = weight.shape
         # Node names need not be unique; the names of the values made here must be.
         prefix = free_name(f"{node.name or node.outputs[0].name}/gemm", prefixes)
         prefixes.add(prefix)
-        flat_shape = initializer(
-            main, f"onnxmerge.flatten_to_2d_{in_features}", np.array([-1, in_features], np.int64)
-        )
-        reshape_in = _node(
-            "Reshape", [hidden, flat_shape], f"{prefix}/reshape_in", f"{prefix}/rows"
-        )
-        gemm = _node(
-            "Gemm", [reshape_in.outputs[0], weight], f"{prefix}/gemm", f"{prefix}/product", transB=1
-        )
-        shape = _node("Shape", [hidden], f"{prefix}/shape", f"{prefix}/full_shape")
-        # Slice rather than Shape(end=-1), which needs opset 15.
-        leading = _node(
-            "Slice",
-            [
-                shape.outputs[0],
-                initializer(main, "onnxmerge.zero", np.array([0], np.int64)),
-                initializer(main, "onnxmerge.minus_one", np.array([-1], np.int64)),
-            ],
-            f"{prefix}/leading_dims",
-            f"{prefix}/hidden_shape",
-        )
-        columns = initializer(
-            main, f"onnxmerge.columns_{out_features}", np.array([out_features], np.int64)
-        )
-        concat = _node(
-            "Concat",
-            [leading.outputs[0], columns],
-            f"{prefix}/concat",
-            f"{prefix}/out_shape",
-            axis=0,
-        )
-        result = ir.Value(name=f"{prefix}/out")
-        reshape_out = _node(
-            "Reshape", [gemm.outputs[0], concat.outputs[0]], f"{prefix}/reshape_out", result
-        )
+        new_nodes = _gemm_nodes(main, *operands, prefix)
         transpose = _producer(node.inputs[1])
-        replace_result(node, [reshape_in, gemm, shape, leading, concat, reshape_out], result)
+        replace_result(node, new_nodes, new_nodes[-1].outputs[0])
         graph = graph_of(transpose)
         if not transpose.outputs[0].uses() and transpose.outputs[0] not in graph.outputs:
             graph.remove(transpose, safe=True)
@@ -139,3 +96,53 @@ def gemm_for_transposed_weights(model: ir.Model) -> int:
     if rewritten:
         logger.debug("read %d transposed weights through Gemm(transB=1)", rewritten)
     return rewritten
+
+
+def _hidden_and_weight(node: ir.Node, main: ir.Graph) -> tuple[ir.Value, ir.Value] | None:
+    """``x`` and ``W`` of a ``MatMul(x, Transpose(W))`` that Gemm computes exactly, if any."""
+    if not is_op(node, "MatMul"):
+        return None
+    weight = _transposed_initializer(node.inputs[1], main)
+    hidden = node.inputs[0]
+    if weight is None or hidden is None or weight.shape is None:
+        return None
+    return (hidden, weight) if weight.dtype in _EXACT_DTYPES else None
+
+
+def _gemm_nodes(main: ir.Graph, hidden: ir.Value, weight: ir.Value, prefix: str) -> list[ir.Node]:
+    """Reshape -> Gemm(transB=1) -> Reshape computing ``hidden @ weight.T``; the last node's
+    output is the product, in ``hidden``'s leading dims."""
+    assert weight.shape is not None  # _hidden_and_weight checked
+    out_features, in_features = weight.shape
+    flat_shape = initializer(
+        main, f"onnxmerge.flatten_to_2d_{in_features}", np.array([-1, in_features], np.int64)
+    )
+    reshape_in = _node("Reshape", [hidden, flat_shape], f"{prefix}/reshape_in", f"{prefix}/rows")
+    gemm = _node(
+        "Gemm", [reshape_in.outputs[0], weight], f"{prefix}/gemm", f"{prefix}/product", transB=1
+    )
+    shape = _node("Shape", [hidden], f"{prefix}/shape", f"{prefix}/full_shape")
+    # Slice rather than Shape(end=-1), which needs opset 15.
+    leading = _node(
+        "Slice",
+        [
+            shape.outputs[0],
+            initializer(main, "onnxmerge.zero", np.array([0], np.int64)),
+            initializer(main, "onnxmerge.minus_one", np.array([-1], np.int64)),
+        ],
+        f"{prefix}/leading_dims",
+        f"{prefix}/hidden_shape",
+    )
+    columns = initializer(
+        main, f"onnxmerge.columns_{out_features}", np.array([out_features], np.int64)
+    )
+    concat = _node(
+        "Concat", [leading.outputs[0], columns], f"{prefix}/concat", f"{prefix}/out_shape", axis=0
+    )
+    reshape_out = _node(
+        "Reshape",
+        [gemm.outputs[0], concat.outputs[0]],
+        f"{prefix}/reshape_out",
+        f"{prefix}/out",
+    )
+    return [reshape_in, gemm, shape, leading, concat, reshape_out]

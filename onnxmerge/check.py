@@ -23,8 +23,8 @@ import onnx
 import onnx_ir as ir
 
 from onnxmerge import contract, model_io
+from onnxmerge._ort import open_session
 from onnxmerge.errors import InvalidMergedModelError, MergedModelRunError
-from onnxmerge.runtime._ort import open_session
 from onnxmerge.samples import first_step_feeds, one_run_options, sample_inputs
 
 __all__ = ["check_written_model", "run_once", "unknown_operators"]

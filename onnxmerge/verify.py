@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 
 from onnxmerge import contract
+from onnxmerge._ort import ORT_TO_NUMPY, open_session, session_options
 from onnxmerge.errors import ExportFolderError, InvalidMergedModelError
-from onnxmerge.merge._roles import Role
-from onnxmerge.runtime._ort import ORT_TO_NUMPY, open_session, session_options
+from onnxmerge.merge import Role
 from onnxmerge.samples import first_step_feeds, sample_inputs
 
 logger = logging.getLogger(__name__)

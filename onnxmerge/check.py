@@ -135,7 +135,7 @@ def run_once(path: Path, sources: Sequence[Path] = ()) -> None:
         raise MergedModelRunError("load", _reason(e)) from e
     meta = session.get_modelmeta().custom_metadata_map
     config = json.loads(meta.get(contract.META_CONFIG, "{}"))
-    one_decoder = meta.get(contract.META_FORMAT_VERSION) in contract.ONE_DECODER_FORMAT_VERSIONS
+    one_decoder = contract.is_merged(meta) and contract.format_of(meta, path).one_decoder
     suffix = "-one-decoder" if one_decoder else ""
     inputs = {i.name: i for i in session.get_inputs()}
     rng = np.random.default_rng(0)

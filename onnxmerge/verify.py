@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from dataclasses import dataclass
@@ -88,13 +87,12 @@ def verify(
     except Exception as e:  # onnxruntime raises its own types for unreadable files
         raise InvalidMergedModelError(f"onnxruntime cannot load {merged}: {e}") from e
     meta = model.get_modelmeta().custom_metadata_map
-    contract.read_contract(
+    info = contract.read_contract(
         meta, [i.name for i in model.get_inputs()], [o.name for o in model.get_outputs()], merged
     )
-    config = json.loads(meta.get(contract.META_CONFIG, "{}"))
-    precision = json.loads(meta.get(contract.META_PRECISION, "{}"))
+    config = info.config
     coarsest = max(
-        precision.values(),
+        info.precision.values(),
         key=lambda p: RELATIVE_TOLERANCE.get(p, 0.0),
         default=None,
     )

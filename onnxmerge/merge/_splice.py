@@ -202,10 +202,10 @@ def splice(
     _move_initializers(parts, main)
     _wire(encoder, decoder_parts, main_inputs, renames, encoder_output)
 
-    version, layout = contract.FORMAT_VERSION, contract.LAYOUT_WITH_PAST
+    layout, one_decoder = contract.LAYOUT_WITH_PAST, False
     if with_past is not None and cross is not None:
         _one_decoder(main, main_inputs, encoder, decoder, with_past, cross, output_names)
-        version = contract.ONE_DECODER_FORMAT_VERSION
+        one_decoder = True
     else:
         first_step_nodes = _take_nodes(encoder) + _take_nodes(decoder)
         first_step_outputs = [decoder.outputs[n] for n in output_names]
@@ -230,7 +230,7 @@ def splice(
         producer_version=__version__,
         functions=_local_functions(models),
         metadata_props={
-            contract.META_FORMAT_VERSION: version,
+            contract.META_FORMAT_VERSION: contract.FormatFacts(one_decoder=one_decoder).version,
             contract.META_LAYOUT: layout,
             contract.META_ENCODER_INPUTS: json.dumps(encoder_inputs),
         },

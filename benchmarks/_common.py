@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from onnxmerge.runtime._ort import processor
+from onnxmerge._ort import processor
 from onnxmerge.testing import exports
 from onnxmerge.testing.exports import export_onnx, staging
 

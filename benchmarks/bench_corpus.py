@@ -240,8 +240,8 @@ class _Ours:
         keep_rows: bool,
     ):
         import onnxmerge
+        from onnxmerge._ort import shared_pool_threads
         from onnxmerge.runtime import _model
-        from onnxmerge.runtime._ort import shared_pool_threads
 
         _model.DROP_FINISHED = not keep_rows  # kept: to the batch's end, as transformers runs
         self.parallel = parallel

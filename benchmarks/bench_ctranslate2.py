@@ -321,7 +321,7 @@ def worker_ours(
         import onnxruntime  # noqa: F401 - imported by the first load otherwise; part of the import
 
     import onnxmerge
-    from onnxmerge.runtime._ort import session_options
+    from onnxmerge._ort import session_options
 
     imported = time.perf_counter()
     rss_imported = _common.self_rss_bytes()["rss_bytes"]

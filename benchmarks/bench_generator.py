@@ -73,8 +73,8 @@ def measure(
     import numpy as np
 
     import onnxmerge
+    from onnxmerge._ort import open_session, session_options
     from onnxmerge.generator import build_generator
-    from onnxmerge.runtime._ort import open_session, session_options
 
     def options():
         return session_options(threads=threads)

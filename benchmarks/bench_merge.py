@@ -228,7 +228,7 @@ def ort_check(export_dir: Path, merged: Path) -> dict[str, Any]:
     """Run the merged file for one first step and one cached step; compare with the export files."""
     import numpy as np
 
-    from onnxmerge.runtime._ort import open_session
+    from onnxmerge._ort import open_session
 
     model = open_session(merged)
     encoder = open_session(export_dir / ENCODER_FILE)

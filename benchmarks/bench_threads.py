@@ -30,7 +30,7 @@ CALLER_THREADS = (1, 2, 8)
 
 def _model(export_dir: Path, folder: Path):
     import onnxmerge
-    from onnxmerge.runtime._ort import session_options
+    from onnxmerge._ort import session_options
 
     folder.mkdir()
     merged = onnxmerge.merge_seq2seq(export_dir, folder / "model.onnx")

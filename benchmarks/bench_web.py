@@ -89,7 +89,7 @@ def python_side(
     import numpy as np
 
     from onnxmerge import Seq2SeqModel
-    from onnxmerge.runtime._ort import open_session, session_options
+    from onnxmerge._ort import open_session, session_options
 
     options = session_options(threads=threads)
     inputs = {

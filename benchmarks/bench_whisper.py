@@ -112,8 +112,8 @@ def python_side(
     from transformers import WhisperFeatureExtractor
 
     import onnxmerge
+    from onnxmerge._ort import open_session, session_options
     from onnxmerge.generator import audio, build_generator
-    from onnxmerge.runtime._ort import open_session, session_options
 
     options = (
         {"language": "en"}

@@ -83,7 +83,7 @@ def _timed_steps(model, ids, beams: int, repeats: int) -> dict[str, Any]:
 def _ort_profile(path: Path, ids, beams: int, threads: int) -> dict[str, Any]:
     """onnxruntime's profile of one generate(): operator time by type, and time outside them."""
     import onnxmerge
-    from onnxmerge.runtime._ort import session_options
+    from onnxmerge._ort import session_options
 
     with tempfile.TemporaryDirectory(prefix="profile-") as tmp:
         options = session_options()
@@ -127,7 +127,7 @@ def _ort_profile(path: Path, ids, beams: int, threads: int) -> dict[str, Any]:
 
 def profile(merged: Path, config: dict, threads: int, repeats: int) -> dict[str, Any]:
     import onnxmerge
-    from onnxmerge.runtime._ort import session_options
+    from onnxmerge._ort import session_options
 
     options = session_options()
     options.intra_op_num_threads = threads

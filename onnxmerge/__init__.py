@@ -49,14 +49,10 @@ __all__ = [
 def __getattr__(name: str):
     # The merge needs only onnx and onnx-ir; the runtime needs onnxruntime. Import lazily so that
     # each works without the other's dependencies.
-    if name in ("merge_seq2seq", "merge_seq2seq_with_report", "MergeResult"):
+    if name in ("merge_seq2seq", "merge_seq2seq_with_report", "MergeResult", "merge_every_dtype"):
         from onnxmerge import merge
 
         return getattr(merge, name)
-    if name == "merge_every_dtype":
-        from onnxmerge.export_layout import merge_every_dtype
-
-        return merge_every_dtype
     if name == "quantize":
         from onnxmerge.quantization import quantize
 

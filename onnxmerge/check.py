@@ -23,8 +23,8 @@ import onnx
 import onnx_ir as ir
 
 from onnxmerge import contract, model_io
+from onnxmerge._ort import open_session
 from onnxmerge.errors import InvalidMergedModelError, MergedModelRunError
-from onnxmerge.runtime._ort import open_session
 from onnxmerge.samples import first_step_feeds, one_run_options, sample_inputs
 
 __all__ = ["check_written_model", "run_once", "unknown_operators"]
@@ -134,7 +134,7 @@ def run_once(path: Path, sources: Sequence[Path] = ()) -> None:
     if contract.META_GENERATOR in meta:
         _generate_once(session, feeds, rng)
         return
-    one_decoder = meta.get(contract.META_FORMAT_VERSION) in contract.ONE_DECODER_FORMAT_VERSIONS
+    one_decoder = contract.is_merged(meta) and contract.format_of(meta, path).one_decoder
     suffix = "-one-decoder" if one_decoder else ""
     ids = rng.integers(0, vocab, (_BATCH, _DECODER_LENGTH)).astype(np.int64)
     first = dict(feeds, **{contract.DECODER_INPUT_IDS: ids})

@@ -279,7 +279,7 @@ def cmd_merge(args: argparse.Namespace) -> int:
 
 
 def _merge_every_dtype(args: argparse.Namespace) -> int:
-    from onnxmerge.export_layout import merge_every_dtype
+    from onnxmerge.merge import merge_every_dtype
 
     with _Steps(quiet=args.json) as steps:
         results = merge_every_dtype(
@@ -629,7 +629,7 @@ def _translation_model(args: argparse.Namespace) -> tuple:
         steps("loading the model")
         threads = args.threads
         if args.parallel_batches > 1:
-            from onnxmerge.runtime._ort import shared_pool_threads
+            from onnxmerge._ort import shared_pool_threads
 
             threads = shared_pool_threads(args.parallel_batches, threads)
         model = Seq2SeqModel(args.file, session_cache=args.session_cache, threads=threads)

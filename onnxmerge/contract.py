@@ -6,10 +6,14 @@ Everything that reads or writes a merged file takes its names from here, so the 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 
+# The format versions (docs/format.md). Only this module turns them into facts (FormatFacts) and
+# back: readers ask format_of() or ContractInfo, writers record_format().
 FORMAT_VERSION = "1"
 # Version 2 is version 1 plus weights stored below float32 and META_PRECISION saying which.
 QUANTIZED_FORMAT_VERSION = "2"
@@ -128,10 +132,98 @@ def is_present_name(name: str) -> bool:
 
 
 @dataclass(frozen=True)
+class FormatFacts:
+    """What a merged file's format version stands for, as the facts its readers ask about.
+
+    ``one_decoder``: the decoder with past runs every step, the first one included (versions 3
+    and 4). ``cross_attention_per_input``: ``past_key_values.*.encoder.*`` may hold one row per
+    input, which ``rows / their rows`` consecutive decoder rows read (version 4). ``quantized``:
+    ``onnxmerge.quantize`` stored its weights below float32, ``META_PRECISION`` says how (version
+    2 for the two-decoder form; versions 3 and 4 keep their number).
+    """
+
+    one_decoder: bool = False
+    cross_attention_per_input: bool = False
+    quantized: bool = False
+
+    def __post_init__(self) -> None:
+        if self.cross_attention_per_input and not self.one_decoder:
+            raise ValueError("cross-attention rows per input exist in the one-decoder form only")
+
+    @property
+    def version(self) -> str:
+        """The ``META_FORMAT_VERSION`` these facts are written as."""
+        if self.cross_attention_per_input:
+            return PER_INPUT_FORMAT_VERSION
+        if self.one_decoder:
+            return ONE_DECODER_FORMAT_VERSION
+        return QUANTIZED_FORMAT_VERSION if self.quantized else FORMAT_VERSION
+
+
+_FACTS_OF_VERSION = {
+    FORMAT_VERSION: FormatFacts(),
+    QUANTIZED_FORMAT_VERSION: FormatFacts(quantized=True),
+    ONE_DECODER_FORMAT_VERSION: FormatFacts(one_decoder=True),
+    PER_INPUT_FORMAT_VERSION: FormatFacts(one_decoder=True, cross_attention_per_input=True),
+}
+
+
+def is_merged(metadata: Mapping[str, str]) -> bool:
+    """Whether ``metadata`` is a merged file's (written by the merge or quantize; a generator's
+    is not), whatever its version."""
+    return META_FORMAT_VERSION in metadata
+
+
+def format_of(metadata: Mapping[str, str], path: object = "the model") -> FormatFacts:
+    """The facts a merged file's metadata declares through its format version.
+
+    Raises:
+        InvalidMergedModelError: the metadata is not a merged file's (a generator's, say), or
+            of a version this onnxmerge does not read.
+    """
+    from onnxmerge.errors import InvalidMergedModelError
+
+    version = metadata.get(META_FORMAT_VERSION)
+    if version is None and META_GENERATOR in metadata:
+        raise InvalidMergedModelError(
+            f"{path} is a generator model (the decoding loop inside the graph, written by "
+            "build_generator or `onnxmerge merge --generation`), not a merged model: run it "
+            "with one onnxruntime session.run (docs/generator.md), or generate with the merged "
+            "model it was built from (model.onnx)"
+        )
+    if version is None:
+        raise InvalidMergedModelError(
+            f"{path} has no {META_FORMAT_VERSION!r} metadata, so it is not a merged model: "
+            "merge its export folder first (`onnxmerge merge DIR`, or onnxmerge.merge_seq2seq)"
+        )
+    facts = _FACTS_OF_VERSION.get(version)
+    if facts is None:
+        raise InvalidMergedModelError(
+            f"the model uses merged-format version {version}, this onnxmerge reads versions "
+            f"{', '.join(READABLE_FORMAT_VERSIONS)}; upgrade onnxmerge or merge the export again"
+        )
+    if META_PRECISION in metadata:
+        facts = dataclasses.replace(facts, quantized=True)
+    return facts
+
+
+def record_format(metadata: MutableMapping[str, str], **changes: bool) -> FormatFacts:
+    """Write into a merged file's ``metadata`` the version of its facts with ``changes`` (e.g.
+    ``quantized=True``); return the new facts.
+
+    Raises:
+        InvalidMergedModelError: as :func:`format_of`.
+    """
+    facts = dataclasses.replace(format_of(metadata), **changes)
+    metadata[META_FORMAT_VERSION] = facts.version
+    return facts
+
+
+@dataclass(frozen=True)
 class ContractInfo:
     """What a merged file declares about itself, read from its inputs, outputs and metadata."""
 
-    format_version: str
+    format: FormatFacts
     layout: str
     encoder_inputs: tuple[str, ...]
     num_layers: int
@@ -150,14 +242,19 @@ class ContractInfo:
 
     @property
     def one_decoder(self) -> bool:
-        """Versions 3 and 4: the decoder with past runs every step, the first one included."""
-        return self.format_version in ONE_DECODER_FORMAT_VERSIONS
+        """The decoder with past runs every step, the first one included."""
+        return self.format.one_decoder
 
     @property
     def cross_attention_per_input(self) -> bool:
-        """Version 4: ``past_key_values.*.encoder.*`` may hold one row per input, which
-        ``rows / their rows`` consecutive decoder rows read."""
-        return self.format_version == PER_INPUT_FORMAT_VERSION
+        """``past_key_values.*.encoder.*`` may hold one row per input, which ``rows / their
+        rows`` consecutive decoder rows read."""
+        return self.format.cross_attention_per_input
+
+    @property
+    def format_version(self) -> str:
+        """The version number, for reports; ask the facts (``format``) to decide."""
+        return self.format.version
 
 
 def read_contract(
@@ -173,24 +270,7 @@ def read_contract(
     """
     from onnxmerge.errors import InvalidMergedModelError
 
-    version = metadata.get(META_FORMAT_VERSION)
-    if version is None and META_GENERATOR in metadata:
-        raise InvalidMergedModelError(
-            f"{path} is a generator model (the decoding loop inside the graph, written by "
-            "build_generator or `onnxmerge merge --generation`), not a merged model: run it "
-            "with one onnxruntime session.run (docs/generator.md), or generate with the merged "
-            "model it was built from (model.onnx)"
-        )
-    if version is None:
-        raise InvalidMergedModelError(
-            f"{path} has no {META_FORMAT_VERSION!r} metadata, so it is not a merged model: "
-            "merge its export folder first (`onnxmerge merge DIR`, or onnxmerge.merge_seq2seq)"
-        )
-    if version not in READABLE_FORMAT_VERSIONS:
-        raise InvalidMergedModelError(
-            f"the model uses merged-format version {version}, this onnxmerge reads versions "
-            f"{', '.join(READABLE_FORMAT_VERSIONS)}; upgrade onnxmerge or merge the export again"
-        )
+    facts = format_of(metadata, path)
     if DECODER_INPUT_IDS not in input_names or LOGITS not in output_names:
         raise InvalidMergedModelError(
             f"the model lacks the {DECODER_INPUT_IDS!r} input or the {LOGITS!r} output"
@@ -208,7 +288,7 @@ def read_contract(
             f"the model's onnxmerge metadata is not valid JSON: {e}"
         ) from e
     return ContractInfo(
-        format_version=version,
+        format=facts,
         layout=metadata.get(META_LAYOUT, LAYOUT_WITH_PAST if layers else LAYOUT_WITHOUT_PAST),
         encoder_inputs=encoder_inputs,
         num_layers=len(layers),
@@ -262,6 +342,10 @@ __all__ = [
     "cache_layer",
     "is_past_name",
     "is_present_name",
+    "FormatFacts",
+    "is_merged",
+    "format_of",
+    "record_format",
     "ContractInfo",
     "read_contract",
 ]

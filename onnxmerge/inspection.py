@@ -114,4 +114,4 @@ def inspect_model(path: str | os.PathLike) -> Inspection:
 
 
 def is_merged(inspection: Inspection) -> bool:
-    return contract.META_FORMAT_VERSION in inspection.metadata
+    return contract.is_merged(inspection.metadata)

@@ -11,8 +11,8 @@ import numpy as np
 import onnx
 
 from onnxmerge import contract, model_io
+from onnxmerge._ort import ORT_TO_NUMPY, session_options
 from onnxmerge.errors import InvalidMergedModelError
-from onnxmerge.runtime._ort import ORT_TO_NUMPY, session_options
 
 # Where neither the model nor a config says how many tokens there are: ids below this are valid
 # for any vocabulary a real model has.

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from dataclasses import dataclass
@@ -11,9 +10,9 @@ from pathlib import Path
 import numpy as np
 
 from onnxmerge import contract
+from onnxmerge._ort import ORT_TO_NUMPY, open_session, session_options
 from onnxmerge.errors import ExportFolderError, InvalidMergedModelError
-from onnxmerge.merge._roles import Role
-from onnxmerge.runtime._ort import ORT_TO_NUMPY, open_session, session_options
+from onnxmerge.merge import Role
 from onnxmerge.samples import first_step_feeds, sample_inputs
 
 logger = logging.getLogger(__name__)
@@ -80,14 +79,15 @@ def verify(
     from onnxmerge.merge import load_export
 
     merged, export_dir = Path(merged), Path(export_dir)
-    model, meta = _open_merged(merged, optimized)
-    tolerance, relative = _tolerance(meta, tolerance)
+    model, meta, info = _open_merged(merged, optimized)
+    tolerance, relative = _tolerance(info.precision, tolerance)
     dtype = dtype or export_layout.recorded_dtype(meta.get(contract.META_SOURCES))
     layout = export_layout.resolve(export_dir, dtype)
     chosen, _, _ = load_export(layout.model_dir, merged, ignore_merged=True, files=layout.files)
     rng = np.random.default_rng(seed)
-    config = json.loads(meta.get(contract.META_CONFIG, "{}"))
-    feeds, vocab = sample_inputs(model, merged, config, batch=batch, length=encoder_length, rng=rng)
+    feeds, vocab = sample_inputs(
+        model, merged, info.config, batch=batch, length=encoder_length, rng=rng
+    )
     decoder_ids = rng.integers(2, max(3, vocab - 2), (batch, decoder_length)).astype(np.int64)
     first_ref, diffs = _compare_first_step(model, chosen, optimized, feeds, decoder_ids)
     if contract.USE_CACHE_BRANCH in {i.name for i in model.get_inputs()}:
@@ -99,7 +99,7 @@ def verify(
 
 
 def _open_merged(merged: Path, optimized: bool):
-    """A session of ``merged`` and its metadata, its contract checked."""
+    """A session of ``merged``, its metadata and its contract (checked)."""
     if not merged.is_file():
         raise InvalidMergedModelError(f"{merged} does not exist")
     try:
@@ -107,16 +107,15 @@ def _open_merged(merged: Path, optimized: bool):
     except Exception as e:  # onnxruntime raises its own types for unreadable files
         raise InvalidMergedModelError(f"onnxruntime cannot load {merged}: {e}") from e
     meta = model.get_modelmeta().custom_metadata_map
-    contract.read_contract(
+    info = contract.read_contract(
         meta, [i.name for i in model.get_inputs()], [o.name for o in model.get_outputs()], merged
     )
-    return model, meta
+    return model, meta, info
 
 
-def _tolerance(meta: dict[str, str], tolerance: float | None) -> tuple[float, bool]:
+def _tolerance(precision: dict[str, str], tolerance: float | None) -> tuple[float, bool]:
     """The bound on max |diff| and whether it is relative: a quantized file's coarsest
     precision sets a share of each output's peak."""
-    precision = json.loads(meta.get(contract.META_PRECISION, "{}"))
     coarsest = max(
         precision.values(),
         key=lambda p: RELATIVE_TOLERANCE.get(p, 0.0),

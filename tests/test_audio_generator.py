@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from onnxmerge._ort import open_session, session_options
 from onnxmerge.generator import audio
-from onnxmerge.runtime._ort import open_session, session_options
 from onnxmerge.testing import zoo as tiny_zoo
 
 pytestmark = pytest.mark.export

@@ -10,9 +10,9 @@ import time
 import numpy as np
 import pytest
 
+from onnxmerge._ort import cores
 from onnxmerge.errors import GenerationError
 from onnxmerge.runtime import _corpus as corpus
-from onnxmerge.runtime._ort import cores
 from tests import textmodels as tm
 from tests.test_light_generation import MAX_NEW, PAD, export, model  # noqa: F401 - fixtures
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from onnxmerge.runtime._ort import open_session, session_options
+from onnxmerge._ort import open_session, session_options
 from onnxmerge.testing import zoo as tiny_zoo
 from onnxmerge.testing.zoo import ARCHITECTURES
 

@@ -218,7 +218,7 @@ def test_a_beam_generator_of_version_4_keeps_one_row_per_input(tmp_path, tiny_ex
     import onnx
 
     from onnxmerge import build_generator
-    from onnxmerge.runtime._ort import open_session
+    from onnxmerge._ort import open_session
 
     folder = tiny_export("marian").onnx_dir
     ids = np.array([[5, 9, 14, 3, 2], [7, 8, 2, 0, 0]], np.int64)

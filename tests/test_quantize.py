@@ -13,10 +13,10 @@ import onnx_ir as ir
 import pytest
 
 from onnxmerge import contract, model_io
+from onnxmerge._ort import open_session, session_options
 from onnxmerge.errors import QuantizationError, RefusedOutputError
 from onnxmerge.quantization import _codes as quant_math
 from onnxmerge.quantization import _rewrite as quant_rewrite
-from onnxmerge.runtime._ort import open_session, session_options
 from onnxmerge.testing import quality
 from onnxmerge.testing.checks import dequantize, expand, find_duplicates
 from onnxmerge.testing.zoo import ARCHITECTURES

@@ -57,7 +57,7 @@ _models: dict = {}
 
 def _quiet_options():
     """One thread, no spin-waiting: onnxruntime's idle threads would slow torch down in turn."""
-    from onnxmerge.runtime._ort import session_options
+    from onnxmerge._ort import session_options
 
     return session_options(threads=1, spinning=False)
 

@@ -14,7 +14,7 @@ from tests import textmodels as tm
 ort = pytest.importorskip("onnxruntime")
 
 from onnxmerge import Seq2SeqModel, merge_seq2seq  # noqa: E402
-from onnxmerge.runtime._ort import session_options  # noqa: E402
+from onnxmerge._ort import session_options  # noqa: E402
 from onnxmerge.runtime._session_cache import ENTRY_DATA, ENTRY_MODEL  # noqa: E402
 
 

@@ -47,16 +47,16 @@ def _assert_parity(path: Path, reference: Path, inputs: dict[str, np.ndarray]) -
         assert tm.max_abs_diff(cached, got) <= PARITY
         encoder_presents = [n for n in got if n.startswith("present.") and ".encoder." in n]
         assert len(encoder_presents) == 2 * tm.LAYERS
-        version = contract.read_contract(
+        one_decoder = contract.read_contract(
             {
                 p.key: p.value
                 for p in onnx.load(os.fspath(path), load_external_data=False).metadata_props
             },
             ["decoder_input_ids"],
             ["logits"],
-        ).format_version
+        ).one_decoder
         for name in encoder_presents:
-            if version == contract.ONE_DECODER_FORMAT_VERSION:  # the past, passed through
+            if one_decoder:  # the past, passed through
                 past = contract.past_name(*contract.parse_cache_name(name)[1:])
                 np.testing.assert_array_equal(got[name], inputs[past])
             else:  # empty: the caller keeps the first step's

@@ -88,7 +88,7 @@ def test_io_names_follow_optimum(tiny_export, arch):
 @pytest.mark.parametrize("arch_name", ["marian", "t5", "whisper", "vision-encoder-decoder"])
 def test_sample_encoder_inputs_match_the_encoder(tiny_export, arch_name):
     pytest.importorskip("onnxruntime")
-    from onnxmerge.runtime._ort import open_session
+    from onnxmerge._ort import open_session
 
     export = tiny_export(arch_name)
     inputs = sample_encoder_inputs(export, batch=2, seq=7)

@@ -470,7 +470,7 @@ def write_export(
 
 def session(path_or_bytes, *, optimize: bool = False):
     """An onnxruntime CPU session, graph optimisations off unless asked."""
-    from onnxmerge.runtime._ort import open_session, session_options
+    from onnxmerge._ort import open_session, session_options
 
     return open_session(path_or_bytes, session_options(optimize=optimize))
 

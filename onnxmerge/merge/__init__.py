@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from onnxmerge.merge._every_dtype import merge_every_dtype
     from onnxmerge.merge._load import find_checkpoint, load_export
     from onnxmerge.merge._orchestrate import (
         DEFAULT_OUTPUT_NAME,
@@ -18,12 +19,15 @@ if TYPE_CHECKING:
         merge_seq2seq_with_report,
         rewrite_steps,
     )
+    from onnxmerge.merge._roles import Role
 
 __all__ = [
     "DEFAULT_OUTPUT_NAME",
     "MergeResult",
+    "Role",
     "find_checkpoint",
     "load_export",
+    "merge_every_dtype",
     "merge_seq2seq",
     "merge_seq2seq_with_report",
     "rewrite_steps",
@@ -35,6 +39,14 @@ def __getattr__(name: str):
         from onnxmerge.merge import _load as load
 
         return getattr(load, name)
+    if name == "Role":  # which part of an export a file plays
+        from onnxmerge.merge._roles import Role
+
+        return Role
+    if name == "merge_every_dtype":
+        from onnxmerge.merge._every_dtype import merge_every_dtype
+
+        return merge_every_dtype
     if name in __all__:
         from onnxmerge.merge import _orchestrate as orchestrate
 

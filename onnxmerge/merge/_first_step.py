@@ -21,10 +21,9 @@ import numpy as np
 import onnx_ir as ir
 
 from onnxmerge import contract, model_io
+from onnxmerge._ort import open_session, release_free_heap
 from onnxmerge.merge._roles import Role
 from onnxmerge.passes import tied_head
-from onnxmerge.runtime._memory import release_free_heap
-from onnxmerge.runtime._ort import open_session
 from onnxmerge.samples import first_step_feeds, one_run_options, sample_inputs
 
 logger = logging.getLogger(__name__)

@@ -12,6 +12,7 @@ from onnxmerge import export_layout, model_io
 from onnxmerge.errors import ExportFolderError, InvalidMergedModelError
 from onnxmerge.merge import _roles as roles
 from onnxmerge.merge._roles import Role
+from onnxmerge.passes.branches import sink_into_branches
 
 __all__ = ["CHECKPOINT_NAMES", "find_checkpoint", "load_export"]
 
@@ -68,7 +69,7 @@ def _read_and_judge(
         model, model_data = model_io.load_model(path)
         judgement = roles.judge(model)
         if judgement.role == Role.MERGED_DECODER:
-            export_layout.sink_into_branches(model)
+            sink_into_branches(model)
         if judgement.role == Role.MERGED_MODEL and (
             ignore_merged or (output.exists() and path.samefile(output))
         ):

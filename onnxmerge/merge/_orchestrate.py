@@ -68,7 +68,7 @@ class MergeResult:
     # What every rewrite pass did, by its result name (see :mod:`onnxmerge.passes`).
     rewrites: dict[str, int] = field(default_factory=dict)
     # The format version written (docs/format.md), and why that one.
-    format_version: str = contract.FORMAT_VERSION
+    format_version: str = contract.FormatFacts().version
     format_reason: str = ""
     # The dtype merged (transformers.js's names; None: files with other names), where its files
     # and the configs were, and the other dtypes the folder holds.
@@ -299,7 +299,7 @@ def _report(
         shared=shared,
         checkpoint_bytes=checkpoint.stat().st_size if checkpoint else None,
         rewrites=passes.counts(rewrites),
-        format_version=model.metadata_props[contract.META_FORMAT_VERSION],
+        format_version=contract.format_of(model.metadata_props).version,
         format_reason=format_reason,
         dtype=layout.dtype,
         model_dir=layout.model_dir,
@@ -389,7 +389,7 @@ def _per_input(
 ) -> str:
     """Version 4 where every cross-attention product reads one row per input; the reason."""
     if result.count:
-        model.metadata_props[contract.META_FORMAT_VERSION] = contract.PER_INPUT_FORMAT_VERSION
+        contract.record_format(model.metadata_props, cross_attention_per_input=True)
         return f"{reason}, its cross-attention keys and values once per input"
     why = result.records[0] if result.records else "nothing to rewrite"
     if format == 4:

@@ -47,7 +47,7 @@ def judge(model: ir.Model) -> Judgement:
     inputs = {name_of(v) for v in graph.inputs}
     outputs = {name_of(v) for v in graph.outputs}
     has_past = any(contract.is_past_name(n) for n in inputs)
-    if contract.META_FORMAT_VERSION in model.metadata_props:
+    if contract.is_merged(model.metadata_props):
         return Judgement(Role.MERGED_MODEL, "it carries onnxmerge metadata")
     if contract.LOGITS in outputs:
         if contract.USE_CACHE_BRANCH in inputs:

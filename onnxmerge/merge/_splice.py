@@ -188,7 +188,7 @@ def splice(
     )
     _move_initializers(parts, main)
     _wire(encoder, decoder_parts, main_inputs, renames, encoder_output)
-    version, layout = _add_steps(main, main_inputs, by_role, cross, output_names, values)
+    one_decoder, layout = _add_steps(main, main_inputs, by_role, cross, output_names, values)
     return ir.Model(
         main,
         ir_version=ir_version,
@@ -196,7 +196,7 @@ def splice(
         producer_version=__version__,
         functions=_local_functions(models),
         metadata_props={
-            contract.META_FORMAT_VERSION: version,
+            contract.META_FORMAT_VERSION: contract.FormatFacts(one_decoder=one_decoder).version,
             contract.META_LAYOUT: layout,
             contract.META_ENCODER_INPUTS: json.dumps(encoder_inputs),
         },
@@ -232,18 +232,19 @@ def _add_steps(
     cross: CrossAttention | None,
     output_names: list[str],
     values: _Names,
-) -> tuple[str, str]:
-    """Put the parts' nodes and the outputs in ``main``; return the format version and layout."""
+) -> tuple[bool, str]:
+    """Put the parts' nodes and the outputs in ``main``; return whether one decoder runs every
+    step, and the layout."""
     encoder, decoder = by_role[Role.ENCODER], by_role[Role.DECODER]
     with_past = by_role.get(Role.DECODER_WITH_PAST)
     if with_past is not None and cross is not None:
         _one_decoder(main, main_inputs, encoder, decoder, with_past, cross, output_names)
-        return contract.ONE_DECODER_FORMAT_VERSION, contract.LAYOUT_WITH_PAST
+        return True, contract.LAYOUT_WITH_PAST
     first_step_nodes = _take_nodes(encoder) + _take_nodes(decoder)
     first_step_outputs = [decoder.outputs[n] for n in output_names]
     if with_past is None:
         _add_first_step(main, first_step_nodes, output_names, first_step_outputs)
-        return contract.FORMAT_VERSION, contract.LAYOUT_WITHOUT_PAST
+        return False, contract.LAYOUT_WITHOUT_PAST
     if_node = _use_cache_if(
         main_inputs[contract.USE_CACHE_BRANCH],
         (first_step_nodes, first_step_outputs),
@@ -254,7 +255,7 @@ def _add_steps(
     )
     main.append(if_node)
     main.outputs.extend(if_node.outputs)
-    return contract.FORMAT_VERSION, contract.LAYOUT_WITH_PAST
+    return False, contract.LAYOUT_WITH_PAST
 
 
 def _main_inputs(

@@ -47,7 +47,8 @@ class SharedTensor:
     transposed: bool
 
 
-def _array(tensor: ir.TensorProtocol) -> np.ndarray | None:
+def contiguous_array(tensor: ir.TensorProtocol) -> np.ndarray | None:
+    """A tensor's values as a C-contiguous array; None for strings, which have no bytes to key."""
     if tensor.dtype == ir.DataType.STRING:
         return None
     array = tensor.numpy()
@@ -71,7 +72,8 @@ def _transposed_slices(array: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
         yield start, np.ascontiguousarray(transposed[start : start + step])
 
 
-def _digest(array: np.ndarray, *, transposed: bool = False) -> bytes:
+def array_digest(array: np.ndarray, *, transposed: bool = False) -> bytes:
+    """sha256 of an array's bytes, or of its transpose's, read in bounded slices."""
     hasher = hashlib.sha256()
     if transposed:
         for _, rows in _transposed_slices(array):
@@ -133,7 +135,7 @@ class _Mapped:
                 self._map, dtype=dtype, count=tensor.size, offset=tensor.offset or 0
             ).reshape(tuple(tensor.shape))
         else:
-            array = _array(tensor)
+            array = contiguous_array(tensor)
             if array is None:
                 raise ValueError(f"{tensor.name}: a string tensor is not compared by position")
             self.array = array

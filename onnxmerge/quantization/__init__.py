@@ -177,7 +177,7 @@ def _quantize_file(source: Path, output: Path, options: _Options) -> QuantizeRes
     if external_data is None and data_files:
         external_data = True
     meta = model.metadata_props
-    if contract.META_FORMAT_VERSION not in meta:
+    if not contract.is_merged(meta):
         raise InvalidMergedModelError(
             f"{source} was not written by onnxmerge; merge its export folder first "
             "(onnxmerge.merge_seq2seq, or pass the folder to quantize)"
@@ -209,8 +209,7 @@ def _quantize_file(source: Path, output: Path, options: _Options) -> QuantizeRes
     )
     done = quantized.records
     precision = {"encoder": encoder, "decoder": weights}
-    if meta[contract.META_FORMAT_VERSION] not in contract.ONE_DECODER_FORMAT_VERSIONS:
-        meta[contract.META_FORMAT_VERSION] = contract.QUANTIZED_FORMAT_VERSION
+    contract.record_format(meta, quantized=True)  # version 2 for the two-decoder form
     meta[contract.META_PRECISION] = json.dumps(precision, sort_keys=True)
     if {weights, encoder} & _rewrite.INTEGER_MATMUL:
         meta[contract.META_ACTIVATION_SCALE] = options.activation_scale

@@ -9,47 +9,20 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
-import functools
 import logging
 import mmap
 import os
-import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 from numpy.typing import DTypeLike
 
+from onnxmerge._ort import libc as _libc
+
 logger = logging.getLogger(__name__)
 
 _MADV_DONTNEED = 4  # Linux's value on every architecture onnxruntime ships for
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL | None:
-    # Once per process: find_library runs ldconfig in a child process, and steps drop pages.
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    except OSError:  # pragma: no cover - not glibc
-        return None
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return libc
-
-
-def release_free_heap() -> None:
-    """Give the memory freed while onnxruntime loaded the model back to the system.
-
-    Loading parses the whole file and builds pre-packed weights; glibc keeps the freed parse
-    buffers in the heap, where they count as resident memory (about half the file's size).
-    """
-    trim = getattr(_libc(), "malloc_trim", None)
-    if trim is None:
-        logger.debug("malloc_trim is not available")
-        return
-    trim(0)
 
 
 def clean_file_mappings(

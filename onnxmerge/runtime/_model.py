@@ -11,11 +11,11 @@ from typing import Any
 
 import numpy as np
 
+from onnxmerge import _ort as ort
 from onnxmerge import contract as c
 from onnxmerge.errors import GenerationError
 from onnxmerge.runtime import _corpus as corpus
 from onnxmerge.runtime import _memory as memory
-from onnxmerge.runtime import _ort as ort
 from onnxmerge.runtime._greedy_head import GreedyHead, LogitBounds
 from onnxmerge.runtime._search import GreedyRunner, beam_search, greedy_or_sample
 from onnxmerge.runtime._session import Cache, MergedSession, StepOutput

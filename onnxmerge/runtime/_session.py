@@ -19,17 +19,18 @@ from typing import Any
 import numpy as np
 import onnx
 
+from onnxmerge import _ort as ort
 from onnxmerge import contract as c
+from onnxmerge._ort import release_free_heap
 from onnxmerge._wire import load_skeleton
 from onnxmerge.errors import GenerationError, InvalidMergedModelError, MissingDependencyError
-from onnxmerge.runtime import _ort as ort
 from onnxmerge.runtime._graph_reads import (
     gathered_only,
     pasts_read_only_into_presents,
     presents_follow_layers,
 )
 from onnxmerge.runtime._greedy_head import FLAG, HIDDEN, GreedyHead
-from onnxmerge.runtime._memory import GatheredPages, release_free_heap, release_mapped_weights
+from onnxmerge.runtime._memory import GatheredPages, release_mapped_weights
 from onnxmerge.runtime._session_cache import open_with_cache
 
 logger = logging.getLogger(__name__)

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from onnxmerge.runtime._ort import open_session, processor
+from onnxmerge._ort import open_session, processor
 
 logger = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from onnxmerge._ort import bind_output_into, open_session, session_options
 from onnxmerge.errors import GenerationError
-from onnxmerge.runtime._ort import bind_output_into, open_session, session_options
 
 if TYPE_CHECKING:
     from onnxmerge.settings import GenerationSettings

@@ -7,7 +7,9 @@ import numpy as np
 import onnx_ir as ir
 
 from onnxmerge.passes.base import name_of, tensor_of
-from onnxmerge.passes.dedup import MIN_SHARED_BYTES, SharedTensor, _array, _digest
+from onnxmerge.passes.dedup import MIN_SHARED_BYTES, SharedTensor
+from onnxmerge.passes.dedup import array_digest as _digest
+from onnxmerge.passes.dedup import contiguous_array as _array
 from onnxmerge.quantization._codes import Quantized
 
 __all__ = ["dequantize", "expand", "find_duplicates"]

@@ -15,8 +15,8 @@ def mergeable_variant(arch: str) -> str:
 
 def teacher_forced_logits(path: Path, length: int = 8) -> np.ndarray:
     """The first step's logits over a fixed random decoder prompt, one intra-op thread."""
+    from onnxmerge._ort import session_options
     from onnxmerge.runtime import Seq2SeqModel
-    from onnxmerge.runtime._ort import session_options
     from onnxmerge.samples import sample_encoder_inputs
 
     model = Seq2SeqModel(path, session_options=session_options(threads=1))

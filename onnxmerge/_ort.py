@@ -1,16 +1,26 @@
-"""The one way onnxmerge opens an onnxruntime session, onnxruntime's type names as numpy's, and
-the processor facts that decide onnxruntime's kernels."""
+"""The one way onnxmerge opens an onnxruntime session, onnxruntime's type names as numpy's, the
+processor facts that decide onnxruntime's kernels, and giving back the memory that loading a
+session freed (Linux only; best effort elsewhere, where it does nothing).
+
+A foundation module: the merge's checks and the runtime both open sessions through it, so nothing
+here imports onnxruntime at module level."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import functools
+import logging
 import os
 import platform
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+logger = logging.getLogger(__name__)
 
 # onnxruntime's type strings, as NodeArg.type gives them, to numpy dtypes.
 ORT_TO_NUMPY = {
@@ -103,3 +113,30 @@ def processor() -> tuple[str, frozenset[str] | None]:
     except OSError:
         pass
     return model, flags
+
+
+@functools.cache
+def libc() -> ctypes.CDLL | None:
+    """The C library with ``madvise`` typed, or None off Linux or where it cannot be loaded."""
+    # Once per process: find_library runs ldconfig in a child process, and steps drop pages.
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        found = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:  # pragma: no cover - not glibc
+        return None
+    found.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return found
+
+
+def release_free_heap() -> None:
+    """Give the memory freed while onnxruntime loaded the model back to the system.
+
+    Loading parses the whole file and builds pre-packed weights; glibc keeps the freed parse
+    buffers in the heap, where they count as resident memory (about half the file's size).
+    """
+    trim = getattr(libc(), "malloc_trim", None)
+    if trim is None:
+        logger.debug("malloc_trim is not available")
+        return
+    trim(0)

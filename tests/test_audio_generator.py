@@ -11,7 +11,7 @@ import pytest
 
 from onnxmerge.generator import audio
 from onnxmerge.runtime._ort import open_session, session_options
-from onnxmerge.testing import zoo as tiny_zoo
+from tests import zoo as tiny_zoo
 
 pytestmark = pytest.mark.export
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.export
+# It also writes the benchmarks page, so it is a docs test too.
+pytestmark = [pytest.mark.export, pytest.mark.docs]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

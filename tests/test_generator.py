@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from onnxmerge.runtime._ort import open_session, session_options
-from onnxmerge.testing import zoo as tiny_zoo
-from onnxmerge.testing.zoo import ARCHITECTURES
+from tests import zoo as tiny_zoo
+from tests.zoo import ARCHITECTURES
 
 pytestmark = pytest.mark.export
 

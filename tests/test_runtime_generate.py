@@ -11,7 +11,7 @@ from tests.zoo import ARCHITECTURES
 pytestmark = pytest.mark.export
 
 pytest.importorskip("onnxruntime")
-torch = pytest.importorskip("torch")
+# torch is imported where used, not at collection (the zoo's fixture skips without it).
 
 # GPT-2-style decoders of vision-encoder-decoder cannot be merged with past; tested without past.
 WITH_PAST = tuple(a for a in ARCHITECTURES if a != "vision-encoder-decoder")
@@ -85,6 +85,7 @@ def merged(tiny_export, tmp_path_factory):
 
 
 def _reference(pt_model, inputs: dict[str, np.ndarray], **kwargs) -> np.ndarray:
+    import torch
     from transformers import GenerationMixin
 
     tensors = {k: torch.from_numpy(v) for k, v in inputs.items()}
@@ -179,6 +180,8 @@ def test_decoder_prompt_is_continued(merged):
 
 
 def test_whisper_tokens_match_whispers_own_generate(merged):
+    import torch
+
     from tests import zoo
 
     model, pt_model, export = merged("whisper")
@@ -377,6 +380,7 @@ def test_translate_with_a_tokenizer_beside_the_model(merged, tmp_path):
     pytest.importorskip("tokenizers")
     import shutil
 
+    import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 

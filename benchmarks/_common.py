@@ -38,8 +38,8 @@ from pathlib import Path
 from typing import Any
 
 from onnxmerge._ort import processor
-from onnxmerge.testing import exports
-from onnxmerge.testing.exports import export_onnx, staging
+from tests import exports
+from tests.exports import export_onnx, staging
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CACHE_DIR = REPO_ROOT / ".cache" / "bench"

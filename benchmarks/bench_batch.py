@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args(argv)
 
-    from onnxmerge.testing.zoo import ARCHITECTURES, tiny_export
+    from tests.zoo import ARCHITECTURES, tiny_export
 
     load_before = os.getloadavg()[0]
     archs = QUICK_ARCHS if args.quick else ARCHITECTURES

@@ -134,7 +134,7 @@ def demo_quality(scratch: Path, every: int) -> dict:
     from onnxmerge import merge_seq2seq, quantize
     from onnxmerge.demo import LARGEST_NUMBER, english_number, french_number, is_held_out
     from onnxmerge.runtime import Seq2SeqModel
-    from onnxmerge.testing.zoo import demo_export
+    from tests.zoo import demo_export
 
     folder = scratch / "demo"
     shutil.copytree(demo_export(), folder)
@@ -165,8 +165,8 @@ def demo_quality(scratch: Path, every: int) -> dict:
 def cosine_table(archs: list[str], scratch: Path) -> dict[str, dict[str, float]]:
     """Cosine similarity of fp32 and quantized logits, teacher-forced, per tiny architecture."""
     from onnxmerge import merge_seq2seq, quantize
-    from onnxmerge.testing import zoo as models
-    from onnxmerge.testing.quality import cosine, mergeable_variant, teacher_forced_logits
+    from tests import zoo as models
+    from tests.quality import cosine, mergeable_variant, teacher_forced_logits
 
     table = {}
     for arch in archs:
@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from benchmarks.bench_generate import source_ids
     from onnxmerge import merge_seq2seq, quantize
-    from onnxmerge.testing.zoo import ARCHITECTURES
+    from tests.zoo import ARCHITECTURES
 
     factory = _common.marian_config(args.quick)
     export = _common.export_cached(factory, "tied", args.cache_dir)

@@ -50,7 +50,7 @@ def checkpoint_tensor_bytes(pytorch_dir: Path) -> int:
 
 def measure(arch: str, variant: str) -> dict:
     from onnxmerge import merge_seq2seq_with_report
-    from onnxmerge.testing.zoo import tiny_export
+    from tests.zoo import tiny_export
 
     export = tiny_export(arch, variant)
     checkpoint = checkpoint_tensor_bytes(export.pytorch_dir)
@@ -79,7 +79,7 @@ def markdown(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from onnxmerge.testing.zoo import ARCHITECTURES
+    from tests.zoo import ARCHITECTURES
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)

@@ -46,8 +46,8 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks import _common, web_side_by_side  # noqa: E402
-from onnxmerge.testing import zoo  # noqa: E402
-from onnxmerge.testing.browser import (  # noqa: E402
+from tests import zoo  # noqa: E402
+from tests.browser import (  # noqa: E402
     QUIET_FLAGS,
     launch_chromium,
     load_page,

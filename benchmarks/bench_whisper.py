@@ -34,7 +34,7 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks import _common  # noqa: E402
-from onnxmerge.testing.exports import export_onnx, staging  # noqa: E402
+from tests.exports import export_onnx, staging  # noqa: E402
 
 NODE_MODULES = REPO_ROOT / "tests" / "web" / "node_modules"
 SECONDS = 10.0
@@ -69,7 +69,7 @@ def whisper_tiny_config() -> Any:
 def export_whisper(quick: bool) -> Path:
     """The export folder of the benchmark's Whisper (cached under .cache/bench)."""
     if quick:
-        from onnxmerge.testing import zoo
+        from tests import zoo
 
         return zoo.tiny_export("whisper").onnx_dir
     import torch
@@ -181,8 +181,8 @@ def browser_side(source: Path, work: Path, samples, new_tokens: int, repeats: in
                  weights: str | None = None, language: str | None = None,
                  ) -> dict[str, Any]:  # fmt: skip
     """The transcription page built from ``source`` (quantized to ``weights`` first)."""
-    from onnxmerge.testing.browser import launch_chromium, load_page, serve
     from onnxmerge.web import build_site
+    from tests.browser import launch_chromium, load_page, serve
 
     sync_api = __import__("playwright.sync_api", fromlist=["sync_playwright"])
     site = build_site(
@@ -382,7 +382,7 @@ def transformers_js_side(
     import shutil
 
     from onnxmerge.generator.audio import PREPROCESSOR_CONFIG
-    from onnxmerge.testing.browser import launch_chromium, load_page, serve
+    from tests.browser import launch_chromium, load_page, serve
 
     modules = os.environ.get("ONNXMERGE_TRANSFORMERS_JS")
     if not modules or not (Path(modules) / "@huggingface" / "transformers").is_dir():

@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from onnxmerge.testing.browser import load_page, serve, strip_pad
+from tests.browser import load_page, serve, strip_pad
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PAGE_DIR = REPO_ROOT / "benchmarks" / "web"
@@ -136,8 +136,8 @@ def measure(
     import json
 
     import onnxmerge
-    from onnxmerge.testing.hub import hub_repository
     from onnxmerge.web import build_site
+    from tests.hub import hub_repository
 
     with tempfile.TemporaryDirectory(prefix="bench-web-tjs-") as tmp:
         tmp = Path(tmp)

@@ -1,5 +1,5 @@
-"""Session-wide access to the tiny model zoo of onnxmerge/testing/zoo.py and to the demo model's
-export; Chromium for the page tests."""
+"""Session-wide access to the tiny model zoo of tests/zoo.py and to the demo model's export;
+Chromium for the page tests."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from onnxmerge.testing.zoo import ARCHITECTURES, TinyExport
+from tests.zoo import ARCHITECTURES, TinyExport
 
 # Tests that build models with torch and optimum; `pytest -m "not export"` leaves them out.
 EXPORT_FIXTURES = {"tiny_export", "demo_export"}
@@ -32,7 +32,7 @@ def tiny_export() -> Callable[..., TinyExport]:
     pytest.importorskip("torch", reason="building test models needs torch")
     pytest.importorskip("transformers", reason="building test models needs transformers")
     pytest.importorskip("optimum.exporters.onnx", reason="exporting test models needs optimum-onnx")
-    from onnxmerge.testing import zoo
+    from tests import zoo
 
     return functools.cache(zoo.tiny_export)
 
@@ -47,7 +47,7 @@ def arch(request: pytest.FixtureRequest) -> str:
 def demo_export() -> Path:
     """An optimum export of the shipped demo model, with its tokenizer, cached on disk."""
     pytest.importorskip("optimum.exporters.onnx", reason="exporting the demo model needs optimum")
-    from onnxmerge.testing import zoo
+    from tests import zoo
 
     return zoo.demo_export()
 
@@ -57,7 +57,7 @@ def browser():
     """Debian's chromium through playwright, with the page's npm packages of tests/web; skips
     when either is missing."""
     sync_api = pytest.importorskip("playwright.sync_api", reason="the page is driven by playwright")
-    from onnxmerge.testing.browser import launch_chromium
+    from tests.browser import launch_chromium
 
     with sync_api.sync_playwright() as playwright:
         launched, missing = launch_chromium(playwright, WEB_NODE_MODULES)

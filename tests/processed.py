@@ -19,8 +19,8 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-from onnxmerge.testing import zoo as models
-from onnxmerge.testing.zoo import TinyExport
+from tests import zoo as models
+from tests.zoo import TinyExport
 
 # Bump to invalidate every cached processed export after a change in how tools are run.
 PROCESSED_VERSION = "1"

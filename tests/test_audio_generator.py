@@ -11,13 +11,13 @@ import pytest
 
 from onnxmerge._ort import open_session, session_options
 from onnxmerge.generator import audio
-from onnxmerge.testing import zoo as tiny_zoo
+from tests import zoo as tiny_zoo
 
 pytestmark = pytest.mark.export
 
 ort = pytest.importorskip("onnxruntime")
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+# torch and transformers are imported where used, not at collection (the zoo's fixture skips
+# without them).
 
 RATE = 16_000
 # A multilingual generation config for the tiny model's 128 ids: languages, tasks, no-timestamps.
@@ -48,7 +48,9 @@ def _session(path: Path):
 
 
 def _features(spec: audio.FeatureSpec, rows: list[np.ndarray]) -> np.ndarray:
-    extractor = transformers.WhisperFeatureExtractor(feature_size=spec.n_mels)
+    from transformers import WhisperFeatureExtractor
+
+    extractor = WhisperFeatureExtractor(feature_size=spec.n_mels)
     extractor.n_samples, extractor.nb_max_frames = spec.n_samples, spec.frames  # the tiny window
     return np.concatenate(
         [extractor(r, sampling_rate=RATE, return_tensors="np").input_features for r in rows]
@@ -82,11 +84,15 @@ def multilingual(whisper, tmp_path_factory):
         config = json.loads(path.read_text())
         config.pop("_from_model_config", None)  # else transformers rebuilds it from config.json
         path.write_text(json.dumps({**config, **MULTILINGUAL}))
-    model = transformers.WhisperForConditionalGeneration.from_pretrained(pytorch).eval()
+    from transformers import WhisperForConditionalGeneration
+
+    model = WhisperForConditionalGeneration.from_pretrained(pytorch).eval()
     return export, model
 
 
 def test_greedy_from_pcm_matches_generate(whisper, spec, tmp_path):
+    import torch
+
     from onnxmerge.generator import build_generator
 
     path = build_generator(whisper.onnx_dir, tmp_path / "g.onnx", audio=True)
@@ -116,6 +122,8 @@ def test_greedy_from_pcm_matches_generate(whisper, spec, tmp_path):
 def test_prompt_is_whispers(multilingual, spec, tmp_path, search, options):
     """Start, language, task and no-timestamps tokens, as WhisperForConditionalGeneration.generate
     builds them from language=, task= and the config's forced_decoder_ids."""
+    import torch
+
     from onnxmerge.generator import build_generator
 
     export, pt_model = multilingual

@@ -5,16 +5,31 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.export
+
+def _installed(*distributions: str) -> bool:
+    """Looked up, not imported: the tiers that leave this test out collect without torch."""
+    try:
+        return all(metadata.version(name) for name in distributions)
+    except metadata.PackageNotFoundError:
+        return False
+
+
+# It also writes the benchmarks page, so it is a docs test too.
+pytestmark = [
+    pytest.mark.export,
+    pytest.mark.docs,
+    pytest.mark.skipif(
+        not _installed("optimum-onnx", "matplotlib"),
+        reason="the benchmarks need the bench extra (optimum-onnx, matplotlib)",
+    ),
+]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-
-pytest.importorskip("optimum.onnx")
-pytest.importorskip("matplotlib")
 
 
 def test_run_all_quick_writes_results_and_docs(tmp_path):

@@ -10,8 +10,8 @@ import pytest
 
 from onnxmerge import merge_seq2seq, merge_seq2seq_with_report, passes
 from onnxmerge.passes import dedup
-from onnxmerge.testing.checks import find_duplicates
 from tests import textmodels as tm
+from tests.checks import find_duplicates
 
 RNG = np.random.default_rng(7)
 

@@ -26,6 +26,8 @@ import pytest
 from onnxmerge.cli import ExitCode
 from onnxmerge.demo import DEMO_MODEL_DIR
 
+pytestmark = pytest.mark.docs
+
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
@@ -454,7 +456,7 @@ def write_outputs(page: Path, materials: Path, scratch: Path) -> None:
 if __name__ == "__main__":
     import tempfile
 
-    from onnxmerge.testing.zoo import demo_export
+    from tests.zoo import demo_export
 
     with tempfile.TemporaryDirectory() as tmp:
         materials = make_materials(Path(tmp) / "materials", demo_export())

@@ -13,6 +13,8 @@ import pytest
 
 from benchmarks.bench_corpus import fastest_within
 
+pytestmark = pytest.mark.docs
+
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "benchmarks" / "out"
 

@@ -12,13 +12,12 @@ import numpy as np
 import pytest
 
 from onnxmerge._ort import open_session, session_options
-from onnxmerge.testing import zoo as tiny_zoo
-from onnxmerge.testing.zoo import ARCHITECTURES
+from tests import zoo as tiny_zoo
+from tests.zoo import ARCHITECTURES
 
 pytestmark = pytest.mark.export
 
 ort = pytest.importorskip("onnxruntime")
-torch = pytest.importorskip("torch")
 
 # GPT-2-style decoders of vision-encoder-decoder cannot be merged with past.
 WITH_PAST = tuple(a for a in ARCHITECTURES if a != "vision-encoder-decoder")
@@ -44,6 +43,8 @@ def _run(session, inputs: dict[str, np.ndarray], max_new_tokens: int) -> list[np
 
 
 def _transformers(pt_model, inputs: dict[str, np.ndarray], **kwargs):
+    # Imported here, not at collection (the zoo's fixture skips without them).
+    import torch
     from transformers import GenerationMixin
 
     tensors = {k: torch.from_numpy(v) for k, v in inputs.items()}

@@ -21,8 +21,8 @@ from onnxmerge import (
     merge_seq2seq_with_report,
 )
 from onnxmerge.cli import ExitCode, main
-from onnxmerge.testing.hub import MODEL_FILES, hub_repository
 from tests import textmodels as tm
+from tests.hub import MODEL_FILES, hub_repository
 
 TJS_FILES = MODEL_FILES
 

@@ -11,9 +11,9 @@ import onnx_ir as ir
 import pytest
 
 from onnxmerge import contract, merge_seq2seq_with_report
-from onnxmerge.testing.checks import find_duplicates
-from onnxmerge.testing.zoo import ARCHITECTURES, TIED_HEAD_ARCHITECTURES
 from onnxmerge.verify import verify
+from tests.checks import find_duplicates
+from tests.zoo import ARCHITECTURES, TIED_HEAD_ARCHITECTURES
 
 # GPT-2-style decoders re-read the encoder states on every cached step: refused below.
 WITH_PAST = tuple(a for a in ARCHITECTURES if a != "vision-encoder-decoder")

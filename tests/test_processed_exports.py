@@ -22,9 +22,9 @@ from onnxmerge.passes import StepResult, dims
 from onnxmerge.passes.dedup import MIN_SHARED_BYTES
 from onnxmerge.runtime._search import greedy_or_sample
 from onnxmerge.runtime.processors import build_processors
-from onnxmerge.testing import zoo as models
-from onnxmerge.testing.zoo import ARCHITECTURES
 from tests import processed
+from tests import zoo as models
+from tests.zoo import ARCHITECTURES
 
 ort = pytest.importorskip("onnxruntime")
 

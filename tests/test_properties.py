@@ -35,8 +35,8 @@ from hypothesis import strategies as st
 
 from onnxmerge import merge, merge_seq2seq, model_io, passes
 from onnxmerge.passes import dedup
-from onnxmerge.testing.checks import find_duplicates
 from tests import textmodels as tm
+from tests.checks import find_duplicates
 
 OPSET = 17
 TOLERANCE = 1e-6

@@ -17,10 +17,10 @@ from onnxmerge._ort import open_session, session_options
 from onnxmerge.errors import QuantizationError, RefusedOutputError
 from onnxmerge.quantization import _codes as quant_math
 from onnxmerge.quantization import _rewrite as quant_rewrite
-from onnxmerge.testing import quality
-from onnxmerge.testing.checks import dequantize, expand, find_duplicates
-from onnxmerge.testing.zoo import ARCHITECTURES
+from tests import quality
 from tests import textmodels as tm
+from tests.checks import dequantize, expand, find_duplicates
+from tests.zoo import ARCHITECTURES
 
 ort = pytest.importorskip("onnxruntime")
 

@@ -13,7 +13,7 @@ pytest.importorskip("onnxruntime")
 @pytest.fixture(scope="module")
 def marian(tiny_export, tmp_path_factory):
     import onnxmerge
-    from onnxmerge.testing import zoo
+    from tests import zoo
 
     export = tiny_export("marian")
     out = onnxmerge.merge_seq2seq(export.onnx_dir, tmp_path_factory.mktemp("errors") / "m.onnx")
@@ -102,7 +102,7 @@ def test_refused_before_onnxruntime_runs(marian, monkeypatch):
 
 def test_whisper_features_of_the_wrong_width_are_refused(tiny_export, tmp_path):
     import onnxmerge
-    from onnxmerge.testing import zoo
+    from tests import zoo
 
     export = tiny_export("whisper")
     model = onnxmerge.Seq2SeqModel(onnxmerge.merge_seq2seq(export.onnx_dir, tmp_path / "m.onnx"))

@@ -6,12 +6,12 @@ import numpy as np
 import pytest
 
 from onnxmerge.runtime.processors import build_processors
-from onnxmerge.testing.zoo import ARCHITECTURES
+from tests.zoo import ARCHITECTURES
 
 pytestmark = pytest.mark.export
 
 pytest.importorskip("onnxruntime")
-torch = pytest.importorskip("torch")
+# torch is imported where used, not at collection (the zoo's fixture skips without it).
 
 # GPT-2-style decoders of vision-encoder-decoder cannot be merged with past; tested without past.
 WITH_PAST = tuple(a for a in ARCHITECTURES if a != "vision-encoder-decoder")
@@ -66,7 +66,7 @@ def _quiet_options():
 def merged(tiny_export, tmp_path_factory):
     """``merged(arch, variant)`` -> (Seq2SeqModel, transformers model, export), built once."""
     import onnxmerge
-    from onnxmerge.testing import zoo
+    from tests import zoo
 
     def get(arch: str, variant: str = "default"):
         key = (arch, variant)
@@ -85,6 +85,7 @@ def merged(tiny_export, tmp_path_factory):
 
 
 def _reference(pt_model, inputs: dict[str, np.ndarray], **kwargs) -> np.ndarray:
+    import torch
     from transformers import GenerationMixin
 
     tensors = {k: torch.from_numpy(v) for k, v in inputs.items()}
@@ -114,7 +115,7 @@ def _searches():
 @pytest.mark.slow
 @pytest.mark.parametrize(("arch", "settings", "seed"), _searches())
 def test_generate_matches_transformers(merged, arch, settings, seed):
-    from onnxmerge.testing import zoo
+    from tests import zoo
 
     model, pt_model, export = merged(arch)
     inputs = zoo.sample_encoder_inputs(export, batch=2, seq=7, seed=seed)
@@ -134,7 +135,7 @@ def test_generate_matches_transformers(merged, arch, settings, seed):
     ],
 )
 def test_generate_other_layouts(merged, arch, variant):
-    from onnxmerge.testing import zoo
+    from tests import zoo
 
     model, pt_model, export = merged(arch, variant)
     inputs = zoo.sample_encoder_inputs(export, batch=2, seq=6, seed=2)
@@ -144,7 +145,7 @@ def test_generate_other_layouts(merged, arch, variant):
 
 def test_generation_config_defaults_are_used(merged):
     """Settings come from the embedded generation config: blenderbot's encoder n-gram ban."""
-    from onnxmerge.testing import zoo
+    from tests import zoo
 
     model, pt_model, export = merged("blenderbot")
     assert model.resolve_settings().encoder_no_repeat_ngram_size == 3
@@ -153,7 +154,7 @@ def test_generation_config_defaults_are_used(merged):
 
 
 def test_default_max_length_is_twenty_new_tokens(merged):
-    from onnxmerge.testing import zoo
+    from tests import zoo
 
     model, pt_model, export = merged("t5")
     settings = model.resolve_settings()
@@ -165,7 +166,7 @@ def test_default_max_length_is_twenty_new_tokens(merged):
 
 
 def test_decoder_prompt_is_continued(merged):
-    from onnxmerge.testing import zoo
+    from tests import zoo
 
     model, pt_model, export = merged("bart")
     inputs = zoo.sample_encoder_inputs(export, batch=2, seq=7, seed=4)
@@ -179,7 +180,9 @@ def test_decoder_prompt_is_continued(merged):
 
 
 def test_whisper_tokens_match_whispers_own_generate(merged):
-    from onnxmerge.testing import zoo
+    import torch
+
+    from tests import zoo
 
     model, pt_model, export = merged("whisper")
     inputs = zoo.sample_encoder_inputs(export, batch=2, seed=5)
@@ -200,7 +203,7 @@ def test_whisper_tokens_match_whispers_own_generate(merged):
 def test_generate_many_takes_each_input_as_a_mapping_without_the_batch_axis(
     merged, arch, variant, settings
 ):
-    from onnxmerge.testing import zoo
+    from tests import zoo
 
     model, pt_model, export = merged(arch, variant)
     ((name, batch),) = zoo.sample_encoder_inputs(export, batch=5, seed=7).items()
@@ -212,7 +215,7 @@ def test_generate_many_takes_each_input_as_a_mapping_without_the_batch_axis(
 
 
 def test_attention_mask_is_inferred_from_padding(merged):
-    from onnxmerge.testing import zoo
+    from tests import zoo
 
     model, pt_model, export = merged("marian")
     inputs = zoo.sample_encoder_inputs(export, batch=2, seq=7, seed=6)
@@ -224,7 +227,7 @@ def test_attention_mask_is_inferred_from_padding(merged):
 
 
 def test_sampling_is_reproducible_with_a_seed(merged):
-    from onnxmerge.testing import zoo
+    from tests import zoo
 
     model, _, export = merged("marian")
     inputs = zoo.sample_encoder_inputs(export, batch=2, seq=7, seed=7)
@@ -238,7 +241,7 @@ def test_sampling_is_reproducible_with_a_seed(merged):
 
 
 def test_sampling_with_top_k_one_is_greedy(merged):
-    from onnxmerge.testing import zoo
+    from tests import zoo
 
     model, _, export = merged("t5")
     inputs = zoo.sample_encoder_inputs(export, batch=2, seq=7, seed=8)
@@ -259,7 +262,7 @@ def test_sampled_tokens_stay_in_the_filtered_distribution(merged, filters):
     """Replay sampled sequences with the step API: each token is among the top_k most likely
     and inside the top_p nucleus of the distribution before filtering."""
     from onnxmerge.runtime.processors import softmax
-    from onnxmerge.testing import zoo
+    from tests import zoo
 
     model, _, export = merged("marian")
     inputs = zoo.sample_encoder_inputs(export, batch=2, seq=7, seed=10)
@@ -292,7 +295,7 @@ def test_sampled_tokens_stay_in_the_filtered_distribution(merged, filters):
 
 
 def test_step_api_greedy_loop_matches_generate(merged):
-    from onnxmerge.testing import zoo
+    from tests import zoo
 
     model, _, export = merged("t5")  # no forced eos in its generation config
     inputs = zoo.sample_encoder_inputs(export, batch=2, seq=7, seed=11)
@@ -309,7 +312,7 @@ def test_step_api_greedy_loop_matches_generate(merged):
 
 
 def test_cache_reorder_and_expand(merged):
-    from onnxmerge.testing import zoo
+    from tests import zoo
 
     model, _, export = merged("bart")
     inputs = zoo.sample_encoder_inputs(export, batch=2, seq=7, seed=12)
@@ -333,7 +336,7 @@ def test_cached_steps_write_the_cache_into_a_ring_of_buffers(merged, monkeypatch
     of buffers by turns and of onnxruntime's own buffers."""
     from onnxmerge.runtime import _model
     from onnxmerge.runtime._session import MergedSession
-    from onnxmerge.testing import zoo
+    from tests import zoo
 
     model, _, export = merged("marian")
     inputs = zoo.sample_encoder_inputs(export, batch=2, seq=7, seed=4)
@@ -377,6 +380,7 @@ def test_translate_with_a_tokenizer_beside_the_model(merged, tmp_path):
     pytest.importorskip("tokenizers")
     import shutil
 
+    import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -10,8 +12,17 @@ from onnxmerge.runtime._search import sample_tokens
 
 pytestmark = pytest.mark.export
 
-torch = pytest.importorskip("torch")
-tlp = pytest.importorskip("transformers.generation.logits_process")
+torch: Any = None
+tlp: Any = None
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _reference_modules() -> None:
+    """torch and transformers' processors, imported for the tests, not at collection."""
+    global torch, tlp
+    torch = pytest.importorskip("torch")
+    tlp = pytest.importorskip("transformers.generation.logits_process")
+
 
 VOCAB = 50
 ROWS = 6

@@ -23,7 +23,7 @@ def shared_model(tiny_export, tmp_path_factory):
 
 
 def test_eight_threads_get_the_tokens_of_serial_calls(shared_model):
-    from onnxmerge.testing import zoo
+    from tests import zoo
 
     model, export = shared_model
     # Different inputs, batch sizes and searches, so a mixed-up cache shows in the tokens.

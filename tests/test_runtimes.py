@@ -1,6 +1,6 @@
 """Merged models and generators in other ONNX runtimes than onnxruntime, equal to onnxruntime.
 
-Each test checks one cell of ``onnxmerge.testing.runtimes.SUPPORT`` (the table of
+Each test checks one cell of ``tests.runtimes.SUPPORT`` (the table of
 docs/runtimes.md): a cell that says the file runs must give the same tokens as onnxruntime (and
 ``Seq2SeqModel.generate`` for generators) with logits within the precision's tolerance; a cell
 that gives a reason must still fail there. Failures of the two-decoder form (format versions 1
@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from onnxmerge.testing import runtimes as rt
-from onnxmerge.testing import zoo as tiny_zoo
-from onnxmerge.testing.zoo import ARCHITECTURES
+from tests import runtimes as rt
+from tests import zoo as tiny_zoo
+from tests.zoo import ARCHITECTURES
 
 # The tests that build files are marked `export` through their fixtures (conftest.py). onnx's
 # reference casts the masks' -inf to integers and takes log(0) in T5's position buckets, harmlessly.
@@ -360,6 +360,7 @@ def test_unknown_or_missing_backend_says_what_to_do(files, monkeypatch):
     assert _failure(caught.value) == (ExitCode.MISSING_DEPENDENCY, str(caught.value))
 
 
+@pytest.mark.docs
 def test_docs_table_is_what_the_tests_check():
     """docs/runtimes.md shows SUPPORT, its reasons and the versions installed here."""
     text = (REPO / "docs" / "runtimes.md").read_text(encoding="utf-8")

@@ -21,8 +21,8 @@ import onnxmerge
 from onnxmerge import cli
 from onnxmerge.demo import LARGEST_NUMBER, french_number, is_held_out
 from onnxmerge.errors import InvalidMergedModelError, OnnxMergeError, RefusedOutputError
-from onnxmerge.testing.browser import load_page, serve, strip_pad
 from onnxmerge.web import build_site
+from tests.browser import load_page, serve, strip_pad
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WEB_DIR = Path(__file__).parent / "web"

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from onnxmerge.generator import audio
-from onnxmerge.testing.browser import load_page, serve
 from onnxmerge.web import build_site
+from tests.browser import load_page, serve
 
 pytestmark = pytest.mark.export  # the tiny Whisper is exported with torch
 

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from onnxmerge.testing.zoo import (
+from tests.zoo import (
     DECODER_FILE,
     DECODER_MERGED_FILE,
     DECODER_WITH_PAST_FILE,

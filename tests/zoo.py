@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from onnxmerge.testing.exports import export_onnx, package_versions, staging
+from tests.exports import export_onnx, package_versions, staging
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ def cache_root() -> Path:
     env = os.environ.get("ONNXMERGE_TEST_CACHE")
     if env:
         return Path(env)
-    return Path(__file__).resolve().parents[2] / ".cache" / "tiny-models"
+    return Path(__file__).resolve().parents[1] / ".cache" / "tiny-models"
 
 
 # ---------------------------------------------------------------------------------------------

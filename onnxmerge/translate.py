@@ -93,7 +93,7 @@ def translate_lines(
     batch_type: str = "examples",
     parallel_batches: int = 1,
     **generate_kwargs: Any,
-) -> Iterator[LineResult]:
+) -> Generator[LineResult, None, None]:
     """Translate each line of ``lines``; one result per line, in order, as they are done.
 
     Lines may be bytes (UTF-8, as read from a file opened in binary mode) or text; their line
@@ -115,7 +115,7 @@ def translate_lines(
             ``num_beams``, ...).
 
     Returns:
-        An iterator of ``LineResult``; closing it stops the batches running.
+        A generator of ``LineResult``; closing it stops the batches running.
 
     Raises:
         GenerationError: the model reads something other than token ids, or a setting is
@@ -147,7 +147,7 @@ def translate_lines(
 
 def _in_order(
     results: Generator[np.ndarray, None, None], pending: deque[int | LineResult], tokenizer: Any
-) -> Iterator[LineResult]:
+) -> Generator[LineResult, None, None]:
     """Each line's result: the lines that needed no model (blank or failed) between those that
     came back from it. ``pending`` holds, in order, the number of each line sent to the model
     and the result of each line that was not."""

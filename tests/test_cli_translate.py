@@ -326,4 +326,3 @@ def test_the_progress_status_line_is_erased_before_a_line_of_its_own(monkeypatch
     quiet.show("  1 lines")
     quiet.finish()
     assert capsys.readouterr().err == ""
-

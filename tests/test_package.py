@@ -23,6 +23,7 @@ DOCUMENTED = [
     ("onnxmerge.quantization", "quantize"),
     ("onnxmerge.generator.audio", "build_features"),
     ("onnxmerge.testing.hub", "hub_repository"),
+    ("onnxmerge.translate", "translate_lines"),
 ]
 
 

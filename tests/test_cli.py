@@ -660,3 +660,28 @@ def test_every_exit_code_is_in_the_help() -> None:
     help_text = " ".join(run("--help").stdout.split())
     for code in cli.ExitCode:
         assert f"{code.value} {code.meaning}" in help_text
+
+
+def test_batch_ray_without_ray_exits_4_with_what_to_install(tmp_path, monkeypatch, capsys) -> None:
+    # Once, this was exit 3 (a refused input).
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` fails as if not installed
+    out = tmp_path / "out"
+    assert cli.main(["batch", str(tmp_path), "-o", str(out), "--ray", "--json"]) == EXIT_MISSING
+    captured = capsys.readouterr()
+    assert "pip install 'onnxmerge[ray]'" in captured.err
+    assert json.loads(captured.out)["error"]["exit_code"] == EXIT_MISSING
+    assert not out.exists()
+
+
+def test_an_invalid_argument_the_library_refuses_exits_2(tmp_path, monkeypatch, capsys) -> None:
+    from onnxmerge import inspection
+    from onnxmerge.errors import InvalidArgumentError
+
+    def refuse(path):
+        raise InvalidArgumentError(f"{path} is not a name this takes", argument="file")
+
+    monkeypatch.setattr(inspection, "inspect_model", refuse)
+    assert cli.main(["inspect", str(tmp_path / "m.onnx"), "--json"]) == EXIT_USAGE
+    captured = capsys.readouterr()
+    assert captured.err == f"{ERROR_PREFIX}{tmp_path / 'm.onnx'} is not a name this takes\n"
+    assert json.loads(captured.out)["error"]["exit_code"] == EXIT_USAGE

@@ -1,5 +1,6 @@
-"""``onnxmerge translate``: one line in, one line out, in order; a bad line gets an empty line, its
-own error on stderr and a non-zero exit at the end, and nothing else is lost or moved."""
+"""``onnxmerge translate``: one line in, one line out, in order; a blank line gives a blank line;
+a bad line gets an empty line, its own error on stderr and a non-zero exit at the end, and nothing
+else is lost or moved. The library under it is tested in test_translate_lines.py."""
 
 from __future__ import annotations
 
@@ -90,7 +91,7 @@ def test_bad_lines_get_an_empty_line_and_their_own_error(model, tmp_path, at_onc
         stdin=b"\n".join(raw) + b"\n",
     )
     assert result.returncode == 3, result.stderr
-    written = out.read_text().split("\n")
+    written = out.read_text().split("\n")  # the blank line 2 is translated: into a blank line
     assert written[:-1] == [
         expected_line(model, good[0]),
         "",
@@ -102,29 +103,29 @@ def test_bad_lines_get_an_empty_line_and_their_own_error(model, tmp_path, at_onc
         expected_line(model, good[2]),
     ]
     errors = result.stderr.splitlines()
-    assert errors[:5] == [
-        "onnxmerge: line 2: empty line",
+    assert errors[:4] == [
         "onnxmerge: line 3: --ids takes non-negative integers separated by spaces",
         "onnxmerge: line 4: --ids takes non-negative integers separated by spaces",
         "onnxmerge: line 6: not UTF-8 (byte 1); nothing translated",
         f"onnxmerge: line 7: id {tm.VOCAB + 4} is outside the vocabulary 0..{tm.VOCAB - 1}",
     ]
-    assert errors[5] == (
-        ERROR_PREFIX + "5 of 8 lines not translated (lines 2, 3, 4, 6, 7); an "
+    assert errors[4] == (
+        ERROR_PREFIX + "4 of 8 lines not translated (lines 3, 4, 6, 7); an "
         "empty line stands in for each"
     )
-    assert len(errors) == 6
+    assert len(errors) == 5
 
 
 def test_json_reports_every_line_and_needs_an_output_file(model, tmp_path):  # noqa: F811
     source = tmp_path / "ids.txt"
-    source.write_text("5 6 7\n\n8\n")
+    source.write_text("5 6 7\n\nfive\n8\n")
     out = tmp_path / "out.txt"
     result = run("translate", model.path, source, "--ids", "-o", out, "--json")
     report = json.loads(result.stdout)
     assert result.returncode == 3
-    assert report["lines"] == 3 and report["translated"] == 2
-    assert report["errors"] == [{"line": 2, "message": "empty line"}]
+    assert report["lines"] == 4 and report["translated"] == 3  # the blank line is one
+    message = "--ids takes non-negative integers separated by spaces"
+    assert report["errors"] == [{"line": 3, "message": message}]
     assert report["tokens"] == sum(len(line.split()) for line in out.read_text().splitlines())
     usage = run("translate", model.path, source, "--ids", "--json")
     assert usage.returncode == 2 and "--json needs -o OUT" in usage.stderr
@@ -255,9 +256,8 @@ def test_text_lines_translate_with_the_demo_model(demo_export, tmp_path):
         *map(english_number, numbers[1:]),
     ]
     lines = result.stderr.splitlines()
-    assert lines[0] == "onnxmerge: line 2: empty line"
-    assert lines[1].startswith("onnxmerge: line 3: ")
-    assert lines[1].endswith(" tokens, more than the model's 64 positions")
+    assert lines[0].startswith("onnxmerge: line 3: ")  # the blank line 2 is no error
+    assert lines[0].endswith(" tokens, more than the model's 64 positions")
     # 64 decoder positions hold 64 new tokens after the start token, every one but the last fed
     # back; one more is refused before any line runs, not in onnxruntime mid-file.
     demo = Seq2SeqModel(merged)
@@ -269,43 +269,60 @@ def test_text_lines_translate_with_the_demo_model(demo_export, tmp_path):
     assert not out.exists()
 
 
-def test_progress_shows_lines_and_tokens_per_second_on_a_terminal_only(monkeypatch, capsys):
-    from onnxmerge import cli
+def test_a_blank_line_translates_to_a_blank_line(demo_export, tmp_path):
+    """Regression: documents separate paragraphs with blank lines, and each was reported as an
+    error ("line 3: empty line") with exit code 3."""
+    import shutil
+
+    from onnxmerge import merge_seq2seq
+
+    merged = merge_seq2seq(Path(shutil.copytree(demo_export, tmp_path / "export")))
+    result = run("translate", merged, stdin=b"un\ndeux\n\n")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n") == ["one", "two", "", ""]  # 3 lines, the last empty
+    assert result.stderr == ""
+
+
+def test_progress_shows_lines_and_tokens_per_second_on_a_terminal_only(
+    model,  # noqa: F811
+    tmp_path,
+    monkeypatch,
+    capsys,
+):
+    from onnxmerge.cli import main
+
+    source = tmp_path / "ids.txt"
+    source.write_text("5 6 7\nfive\n8 9\n")
+    args = ["translate", str(model.path), str(source), "--ids", "--max-new-tokens", str(MAX_NEW)]
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert main([*args, "-o", str(tmp_path / "out.txt")]) == 3
+    shown = capsys.readouterr().err
+    tokens = sum(len(line.split()) for line in (tmp_path / "out.txt").read_text().splitlines())
+    assert "  loading the model ... " in shown
+    assert f"\r  2 lines, {tokens} tokens, " in shown and "tokens/s\033[K\n" in shown
+    assert "onnxmerge: line 2: --ids takes" in shown
+    assert shown.endswith("an empty line stands in for each\n")  # below the status line
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    assert main(args) == 3  # the translations go to the terminal: no status line beside them
+    assert " tokens/s" not in capsys.readouterr().err
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+    assert main([*args, "-o", str(tmp_path / "again.txt")]) == 3
+    assert capsys.readouterr().err.splitlines()[0].startswith("onnxmerge: line 2: ")
+
+
+def test_the_progress_status_line_is_erased_before_a_line_of_its_own(monkeypatch, capsys):
+    from onnxmerge.cli import Progress
 
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
-    progress = cli._LineProgress(quiet=False, to_stdout=False)
-    progress.drawn -= 1  # as if the last drawing were a second ago
-    progress(7)
-    progress.clear()  # before a line's error goes to stderr: it starts on a clean line
-    progress(5)
+    progress = Progress(quiet=False)
+    progress.show("  1 lines", every=0.2)  # too soon after the start: not drawn
+    progress.show("  2 lines")
+    progress.line("an error")
+    progress.show("  3 lines")
     progress.finish()
-    shown = capsys.readouterr().err
-    assert "\r  1 lines, 7 tokens, " in shown
-    assert "tokens/s\033[K\r\033[K" in shown
-    assert "\r  2 lines, 12 tokens, " in shown and "tokens/s" in shown
-    assert shown.endswith("\n")  # the finished line stays, the next output starts below it
-    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
-    beside = cli._LineProgress(quiet=False, to_stdout=True)  # the translations show progress
-    beside(3)
-    beside.finish()
-    assert capsys.readouterr().err == ""
+    assert capsys.readouterr().err == "\r  2 lines\033[K\r\033[Kan error\n\r  3 lines\033[K\n"
     monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
-    quiet = cli._LineProgress(quiet=False, to_stdout=False)
-    quiet(3)
+    quiet = Progress(quiet=False)
+    quiet.show("  1 lines")
     quiet.finish()
     assert capsys.readouterr().err == ""
-
-
-def test_a_translation_stays_on_its_line_and_a_model_of_no_ids_is_refused():
-    from onnxmerge import cli
-    from onnxmerge.errors import OnnxMergeError
-
-    assert cli._one_line("two\nhundred\r\nthree") == "two hundred three"
-    assert cli._one_line("two hundred") == "two hundred"
-
-    class Whisper:
-        def _main_input(self):
-            return "input_features"
-
-    with pytest.raises(OnnxMergeError, match="reads input_features, not token ids"):
-        cli._refuse_without_ids(Whisper(), "whisper.onnx")

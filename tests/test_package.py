@@ -32,6 +32,7 @@ DOCUMENTED = [
     ("onnxmerge.merge", "merge_seq2seq"),
     ("onnxmerge.quantization", "quantize"),
     ("onnxmerge.generator.audio", "build_features"),
+    ("onnxmerge.translate", "translate_lines"),
 ]
 
 

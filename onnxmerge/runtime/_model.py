@@ -321,6 +321,11 @@ class Seq2SeqModel:
         """The encoder input a bare array is: the first that is not the attention mask."""
         return next(n for n in self.encoder_input_names if n != c.ATTENTION_MASK)
 
+    @property
+    def main_input(self) -> str:
+        """The encoder input a bare array is: the first that is not the attention mask."""
+        return self._main_input()
+
     def _check_encoder_inputs(self, given: Mapping[str, Any]) -> dict[str, np.ndarray]:
         names = self.encoder_input_names
         unknown = sorted(set(given) - set(names))

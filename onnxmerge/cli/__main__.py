@@ -1,0 +1,5 @@
+import sys
+
+from onnxmerge.cli import main
+
+sys.exit(main())

@@ -84,10 +84,16 @@ def wait_healthy(url: str, seconds: float = 60) -> None:
 @contextlib.contextmanager
 def serving(models: dict[str, Path], **limits: Any) -> Iterator[str]:
     """A real uvicorn server on a port of 127.0.0.1 the system picks, in a thread."""
+    with serving_app(create_app(models, **limits)) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def serving_app(app: Any) -> Iterator[str]:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    config = uvicorn.Config(create_app(models, **limits), log_level="warning", lifespan="on")
+    config = uvicorn.Config(app, log_level="warning", lifespan="on")
     server = Server(config, drain_s=5)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
@@ -295,18 +301,59 @@ def test_past_the_queue_requests_get_429_with_retry_after(limited, reference):
     assert ask(limited, "/health").status == 200
 
 
-def test_a_request_past_its_deadline_gets_504_and_leaves_its_batch_unrun(merged):
+def leave_after_sending(url: str, path: str, body: dict) -> None:
+    """POST ``body`` on a raw connection and close it without reading the answer."""
+    host, port = url.removeprefix("http://").split(":")
+    payload = json.dumps(body).encode()
+    with socket.create_connection((host, int(port)), timeout=10) as connection:
+        connection.sendall(
+            f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(payload)}\r\n\r\n".encode()
+            + payload
+        )
+        time.sleep(0.2)  # read by the server, waiting for company in a forming batch
+
+
+def test_requests_past_their_deadline_or_left_by_their_client_leave_their_batch_unrun(merged):
     limits = {"max_batch_size": 4, "batch_wait_ms": 3000, "request_timeout_s": 0.5}
     with serving({"fr-en": merged}, **limits) as served:
         alone = ask(served, "/translate", {"q": "deux"})  # waits for company past its deadline
         assert alone.status == 504
         assert alone.json() == {"error": "no answer within 0.5 s"}
+        leave_after_sending(served, "/translate", {"q": "trois"})
+        for _ in range(200):
+            text = ask(served, "/metrics").body.decode()
+            if 'route="/translate",status="499"' in text:
+                break
+            time.sleep(0.01)
         texts = [french_number(n) for n in (2, 3, 4, 5)]
         full = ask(served, "/translate", {"q": texts})  # a full batch runs at once
         assert full.json() == {"translatedText": ["two", "three", "four", "five"]}
         text = ask(served, "/metrics").body.decode()
         assert metric(text, "onnxmerge_serve_batch_size_count") == 1
         assert 'onnxmerge_serve_requests_total{route="/translate",status="504"} 1.0' in text
+        assert 'onnxmerge_serve_requests_total{route="/translate",status="499"} 1.0' in text
+
+
+def test_a_batch_that_fails_answers_500_and_the_worker_goes_on(merged):
+    app = create_app({"fr-en": merged})
+    with serving_app(app) as served:
+        model = app.state.serve.batchers["fr-en"].served.model
+        original = model.generate_many
+
+        def fails_once(inputs: Any, **options: Any) -> Any:
+            if inputs:  # not the check of the options, which passes no inputs
+                model.generate_many = original
+                raise RuntimeError("out of memory")
+            return original(inputs, **options)
+
+        model.generate_many = fails_once
+        failed = ask(served, "/translate", {"q": "six"})
+        assert (failed.status, failed.json()) == (
+            500,
+            {"error": "generation failed (RuntimeError)"},
+        )
+        assert ask(served, "/translate", {"q": "six"}).json() == {"translatedText": "six"}
 
 
 @pytest.fixture(scope="module")

@@ -137,21 +137,41 @@ def _add_probes(app: FastAPI, state: ServerState) -> None:
 
 
 async def answer(
-    state: ServerState, batcher: Batcher, inputs: list[Any], options: dict, want_text: bool
+    state: ServerState,
+    request: Request,
+    batcher: Batcher,
+    inputs: list[Any],
+    options: dict,
+    want_text: bool,
 ) -> Answer:
-    """Queue the inputs on the model's batcher and wait for them, at most the request timeout.
+    """Queue the inputs on the model's batcher and wait for them, at most the request timeout
+    and only while the client is there.
 
     Raises:
-        RequestError: 429 past the queue, 504 past the deadline, 400 for inputs the model
-            refuses.
+        RequestError: 429 past the queue, 504 past the deadline, 499 when the client left, 400
+            for inputs the model refuses.
     """
     future = batcher.submit(inputs, options, want_text)
+    left = asyncio.get_running_loop().create_task(_disconnected(request))
     timeout = state.limits.request_timeout_s
     try:
-        return await asyncio.wait_for(asyncio.shield(future), timeout)
-    except asyncio.TimeoutError:
-        future.cancel()  # a request still waiting leaves the queue unrun
-        raise RequestError(f"no answer within {timeout:g} s", 504) from None
+        done, _ = await asyncio.wait(
+            {future, left}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+        )
+    finally:
+        left.cancel()
+    if future in done:
+        return future.result()
+    future.cancel()  # a request still waiting leaves the queue unrun
+    if left in done:
+        raise RequestError("the client closed the connection", 499)
+    raise RequestError(f"no answer within {timeout:g} s", 504)
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has closed the connection (the body has been read by then)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _ready(state: ServerState) -> None:
@@ -254,7 +274,7 @@ def _add_translate(app: FastAPI, state: ServerState) -> None:
         translated = [""] * len(texts)
         if to_run:
             inputs = await run_in_threadpool(batcher.served.encode, [texts[i] for i in to_run])
-            result = await answer(state, batcher, inputs, {}, want_text=True)
+            result = await answer(state, request, batcher, inputs, {}, want_text=True)
             for i, own in zip(to_run, result.texts or [], strict=True):
                 translated[i] = own[0]
         return JSONResponse({"translatedText": translated[0] if single else translated})
@@ -315,10 +335,12 @@ def _add_generate(app: FastAPI, state: ServerState) -> None:
         if ids is not None:
             inputs = [served.check_ids(ids)]
         elif isinstance(text, str) and text:
-            inputs = served.encode([text])
+            inputs = await run_in_threadpool(served.encode, [text])
         else:
             raise RequestError("text must be a non-empty string")
-        result = await answer(state, batcher, inputs, body, want_text=served.tokenizer is not None)
+        result = await answer(
+            state, request, batcher, inputs, body, want_text=served.tokenizer is not None
+        )
         rows = result.rows[0]
         texts: list[str | None] = (
             list(result.texts[0]) if result.texts is not None else [None] * len(rows)

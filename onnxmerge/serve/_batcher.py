@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -19,6 +20,8 @@ import numpy as np
 from onnxmerge.errors import OnnxMergeError
 from onnxmerge.serve._metrics import Metrics
 from onnxmerge.serve._models import RequestError, ServedModel
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -41,6 +44,15 @@ class Answer:
 
     rows: list[np.ndarray]
     texts: list[list[str]] | None
+
+
+def _failed(error: Exception) -> RequestError:
+    """A failed run as its request's answer: 400 for an input the model refuses, 500 for
+    anything else (logged; the message says no more than the kind of error)."""
+    if isinstance(error, (OnnxMergeError, ValueError)):
+        return RequestError(str(error))
+    logger.error("generation failed: %r", error)
+    return RequestError(f"generation failed ({type(error).__name__})", 500)
 
 
 class Batcher:
@@ -115,7 +127,11 @@ class Batcher:
             batch = await self._collect()
             if not batch:
                 continue
-            answers = await loop.run_in_executor(self._executor, self._run, batch)
+            try:
+                answers = await loop.run_in_executor(self._executor, self._run, batch)
+            except Exception as error:  # the worker must outlive any batch
+                logger.exception("a batch of model %r failed", self.served.name)
+                answers = [_failed(error)] * len(batch)
             for job, answer in zip(batch, answers, strict=True):
                 if job.future.done():  # its deadline passed while it ran
                     continue
@@ -135,6 +151,7 @@ class Batcher:
         if not self._waiting:
             return []
         first = self._waiting.popleft()
+        self._queue_changed()
         batch = [first]
         deadline = time.monotonic() + self._batch_wait_s
         while True:
@@ -166,9 +183,9 @@ class Batcher:
         try:
             flat = [example for job in batch for example in job.inputs]
             rows = self._generate(flat, batch[0].options)
-        except (OnnxMergeError, ValueError) as error:
+        except Exception as error:
             if len(batch) == 1:
-                return [RequestError(str(error))]
+                return [_failed(error)]
             return [answer for job in batch for answer in self._run([job])]
         answers: list[Answer | BaseException] = []
         start = 0

@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,6 +87,8 @@ class ServedModel:
     tokenizer: Any | None
     merged_into: Path | None = None  # the temporary folder of a merged export, removed on close
     pair: tuple[str, str] | None = field(init=False)
+    # A fast tokenizer may refuse a call while another thread's call runs ("Already borrowed").
+    _tokenizer_lock: threading.Lock = field(init=False, default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
         self.pair = language_pair(self.name)
@@ -126,7 +129,8 @@ class ServedModel:
             raise RequestError(
                 f"model {self.name!r} has no tokenizer beside it: give input_ids instead of text"
             )
-        encoded = self.tokenizer(texts)
+        with self._tokenizer_lock:
+            encoded = self.tokenizer(texts)
         names = [n for n in self.model.encoder_input_names if n in encoded]
         inputs = [
             {n: np.asarray(encoded[n][i], dtype=np.int64) for n in names} for i in range(len(texts))
@@ -176,7 +180,8 @@ class ServedModel:
 
     def decode(self, rows: np.ndarray) -> list[str]:
         assert self.tokenizer is not None  # only requests for text are decoded
-        return list(self.tokenizer.batch_decode(rows, skip_special_tokens=True))
+        with self._tokenizer_lock:
+            return list(self.tokenizer.batch_decode(rows, skip_special_tokens=True))
 
 
 def _tokenizer_in(folder: Path) -> Any | None:

@@ -33,7 +33,7 @@ import uvicorn  # noqa: E402
 
 from onnxmerge.demo import english_number, french_number  # noqa: E402
 from onnxmerge.errors import InvalidArgumentError  # noqa: E402
-from onnxmerge.serve import Server, create_app, run  # noqa: E402
+from onnxmerge.serve import Server, create_app, models_from_arguments, run  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 # Settings that make one request take long enough for others to pile up behind it.
@@ -232,6 +232,15 @@ def test_bad_requests_get_a_json_error_naming_the_problem(url, merged, path, bod
     assert ask(url, "/health").status == 200
 
 
+def test_unknown_paths_and_methods_get_a_json_error(url):
+    missing = ask(url, "/v2/translate")
+    assert (missing.status, missing.json()) == (404, {"error": "Not Found"})
+    wrong_method = ask(url, "/translate")
+    assert (wrong_method.status, wrong_method.json()) == (405, {"error": "Method Not Allowed"})
+    text = ask(url, "/metrics").body.decode()
+    assert 'onnxmerge_serve_requests_total{route="other",status="404"} 1.0' in text
+
+
 def test_health_languages_and_metrics(url):
     health = ask(url, "/health")
     assert (health.status, health.json()) == (200, {"status": "ok", "models": ["fr-en"]})
@@ -409,6 +418,16 @@ def test_sigterm_drains_the_requests_in_flight_and_exits(process_to_stop, refere
     got = answer.json()["translatedText"]
     assert len(got) == len(texts) and got[::400] == reference.translate(texts[::400])
     assert process.wait(30) == 0
+
+
+def test_model_arguments_take_a_name_or_the_folder_s(tmp_path, merged):
+    assert models_from_arguments(["fr-en=a/model.onnx", str(merged)]) == {
+        "fr-en": Path("a/model.onnx"),
+        merged.parent.name: merged,
+    }
+    assert models_from_arguments([str(merged.parent)]) == {merged.parent.name: merged.parent}
+    with pytest.raises(InvalidArgumentError, match="two models are named 'x'"):
+        models_from_arguments(["x=a.onnx", "x=b.onnx"])
 
 
 def test_bad_arguments_are_refused_before_anything_loads(tmp_path, merged):

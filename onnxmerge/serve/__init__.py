@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from onnxmerge.serve._app import create_app
 from onnxmerge.serve._limits import Limits
+from onnxmerge.serve._models import models_from_arguments
 from onnxmerge.serve._server import Server, run
 
-__all__ = ["Limits", "Server", "create_app", "run"]
+__all__ = ["Limits", "Server", "create_app", "models_from_arguments", "run"]

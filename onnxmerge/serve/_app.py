@@ -16,6 +16,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
 
 from onnxmerge.serve._batcher import Answer, Batcher
 from onnxmerge.serve._http import Gate
@@ -106,9 +107,12 @@ def create_app(
             await asyncio.gather(loading, return_exceptions=True)
             await state.close()
 
-    app = FastAPI(title="onnxmerge", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(
+        title="onnxmerge", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
     app.state.serve = state
     app.add_exception_handler(RequestError, _request_error)  # type: ignore[arg-type]
+    app.add_exception_handler(HTTPException, _http_error)  # type: ignore[arg-type]
     app.add_middleware(Gate, state=state, metrics=state.metrics, max_body_bytes=max_body_bytes)
     _add_probes(app, state)
     _add_translate(app, state)
@@ -118,6 +122,11 @@ def create_app(
 
 async def _request_error(request: Request, error: RequestError) -> JSONResponse:
     return JSONResponse({"error": str(error)}, error.status, headers=error.headers)
+
+
+async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
+    """An unknown path (404) or method (405) answered like every other error."""
+    return JSONResponse({"error": str(error.detail)}, error.status_code, headers=error.headers)
 
 
 def _add_probes(app: FastAPI, state: ServerState) -> None:

@@ -9,7 +9,7 @@ import re
 import shutil
 import tempfile
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -76,6 +76,31 @@ def check_models(models: Mapping[str, str | os.PathLike]) -> dict[str, Path]:
             pairs[pair] = name
         checked[name] = Path(path)
     return checked
+
+
+def models_from_arguments(arguments: Sequence[str]) -> dict[str, Path]:
+    """The models of ``onnxmerge serve [NAME=]MODEL ...``: ``fr-en=opus-mt-fr-en/model.onnx``
+    is served as ``fr-en``; a bare path under the name of its folder (a merged file's folder, or
+    the export folder itself).
+
+    Raises:
+        InvalidArgumentError: no models, or two under one name.
+    """
+    models: dict[str, Path] = {}
+    for argument in arguments:
+        name, equals, path = argument.partition("=")
+        if not equals:
+            path = argument
+            name = (Path(path) if Path(path).is_dir() else Path(path).parent).resolve().name
+        if name in models:
+            raise InvalidArgumentError(
+                f"two models are named {name!r}; give each its own name, NAME=MODEL",
+                argument="models",
+            )
+        models[name] = Path(path)
+    if not models:
+        raise InvalidArgumentError("give at least one model to serve", argument="models")
+    return models
 
 
 @dataclass

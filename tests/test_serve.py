@@ -420,6 +420,17 @@ def test_sigterm_drains_the_requests_in_flight_and_exits(process_to_stop, refere
     assert process.wait(30) == 0
 
 
+def test_a_model_that_does_not_load_stops_run_with_its_error(tmp_path):
+    from onnxmerge.errors import InvalidMergedModelError
+
+    bad = tmp_path / "model.onnx"
+    bad.write_bytes(b"not a model")
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    with sock, pytest.raises(InvalidMergedModelError, match="Protobuf parsing failed"):
+        run({"fr-en": bad}, sock=sock, log_level="critical")
+
+
 def test_model_arguments_take_a_name_or_the_folder_s(tmp_path, merged):
     assert models_from_arguments(["fr-en=a/model.onnx", str(merged)]) == {
         "fr-en": Path("a/model.onnx"),

@@ -365,6 +365,34 @@ def test_a_batch_that_fails_answers_500_and_the_worker_goes_on(merged):
         assert ask(served, "/translate", {"q": "six"}).json() == {"translatedText": "six"}
 
 
+def test_a_request_that_fails_its_batch_fails_alone(merged, reference):
+    from onnxmerge.errors import GenerationError
+
+    app = create_app({"fr-en": merged}, max_batch_size=2, batch_wait_ms=2000)
+    bad_id = 77
+    with serving_app(app) as served:
+        model = app.state.serve.batchers["fr-en"].served.model
+        original = model.generate_many
+
+        def refuses_one_id(inputs: Any, **options: Any) -> Any:
+            inputs = list(inputs)
+            ids = [i["input_ids"] if isinstance(i, dict) else i for i in inputs]
+            if any(bad_id in row for row in ids):
+                raise GenerationError(f"id {bad_id} refused")
+            return original(inputs, **options)
+
+        model.generate_many = refuses_one_id
+        bodies = [{"text": "vingt et un"}, {"input_ids": [5, bad_id, 0]}]
+        with ThreadPoolExecutor(2) as pool:
+            good, bad = pool.map(lambda body: ask(served, "/v1/generate", body), bodies)
+        assert (bad.status, bad.json()) == (400, {"error": f"id {bad_id} refused"})
+        assert good.status == 200 and good.json()["text"] == "twenty-one"
+        text = ask(served, "/metrics").body.decode()
+        # One batch of both, then each alone.
+        assert metric(text, "onnxmerge_serve_batch_size_count") == 3
+        assert metric(text, "onnxmerge_serve_batch_size_sum") == 4
+
+
 @pytest.fixture(scope="module")
 def process_to_stop(merged: Path) -> Iterator[tuple[subprocess.Popen, str]]:
     """``run()`` in a process of its own, on a socket bound here. Started with the module's

@@ -173,8 +173,11 @@ class ServedModel:
         ):
             raise RequestError("input_ids must be a non-empty list of integers")
         vocab = self.model.config.get("vocab_size")
-        if any(i < 0 for i in ids) or (isinstance(vocab, int) and any(i >= vocab for i in ids)):
-            raise RequestError(f"input_ids must be token ids from 0 to {vocab - 1}")
+        if not isinstance(vocab, int):
+            vocab = None
+        if any(i < 0 or (vocab is not None and i >= vocab) for i in ids):
+            largest = f" to {vocab - 1}" if vocab is not None else " up"
+            raise RequestError(f"input_ids must be token ids from 0{largest}")
         if "input_ids" not in self.model.encoder_input_names:
             raise RequestError(f"model {self.name!r} takes no input_ids")
         self.check_length(len(ids), None)

@@ -459,6 +459,20 @@ def test_a_model_that_does_not_load_stops_run_with_its_error(tmp_path):
         run({"fr-en": bad}, sock=sock, log_level="critical")
 
 
+def test_without_the_serve_extra_the_import_says_what_to_install():
+    hide = "import sys; sys.modules['uvicorn'] = None\n"
+    result = subprocess.run(
+        [sys.executable, "-c", hide + "import onnxmerge.serve"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 1
+    assert "MissingDependencyError" in result.stderr
+    assert "pip install 'onnxmerge[serve]'" in result.stderr
+
+
 def test_model_arguments_take_a_name_or_the_folder_s(tmp_path, merged):
     assert models_from_arguments(["fr-en=a/model.onnx", str(merged)]) == {
         "fr-en": Path("a/model.onnx"),

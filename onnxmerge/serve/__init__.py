@@ -8,9 +8,22 @@
 
 from __future__ import annotations
 
-from onnxmerge.serve._app import create_app
-from onnxmerge.serve._limits import Limits
-from onnxmerge.serve._models import models_from_arguments
-from onnxmerge.serve._server import Server, run
+from onnxmerge.errors import MissingDependencyError
+
+try:
+    import fastapi  # noqa: F401
+    import prometheus_client  # noqa: F401
+    import python_multipart  # noqa: F401
+    import uvicorn  # noqa: F401
+except ImportError as error:
+    raise MissingDependencyError(
+        f"serving needs FastAPI, uvicorn, prometheus-client and python-multipart ({error}): "
+        "pip install 'onnxmerge[serve]'"
+    ) from error
+
+from onnxmerge.serve._app import create_app  # noqa: E402
+from onnxmerge.serve._limits import Limits  # noqa: E402
+from onnxmerge.serve._models import models_from_arguments  # noqa: E402
+from onnxmerge.serve._server import Server, run  # noqa: E402
 
 __all__ = ["Limits", "Server", "create_app", "models_from_arguments", "run"]

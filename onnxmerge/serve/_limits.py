@@ -1,0 +1,50 @@
+"""The limits a server runs under, checked before anything is loaded."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from onnxmerge.errors import InvalidArgumentError
+
+
+@dataclass(frozen=True)
+class Limits:
+    """How much a server takes on.
+
+    Attributes:
+        max_batch_size: inputs run together in one batch, at most.
+        batch_wait_ms: how long the oldest waiting request waits for company before its batch
+            runs.
+        max_queue: requests waiting for a batch, per model; past it a request gets 429.
+        max_body_bytes: a larger request body gets 413.
+        request_timeout_s: a request not answered by then gets 504 (and leaves the queue).
+        api_key: when set, required (LibreTranslate's ``api_key`` field, ``Authorization:
+            Bearer`` on ``/v1`` routes); 403 without it.
+    """
+
+    max_batch_size: int = 32
+    batch_wait_ms: float = 5.0
+    max_queue: int = 256
+    max_body_bytes: int = 1_000_000
+    request_timeout_s: float = 60.0
+    api_key: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_size", "max_queue", "max_body_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InvalidArgumentError(
+                    f"{name} must be a whole number of at least 1, got {value!r}", argument=name
+                )
+        for name, lowest in (("batch_wait_ms", 0.0), ("request_timeout_s", 1e-3)):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < lowest:
+                raise InvalidArgumentError(
+                    f"{name} must be a number of at least {lowest:g}, got {value!r}",
+                    argument=name,
+                )
+        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
+            raise InvalidArgumentError("api_key must be a non-empty string", argument="api_key")
+
+
+LIMIT_NAMES = tuple(f.name for f in fields(Limits))

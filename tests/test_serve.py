@@ -492,3 +492,22 @@ def test_bad_arguments_are_refused_before_anything_loads(tmp_path, merged):
         create_app({"fr-en": merged}, max_queue=0)
     with pytest.raises(InvalidArgumentError, match="unknown limits"):
         run({"fr-en": merged}, max_queues=3)
+
+
+def test_the_command_serves_a_pair_and_exits_143_on_sigterm(merged):
+    with socket.socket() as probe:  # a free port; the command binds it itself
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "onnxmerge", "serve", f"fr-en={merged}", "--port", str(port)]
+    process = subprocess.Popen(command + ["--log-level", "warning"], cwd=REPO)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url)
+        answer = ask(url, "/translate", {"q": "deux", "source": "fr", "target": "en"})
+        assert answer.json() == {"translatedText": "two"}
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 143  # the CLI's documented code for SIGTERM
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(10)

@@ -24,6 +24,7 @@ from onnxmerge.cli import (
     inspect,
     merge,
     quantize,
+    serve,
     translate,
     verify,
     web,
@@ -42,6 +43,7 @@ COMMANDS: dict[str, ModuleType] = {
     "features": features,
     "web": web,
     "batch": batch,
+    "serve": serve,
     "demo": demo,
 }
 

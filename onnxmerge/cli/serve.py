@@ -1,0 +1,59 @@
+"""``onnxmerge serve [NAME=]MODEL ...``: the models behind an HTTP server until it is stopped."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+
+from onnxmerge.cli._shared import ExitCode
+
+HELP = "serve merged models over HTTP (LibreTranslate's /translate, /v1/generate, /metrics)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "models",
+        nargs="+",
+        metavar="[NAME=]MODEL",
+        help="a merged .onnx file or an export folder (merged first); NAME=SRC-TGT (fr-en) is "
+        "the pair /translate serves; a bare path is named after its folder",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-batch-size", type=int, default=32, help="inputs per batch at most")
+    p.add_argument(
+        "--batch-wait-ms", type=float, default=5.0, help="how long a batch waits for company"
+    )
+    p.add_argument("--max-queue", type=int, default=256, help="queued requests before 429")
+    p.add_argument("--max-body-bytes", type=int, default=1_000_000, help="larger bodies: 413")
+    p.add_argument("--request-timeout-s", type=float, default=60.0, help="past it: 504")
+    p.add_argument("--api-key", default=None, help="required of every request when given")
+    p.add_argument(
+        "--drain-s", type=float, default=30.0, help="on SIGTERM, time for requests in flight"
+    )
+    p.add_argument(
+        "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from onnxmerge.serve import models_from_arguments, run
+
+    ended = run(
+        models_from_arguments(args.models),
+        args.host,
+        args.port,
+        drain_s=args.drain_s,
+        log_level=args.log_level,
+        max_batch_size=args.max_batch_size,
+        batch_wait_ms=args.batch_wait_ms,
+        max_queue=args.max_queue,
+        max_body_bytes=args.max_body_bytes,
+        request_timeout_s=args.request_timeout_s,
+        api_key=args.api_key,
+    )
+    if ended == signal.SIGTERM:
+        return ExitCode.TERMINATED
+    if ended == signal.SIGINT:
+        return ExitCode.INTERRUPTED
+    return ExitCode.OK

@@ -1,4 +1,4 @@
-"""Figures quoted in README.md, docs/architecture.md and the demo's note are the benchmarks' own.
+"""Figures quoted in docs/performance.md, docs/architecture.md and the demo's note are the benchmarks' own.
 
 They are written from benchmarks/out/*.json (what `python benchmarks/run_all.py` produces); after a
 benchmark run changes them, update the prose to the values these tests print.
@@ -17,6 +17,9 @@ pytestmark = pytest.mark.docs
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "benchmarks" / "out"
+# The README shows only the generated headline table (benchmarks/headline.py); the prose figures
+# live on the performance page.
+PERFORMANCE = REPO / "docs" / "performance.md"
 
 
 def _load(name: str) -> dict:
@@ -40,7 +43,7 @@ def _assert_quoted(text: str, expected: str, where: str) -> None:
 
 
 def test_readme_sizes_and_merge_cost_are_the_merge_benchmark() -> None:
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    page = PERFORMANCE.read_text(encoding="utf-8")
     variants = _load("merge")["variants"]
     tied, untied = variants["tied"]["layouts"], variants["untied"]["layouts"]
     rows = {
@@ -53,24 +56,24 @@ def test_readme_sizes_and_merge_cost_are_the_merge_benchmark() -> None:
     }
     for label, layout in rows.items():
         row = f"| {label} | {_mb(layout['bytes'])} | {layout['ratio_to_safetensors']:.2f}× |"
-        _assert_quoted(readme, row, "README.md")
+        _assert_quoted(page, row, "docs/performance.md")
     ours = tied["onnxmerge model.onnx"]
     _assert_quoted(
-        readme,
+        page,
         f"| **onnxmerge: model.onnx** | **{_mb(ours['bytes'])}** | "
         f"**{ours['ratio_to_safetensors']:.3f}×** |",
-        "README.md",
+        "docs/performance.md",
     )
     checkpoint = variants["tied"]["checkpoint_bytes"]
-    _assert_quoted(readme, f"`model.safetensors` = {_mb(checkpoint)}", "README.md")
+    _assert_quoted(page, f"`model.safetensors` = {_mb(checkpoint)}", "docs/performance.md")
     ratios = [v["merge_time_memory"]["ratios_ours_over_optimum"] for v in variants.values()]
     time = _span([r["call_s"] for r in ratios], 1)
     memory = _span([r["peak_rss_bytes"] for r in ratios])
-    _assert_quoted(readme, f"takes {time}× the time and {memory}× the peak memory", "README.md")
+    _assert_quoted(page, f"takes {time}× the time and {memory}× the peak memory", "docs/performance.md")
 
 
 def test_readme_generation_ratios_are_the_generate_benchmark() -> None:
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    page = PERFORMANCE.read_text(encoding="utf-8")
     ratios = _load("generate")["ratios"]
     for label, key in (
         ("greedy time", "greedy_time"),
@@ -78,13 +81,13 @@ def test_readme_generation_ratios_are_the_generate_benchmark() -> None:
         ("memory after load", "rss_after_load_mb"),
         ("load time", "load_time"),
     ):
-        _assert_quoted(readme, f"| {label} | {ratios[key]:.2f}× |", "README.md")
+        _assert_quoted(page, f"| {label} | {ratios[key]:.2f}× |", "docs/performance.md")
 
 
 def test_large_model_figures_are_the_large_benchmark() -> None:
     large = _load("large")
     private = f"{large['onnxmerge']['peak_private_bytes'] / 2**30:.2f} GiB"
-    for doc in ("README.md", "docs/architecture.md"):
+    for doc in ("docs/performance.md", "docs/architecture.md"):
         _assert_quoted((REPO / doc).read_text(encoding="utf-8"), private, doc)
 
 
@@ -143,14 +146,14 @@ def ratio_rows(precisions: dict, columns: tuple[str, ...], rows: tuple) -> list[
 
 
 def ctranslate2_readme_rows(precisions: dict) -> list[str]:
-    """The README's table against CTranslate2, row by row, from the benchmark's ratios."""
+    """The performance page's table against CTranslate2, row by row, from the benchmark's ratios."""
     return ratio_rows(precisions, CTRANSLATE2_COLUMNS, CTRANSLATE2_ROWS)
 
 
 def test_readme_ctranslate2_ratios_are_the_ctranslate2_benchmark() -> None:
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    page = PERFORMANCE.read_text(encoding="utf-8")
     for row in ctranslate2_readme_rows(_load("ctranslate2")["precisions"]):
-        _assert_quoted(readme, row, "README.md")
+        _assert_quoted(page, row, "docs/performance.md")
 
 
 def _listed(items: list[str]) -> str:
@@ -184,7 +187,7 @@ CORPUS_ROWS = (("greedy tokens/s", "greedy"), ("beam-4 tokens/s", "beam4"))
 
 
 def corpus_readme_rows(precisions: dict) -> list[str]:
-    """The README's corpus table, row by row: fastest against fastest, then ours within the
+    """The performance page's corpus table, row by row: fastest against fastest, then ours within the
     memory target (with the batching that got there)."""
 
     def within(case: str, precision: str) -> str:
@@ -202,30 +205,30 @@ def corpus_readme_rows(precisions: dict) -> list[str]:
 
 
 def test_readme_corpus_ratios_are_the_corpus_benchmark() -> None:
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    page = PERFORMANCE.read_text(encoding="utf-8")
     corpus = _load("corpus")
     for row in corpus_readme_rows(corpus["precisions"]):
-        _assert_quoted(readme, row, "README.md")
+        _assert_quoted(page, row, "docs/performance.md")
     s = corpus["setting"]
     setting = (
         f"{s['inputs']:,} inputs of {s['source_ids']['min']}–{s['source_ids']['max']} ids, "
         f"lengths drawn like sentences', {s['new_tokens_per_input']} new tokens each, "
         f"{s['threads']} threads"
     )
-    _assert_quoted(" ".join(readme.split()), setting, "README.md")
+    _assert_quoted(" ".join(page.split()), setting, "docs/performance.md")
     target = corpus["precisions"]["float32"]["targets"]["peak_rss"]
-    _assert_quoted(" ".join(readme.split()), f"within {target}× CTranslate2's", "README.md")
+    _assert_quoted(" ".join(page.split()), f"within {target}× CTranslate2's", "docs/performance.md")
 
 
 def test_readme_float32_beam_ceiling_is_the_corpus_benchmarks() -> None:
-    readme = " ".join((REPO / "README.md").read_text(encoding="utf-8").split())
+    page = " ".join(PERFORMANCE.read_text(encoding="utf-8").split())
     beam = _load("corpus")["float32_ceiling"]["cases"]["beam4"]
     quoted = (
         f"at least {beam['work_gflop'] / 1000:.1f} TFLOP on this corpus; CTranslate2 runs them at "
         f"{beam['shares']['ctranslate2']:.0%} of this machine's rate"
     )
-    _assert_quoted(readme, quoted, "README.md")
-    _assert_quoted(readme, f"would need {beam['target_needs']:.0%}", "README.md")
+    _assert_quoted(page, quoted, "docs/performance.md")
+    _assert_quoted(page, f"would need {beam['target_needs']:.0%}", "docs/performance.md")
 
 
 ENDS_ROWS = (
@@ -237,7 +240,7 @@ ENDS_ROWS = (
 
 
 def corpus_ends_readme_rows(precisions: dict) -> list[str]:
-    """The README's table of the corpus whose outputs end at different lengths."""
+    """The performance page's table of the corpus whose outputs end at different lengths."""
     return [
         f"| {label} | "
         + " | ".join(f"{precisions[c][case][key]:.2f}×" for c in CORPUS_COLUMNS)
@@ -247,23 +250,23 @@ def corpus_ends_readme_rows(precisions: dict) -> list[str]:
 
 
 def test_readme_corpus_ends_ratios_are_the_corpus_ends_benchmark() -> None:
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    page = PERFORMANCE.read_text(encoding="utf-8")
     ends = _load("corpus_ends")
     for row in corpus_ends_readme_rows(ends["precisions"]):
-        _assert_quoted(readme, row, "README.md")
+        _assert_quoted(page, row, "docs/performance.md")
     s = ends["setting"]
     setting = f"{s['min_new_tokens']} to {s['max_new_tokens']} new tokens"
-    _assert_quoted(" ".join(readme.split()), setting, "README.md")
+    _assert_quoted(" ".join(page.split()), setting, "docs/performance.md")
     target = _load("corpus")["precisions"]["float32"]["targets"]["peak_rss"]
     sentence = corpus_ends_memory_sentence(ends["precisions"], target)
-    _assert_quoted(" ".join(readme.split()), sentence, "README.md")
+    _assert_quoted(" ".join(page.split()), sentence, "docs/performance.md")
 
 
 CASE_NAMES = {"greedy": "greedy", "beam4": "beam 4"}
 
 
 def corpus_ends_memory_sentence(precisions: dict, target: float) -> str:
-    """The README's account of peak memory on the ends corpus: at each side's fastest batching,
+    """The performance page's account of peak memory on the ends corpus: at each side's fastest batching,
     within the corpus benchmark's memory target or not, and where not, our fastest batching
     that stays within it."""
     over = []

@@ -73,9 +73,9 @@ def build_site(
         tokenizer: the folder holding ``tokenizer.json`` (and ``tokenizer_config.json``); default
             the source folder, or the model file's folder.
         examples: sentences the page's text box starts with.
-        language, task: Whisper: the decoder prompt's language (``"en"``) and task
-            (``"transcribe"``, ``"translate"``), as ``generate()`` takes them; a multilingual
-            model needs a language, since the graph does not detect it.
+        language: Whisper: the decoder prompt's language (``"en"``), as ``generate()`` takes
+            it; a multilingual model needs one, since the graph does not detect it.
+        task: Whisper: ``"transcribe"`` or ``"translate"``, as ``generate()`` takes it.
         overwrite: replace an existing, non-empty output folder.
         progress: called with the name of each step as it starts.
         dtype: which files of a folder with several dtypes (transformers.js's names), fp32 by

@@ -33,6 +33,8 @@ PUBLIC_MODULES = (
     "onnxmerge.generator.audio",
     "onnxmerge.web",
     "onnxmerge.batch",
+    "onnxmerge.serve",
+    "onnxmerge.translate",
     "onnxmerge.contract",
     "onnxmerge.inspection",
     "onnxmerge.settings",

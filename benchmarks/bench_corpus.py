@@ -240,14 +240,17 @@ class _Ours:
         keep_rows: bool,
     ):
         import onnxmerge
-        from onnxmerge.runtime import _model
+        from onnxmerge.runtime import Accelerations
         from onnxmerge.runtime._ort import shared_pool_threads
 
-        _model.DROP_FINISHED = not keep_rows  # kept: to the batch's end, as transformers runs
         self.parallel = parallel
         self.new_tokens = new_tokens
         self.model = onnxmerge.Seq2SeqModel(
-            path, threads=shared_pool_threads(parallel, threads), session_cache=session_cache
+            path,
+            threads=shared_pool_threads(parallel, threads),
+            session_cache=session_cache,
+            # kept: to the batch's end, as transformers runs
+            accelerations=Accelerations(drop_finished=not keep_rows),
         )
 
     def run(self, inputs, beams: int, batch_type: str, size: int) -> list[list[int]]:

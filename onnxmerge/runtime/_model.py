@@ -16,6 +16,7 @@ from onnxmerge.errors import GenerationError
 from onnxmerge.runtime import _corpus as corpus
 from onnxmerge.runtime import _memory as memory
 from onnxmerge.runtime import _ort as ort
+from onnxmerge.runtime._accelerations import Accelerations, FloatHeadBackoff
 from onnxmerge.runtime._greedy_head import GreedyHead, LogitBounds
 from onnxmerge.runtime._search import GreedyRunner, beam_search, greedy_or_sample
 from onnxmerge.runtime._session import Cache, MergedSession, StepOutput
@@ -30,9 +31,10 @@ from onnxmerge.settings import (
 
 logger = logging.getLogger(__name__)
 
-# Rows whose search ended leave their batch (docs/runtime.md); False runs them to the batch's
-# end, as transformers does, for comparisons.
-DROP_FINISHED = True
+
+# A batch of generate_many: its window's size (or 0), its inputs' places in the window, its
+# encoder inputs and each input's own ids.
+_Job = tuple[int, list[int], dict[str, np.ndarray], list[np.ndarray] | None]
 
 
 class _Steps:
@@ -54,6 +56,10 @@ class _Steps:
         self._cache: Cache | None = None
         self._presents: _PresentBuffers | None = None
 
+    @property
+    def accelerations(self) -> Accelerations:
+        return self.session.accelerations
+
     def _check_stop(self) -> None:
         """End the search between steps once ``generate_many``'s caller has left."""
         if self.stop is not None and self.stop.is_set():
@@ -69,9 +75,9 @@ class _Steps:
         self._check_stop()
         out = self.session.first_step(self.encoder_inputs, self.prompt)
         self._cache = out.cache
-        if self.session.writes_into:
+        if self.session.writes_into and self.accelerations.present_buffers:
             vocab = out.logits.shape[-1]
-            ring = self.session.pasts_die_by_layer
+            ring = self.accelerations.present_ring and self.session.pasts_die_by_layer
             self._presents = _PresentBuffers(self.max_length, vocab, out.logits.dtype, ring=ring)
         return out.logits[:, -1, :]
 
@@ -177,16 +183,9 @@ class _GreedyHeadRunner(_Steps):
     (``GreedyRunner``): full logits only where the session gave no hidden state.
 
     Where the bounds leave many tokens to take in float (flat logits, as random weights give),
-    a step costs more than the float head's; the next steps run the float head, more of them
-    each time it happens again (the count is the head's, which later searches start from), and
-    then the int8 head once more to see.
+    a step costs more than the float head's; the next steps run the float head, as this
+    search's ``FloatHeadBackoff`` says.
     """
-
-    # Of a step's logits, the share taken in float beyond which the int8 head ran slower than
-    # the float head: a logit from a gathered row costs about what 100 of a product do, and the
-    # int8 head saves about half the float head's time (opus-mt-fr-en shape).
-    CHEAPER_BELOW = 1 / 256
-    MOST_FLOAT_STEPS = 32
 
     def __init__(
         self,
@@ -201,22 +200,18 @@ class _GreedyHeadRunner(_Steps):
         self.head = head
         self.workspace = memory.Workspace()
         self._screened: LogitBounds | None = None
-        self._float_steps_left = head.float_steps
+        self.backoff = FloatHeadBackoff(self.accelerations)  # this search's own
 
     def advance(self, tokens: np.ndarray) -> np.ndarray | LogitBounds:
         head, last, self._screened = self.head, self._screened, None
-        if last is not None:
-            if last.float_share > self.CHEAPER_BELOW:
-                head.float_steps = min(max(2 * head.float_steps, 4), self.MOST_FLOAT_STEPS)
-                self._float_steps_left = head.float_steps
-                head.drop_pages()  # the many rows it read
-            else:
-                head.float_steps = 0
-        greedy = self._float_steps_left == 0
-        self._float_steps_left = max(self._float_steps_left - 1, 0)
-        out = self._next(tokens, greedy=greedy)
+        share = None if last is None else last.float_share
+        if share is not None and self.backoff.costly(share):
+            head.drop_pages()  # the many rows it read
+        out = self._next(tokens, greedy=self.backoff.next_is_screened(share))
         if out.hidden is not None:
-            self._screened = head.bounds(out.logits[:, -1, :], out.hidden, self.workspace)
+            self._screened = head.bounds(
+                out.logits[:, -1, :], out.hidden, self.workspace, self.accelerations
+            )
             return self._screened
         return out.logits[:, -1, :]
 
@@ -233,10 +228,15 @@ class Seq2SeqModel:
             that later loads skip the graph optimizations (``docs/runtime.md``); default: none.
         threads: onnxruntime's intra-op threads (default: every core), with the default
             session options; with your own, set their ``intra_op_num_threads`` instead.
+        accelerations: what the runtime does beyond the plain search, with its thresholds
+            (:class:`onnxmerge.runtime.Accelerations`; default: all on, ``docs/runtime.md``);
+            ``Accelerations.off()`` runs the plain search. Tokens are the same either way.
 
     Raises:
         InvalidMergedModelError: the file is not a merged seq2seq model.
-        GenerationError: ``threads`` is not a positive integer, or comes with session options.
+        GenerationError: ``threads`` is not a positive integer, or comes with session options
+            (an ``InvalidArgumentError``, raised before the file is read).
+        InvalidArgumentError: ``accelerations`` is not an ``Accelerations``.
     """
 
     def __init__(
@@ -247,6 +247,7 @@ class Seq2SeqModel:
         session_options: Any | None = None,
         session_cache: str | os.PathLike | None = None,
         threads: int | None = None,
+        accelerations: Accelerations | None = None,
     ):
         self._adopt(
             MergedSession(
@@ -255,14 +256,15 @@ class Seq2SeqModel:
                 session_options=session_options,
                 session_cache=session_cache,
                 threads=threads,
+                accelerations=accelerations,
             )
         )
 
     @classmethod
     def _on(cls, session: MergedSession) -> Seq2SeqModel:
         """A model over an opened session: the benchmarks run OpenVINO through it
-        (``MergedSession(path, backend="openvino")``), which is measured slower and heavier than
-        onnxruntime and therefore not offered (docs/runtimes.md)."""
+        (``benchmarks/_openvino_backend.py``), which is measured slower and heavier than
+        onnxruntime and therefore not offered (docs/runtime.md, "Accelerations")."""
         model = cls.__new__(cls)
         model._adopt(session)
         return model
@@ -283,8 +285,19 @@ class Seq2SeqModel:
         return self._session.session
 
     @property
+    def accelerations(self) -> Accelerations:
+        """What this model runs beyond the plain search (given when it was opened)."""
+        return self._session.accelerations
+
+    @property
     def encoder_input_names(self) -> tuple[str, ...]:
         return tuple(self._session.encoder_input_names)
+
+    @property
+    def main_input(self) -> str:
+        """The encoder input a bare array is (``input_ids``, ``input_features``,
+        ``pixel_values``): the first that is not the attention mask."""
+        return next(n for n in self.encoder_input_names if n != c.ATTENTION_MASK)
 
     @property
     def num_layers(self) -> int:
@@ -318,8 +331,27 @@ class Seq2SeqModel:
     # -- inputs ---------------------------------------------------------------------------------
 
     def _main_input(self) -> str:
-        """The encoder input a bare array is: the first that is not the attention mask."""
-        return next(n for n in self.encoder_input_names if n != c.ATTENTION_MASK)
+        """``main_input``, as the command line asked for it before it was public."""
+        return self.main_input
+
+    def _given_inputs(
+        self, encoder_inputs: Mapping[str, Any] | np.ndarray | None, named: dict[str, Any]
+    ) -> dict[str, Any]:
+        """``generate()``'s encoder inputs, given as one mapping, a bare main input or by
+        name, in one mapping."""
+        if isinstance(encoder_inputs, Mapping) or encoder_inputs is None:
+            given = dict(encoder_inputs or {})
+        else:
+            given = {self.main_input: encoder_inputs}
+        overlap = set(given) & set(named)
+        if overlap:
+            raise GenerationError(f"inputs {sorted(overlap)} passed twice")
+        given.update(named)
+        if not given:
+            raise GenerationError(
+                f"no encoder inputs given; this model takes {list(self.encoder_input_names)}"
+            )
+        return given
 
     def _check_encoder_inputs(self, given: Mapping[str, Any]) -> dict[str, np.ndarray]:
         names = self.encoder_input_names
@@ -430,15 +462,7 @@ class Seq2SeqModel:
             raise GenerationError(
                 f"decoder_input_ids must be a numpy array, got {type(decoder_input_ids).__name__}"
             )
-        ids = _cast(c.DECODER_INPUT_IDS, decoder_input_ids, np.int64, 2)
-        if ids.shape[0] != batch:
-            raise GenerationError(
-                f"decoder_input_ids has {ids.shape[0]} rows but the encoder inputs have {batch}"
-            )
-        if ids.shape[1] == 0:
-            raise GenerationError(
-                "decoder_input_ids is empty; omit it to start from the start token"
-            )
+        ids = _decoder_ids(decoder_input_ids, batch)
         if self.model_type != "whisper" and bool((ids[:, 0] != start).all()):
             ids = np.concatenate([np.full((batch, 1), start, dtype=np.int64), ids], axis=1)
         return ids
@@ -488,19 +512,7 @@ class Seq2SeqModel:
         padded batch's rows without the padding); by default the ``input_ids`` given."""
         overrides = {k: v for k, v in keywords.items() if k in GENERATE_KEYWORDS}
         named_inputs = {k: v for k, v in keywords.items() if k not in GENERATE_KEYWORDS}
-        if isinstance(encoder_inputs, Mapping) or encoder_inputs is None:
-            given = dict(encoder_inputs or {})
-        else:
-            given = {self._main_input(): encoder_inputs}
-        overlap = set(given) & set(named_inputs)
-        if overlap:
-            raise GenerationError(f"inputs {sorted(overlap)} passed twice")
-        given.update(named_inputs)
-        if not given:
-            raise GenerationError(
-                f"no encoder inputs given; this model takes {list(self.encoder_input_names)}"
-            )
-        inputs = self._check_encoder_inputs(given)
+        inputs = self._check_encoder_inputs(self._given_inputs(encoder_inputs, named_inputs))
         batch = next(iter(inputs.values())).shape[0]
         # The prompt's length decides max_length; resolve the start token first.
         start = resolve_settings(self.config, self.generation_config, overrides, 1)
@@ -530,10 +542,12 @@ class Seq2SeqModel:
                 else _Runner(self._session, inputs, prompt, max_length, stop)
             )
             return greedy_or_sample(
-                runner, prompt, settings, processors, rng, drop_finished=DROP_FINISHED
+                runner, prompt, settings, processors, rng, accelerations=self.accelerations
             )
         runner = _Runner(self._session, inputs, prompt, settings.max_length, stop)
-        return beam_search(runner, prompt, settings, processors, rng, drop_finished=DROP_FINISHED)
+        return beam_search(
+            runner, prompt, settings, processors, rng, accelerations=self.accelerations
+        )
 
     def generate_many(
         self,
@@ -577,7 +591,8 @@ class Seq2SeqModel:
         if unknown:
             raise GenerationError(
                 f"generate_many() takes generate()'s settings, not {unknown}: give encoder "
-                "inputs as the items of `inputs`; a decoder prompt per input is not supported"
+                "inputs as the items of `inputs`; a decoder prompt per input is not supported",
+                argument=unknown[0],
             )
         settings = self.resolve_settings(
             **{k: v for k, v in generate_kwargs.items() if k in GENERATE_KEYWORDS}
@@ -599,47 +614,18 @@ class Seq2SeqModel:
     ) -> Generator[np.ndarray, None, None]:
         """``generate_many`` once its options are checked: a generator, so nothing runs until
         the first result is asked for."""
-        pad = settings.pad_token_id if settings.pad_token_id is not None else 0
-        main = self._main_input()
         examples = (self._one_example(index, item, settings) for index, item in enumerate(inputs))
-
-        Job = tuple[int, list[int], dict[str, np.ndarray], list[np.ndarray] | None]
-
-        def batches() -> Iterator[Job]:
-            """Each batch as (its window's size, or 0 before the window's last, its inputs'
-            places in the window, its encoder inputs, each input's own ids for the
-            encoder-side processors, which would count the padding as tokens)."""
-            for window in corpus.windows(
-                examples, lambda ex: ex[main].shape[-1], max_batch_size, batch_type
-            ):
-                lengths = [ex[main].shape[-1] for ex in window]
-                keys = [self._batch_key(ex) for ex in window]
-                cut = corpus.cut_batches(
-                    lengths, keys, max_batch_size, batch_type, parallel_batches
-                )
-                for number, batch in enumerate(cut):
-                    rows = [window[i] for i in batch]
-                    fed = {
-                        name: corpus.pad_right(
-                            [r[name] for r in rows], 0 if name == c.ATTENTION_MASK else pad
-                        )
-                        if self._paddable(name)
-                        else np.concatenate([r[name] for r in rows])
-                        for name in rows[0]
-                    }
-                    own_ids = [r["input_ids"][0] for r in rows] if "input_ids" in fed else None
-                    yield (len(window) if number == len(cut) - 1 else 0), batch, fed, own_ids
-
+        jobs_in = self._batches(examples, settings, max_batch_size, batch_type, parallel_batches)
         stop = threading.Event()
         seed = generate_kwargs.get("seed")
         keywords = {k: v for k, v in generate_kwargs.items() if k != "seed"}
 
-        def run(job: Job) -> tuple[int, list[int], np.ndarray]:
+        def run(job: _Job) -> tuple[int, list[int], np.ndarray]:
             window_size, batch, fed, own_ids = job
             return window_size, batch, self._generate(fed, None, seed, keywords, stop, own_ids)
 
         results: dict[int, np.ndarray] = {}
-        jobs = corpus.ordered_map(run, batches(), parallel_batches, stop)
+        jobs = corpus.ordered_map(run, jobs_in, parallel_batches, stop)
         try:
             for window_size, batch, out in jobs:
                 per_input = out.shape[0] // len(batch)
@@ -651,6 +637,38 @@ class Seq2SeqModel:
                     yield from (results.pop(i) for i in range(window_size))
         finally:  # leaving early stops the batches running now, not when jobs is collected
             jobs.close()
+
+    def _batches(
+        self,
+        examples: Iterator[dict[str, np.ndarray]],
+        settings: GenerationSettings,
+        max_batch_size: int,
+        batch_type: str,
+        parallel_batches: int,
+    ) -> Iterator[_Job]:
+        """Each batch as (its window's size, or 0 before the window's last, its inputs' places
+        in the window, its encoder inputs, each input's own ids for the encoder-side
+        processors, which would count the padding as tokens)."""
+        pad = settings.pad_token_id if settings.pad_token_id is not None else 0
+        main = self.main_input
+        for window in corpus.windows(
+            examples, lambda ex: ex[main].shape[-1], max_batch_size, batch_type
+        ):
+            lengths = [ex[main].shape[-1] for ex in window]
+            keys = [self._batch_key(ex) for ex in window]
+            cut = corpus.cut_batches(lengths, keys, max_batch_size, batch_type, parallel_batches)
+            for number, batch in enumerate(cut):
+                rows = [window[i] for i in batch]
+                fed = {
+                    name: corpus.pad_right(
+                        [r[name] for r in rows], 0 if name == c.ATTENTION_MASK else pad
+                    )
+                    if self._paddable(name)
+                    else np.concatenate([r[name] for r in rows])
+                    for name in rows[0]
+                }
+                own_ids = [r["input_ids"][0] for r in rows] if "input_ids" in fed else None
+                yield (len(window) if number == len(cut) - 1 else 0), batch, fed, own_ids
 
     def _warn_unless_threads_divided(self, parallel_batches: int) -> None:
         """Batches at once with more threads than cores run slower than one batch at a time
@@ -702,7 +720,7 @@ class Seq2SeqModel:
                     f"got text ({type(item).__name__}); tokenize it first, or call translate()"
                 )
             else:
-                given = {self._main_input(): item}
+                given = {self.main_input: item}
             batched = {}
             for name, value in given.items():
                 spec = self._session.inputs.get(name)
@@ -736,13 +754,7 @@ class Seq2SeqModel:
         """Run encoder and decoder on a prompt; ``logits`` is ``[rows, prompt_len, vocab]``."""
         inputs = self._check_encoder_inputs(dict(encoder_inputs))
         batch = next(iter(inputs.values())).shape[0]
-        ids = _cast(c.DECODER_INPUT_IDS, np.asarray(decoder_input_ids), np.int64, 2)
-        if ids.shape[0] != batch:
-            raise GenerationError(
-                f"decoder_input_ids has {ids.shape[0]} rows but the encoder inputs have {batch}"
-            )
-        if ids.shape[1] == 0:
-            raise GenerationError("decoder_input_ids is empty; start with the decoder start token")
+        ids = _decoder_ids(np.asarray(decoder_input_ids), batch)
         if self._session.has_attention_mask and c.ATTENTION_MASK not in inputs:
             first = next(iter(inputs.values()))
             inputs[c.ATTENTION_MASK] = np.ones(first.shape[:2], dtype=np.int64)
@@ -807,6 +819,22 @@ def _generate_signature() -> inspect.Signature:
 
 
 Seq2SeqModel.generate.__signature__ = _generate_signature()  # type: ignore[attr-defined]
+
+
+def _decoder_ids(value: np.ndarray, batch: int) -> np.ndarray:
+    """``decoder_input_ids`` as int64 ``[batch, length]``; refuses another kind of number, rank
+    or row count, and a prompt without a token."""
+    ids = _cast(c.DECODER_INPUT_IDS, value, np.int64, 2)
+    if ids.shape[0] != batch:
+        raise GenerationError(
+            f"decoder_input_ids has {ids.shape[0]} rows but the encoder inputs have {batch}"
+        )
+    if ids.shape[1] == 0:
+        raise GenerationError(
+            "decoder_input_ids is empty; give at least the decoder start token (generate() "
+            "starts from it where no decoder_input_ids is given)"
+        )
+    return ids
 
 
 def _cast(name: str, value: np.ndarray, dtype: type, rank: int) -> np.ndarray:

@@ -339,14 +339,16 @@ def test_first_step_takes_beam_zeros_columns_with_the_full_answer(masked):
 
 
 def test_beam_reorders_move_only_the_rows_that_change_in_the_runners_own_cache():
-    from onnxmerge.runtime._model import _Steps
+    from onnxmerge.runtime._runners import SessionSteps
     from onnxmerge.runtime._session import Cache
 
     rng = np.random.default_rng(3)
     decoder = tuple(rng.standard_normal((6, 2, 3, 4)).astype(np.float32) for _ in range(2))
     encoder = (rng.standard_normal((6, 2, 5, 4)).astype(np.float32),)
     expected = [t.copy() for t in decoder]
-    steps = _Steps(session=None, encoder_inputs={}, prompt=np.zeros((6, 1), np.int64), max_length=8)
+    steps = SessionSteps(
+        session=None, encoder_inputs={}, prompt=np.zeros((6, 1), np.int64), max_length=8
+    )
     steps._cache = Cache(attention_mask=None, decoder=decoder, encoder=encoder)
     for rows in ([1, 0, 2, 2, 5, 4], [0, 0, 0, 3, 3, 3], [2, 0, 1, 3, 4, 5]):  # cycles, copies
         rows = np.array(rows)
@@ -379,7 +381,7 @@ def test_beam_reorders_move_only_the_rows_that_change_in_the_runners_own_cache()
 def test_rows_that_stay_move_to_the_front_of_the_runners_own_cache(per_input):
     # A dropped row's copy of the cache would be a second cache while the first goes (and
     # onnxruntime's arena keeps the first step's).
-    from onnxmerge.runtime._model import _Steps
+    from onnxmerge.runtime._runners import SessionSteps
     from onnxmerge.runtime._session import Cache
 
     rng = np.random.default_rng(4)
@@ -392,7 +394,7 @@ def test_rows_that_stay_move_to_the_front_of_the_runners_own_cache(per_input):
     for rows in ([0, 1, 4, 5, 6, 7], [1, 0, 7, 6], [2, 3]):
         rows = np.array(rows)
         expected = cache.reorder(rows)
-        steps = _Steps(
+        steps = SessionSteps(
             session=None, encoder_inputs={}, prompt=np.zeros((8, 1), np.int64), max_length=8
         )
         steps._cache = Cache(
@@ -427,10 +429,10 @@ def _overlap(a: np.ndarray, b: np.ndarray) -> bool:
 
 @pytest.mark.parametrize("ring", [False, True])
 def test_present_buffers_never_hold_a_past_that_the_step_reads_after_writing(ring):
-    from onnxmerge.runtime._model import _PresentBuffers
+    from onnxmerge.runtime._runners import PresentBuffers
 
     layers, rows = 3, 2
-    buffers = _PresentBuffers(6, vocab=5, logits_dtype=np.float32, ring=ring)
+    buffers = PresentBuffers(6, vocab=5, logits_dtype=np.float32, ring=ring)
     past = [np.zeros((rows, 2, 1, 4), np.float32) for _ in range(2 * layers)]
     for _ in range(5):
         presents = buffers.next(past)
@@ -447,9 +449,9 @@ def test_present_buffers_never_hold_a_past_that_the_step_reads_after_writing(rin
 
 
 def test_present_buffers_give_the_logits_one_array_every_step():
-    from onnxmerge.runtime._model import _PresentBuffers
+    from onnxmerge.runtime._runners import PresentBuffers
 
-    buffers = _PresentBuffers(6, vocab=5, logits_dtype=np.float32)
+    buffers = PresentBuffers(6, vocab=5, logits_dtype=np.float32)
     first = buffers.logits(3, flat=False)
     assert first.shape == (3, 1, 5) and buffers.logits(3, flat=True).shape == (3, 5)
     assert _overlap(buffers.logits(3, flat=False), first)
@@ -468,9 +470,9 @@ def _vm_flags(array: np.ndarray) -> list[str]:
 def test_present_buffers_ask_for_no_huge_pages_and_the_logits_do():
     # A present buffer faults in a few pages at every step; asked for huge pages, each fault
     # could compact memory first: tens of milliseconds more a step at a few hundred rows.
-    from onnxmerge.runtime._model import _PresentBuffers
+    from onnxmerge.runtime._runners import PresentBuffers
 
-    buffers = _PresentBuffers(64, vocab=1 << 20, logits_dtype=np.float32)
+    buffers = PresentBuffers(64, vocab=1 << 20, logits_dtype=np.float32)
     presents = buffers.next([np.zeros((64, 8, 1, 64), np.float32) for _ in range(2)])
     assert all("hg" not in _vm_flags(p) for p in presents)
     assert "hg" in _vm_flags(buffers.logits(4, flat=True))  # written once, read over and over

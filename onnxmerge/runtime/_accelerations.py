@@ -37,6 +37,9 @@ class Accelerations:
         greedy_cheaper_below: a step that took more than this share of its logits in float
             ran slower than the float head (the int8 head saves about half of it), and sends
             the next steps to the float head (same measurement).
+        greedy_rows_at_once: float logits are computed from this many of the head's rows at a
+            time, gathered or in place, so that what a step reads stays within 16 MB at the
+            opus-mt-fr-en shape's width (and its pages are dropped again part by part).
         greedy_first_float_steps: how many steps go to the float head after the first costly
             int8 step; each costly int8 step after that doubles it.
         greedy_most_float_steps: the most steps the float head then runs before the int8 head
@@ -63,6 +66,7 @@ class Accelerations:
     greedy_most_of_row: float = 0.25
     greedy_most_of_step: float = 1 / 128
     greedy_cheaper_below: float = 1 / 256
+    greedy_rows_at_once: int = 8192
     greedy_first_float_steps: int = 4
     greedy_most_float_steps: int = 32
     drop_finished: bool = True

@@ -27,8 +27,6 @@ logger = logging.getLogger(__name__)
 FLAG = "onnxmerge.greedy_head"
 HIDDEN = "onnxmerge.greedy_head.hidden"
 TABLES = "greedy_head.npz"
-# Float logits of this many tokens at a time: the rows they read, gathered, stay within 16 MB.
-_GATHERED = 8192
 # float32 sums here round too: every bound is taken this much wider.
 _RAISE = 1 + 2.0**-10
 
@@ -268,8 +266,9 @@ class LogitBounds:
         exact = np.empty(token_of.size, np.float32)
         hidden_size = head.weight.shape[1]
         space = self.workspace
-        for start in range(0, token_of.size, _GATHERED):
-            part = slice(start, start + _GATHERED)
+        chunk = self.accelerations.greedy_rows_at_once
+        for start in range(0, token_of.size, chunk):
+            part = slice(start, start + chunk)
             count = token_of[part].size
             rows_read = space.array("gathered_rows", (count, hidden_size), np.float32)
             inputs = space.array("gathered_inputs", (count, hidden_size), np.float32)
@@ -286,8 +285,9 @@ class LogitBounds:
         head, rows = self.head, np.flatnonzero(whole)
         if rows.size:  # one pass over the weight for all of them, a part resident at a time
             inputs = self.hidden[rows]
-            for start in range(0, head.weight.shape[0], _GATHERED):
-                part = slice(start, start + _GATHERED)
+            chunk = self.accelerations.greedy_rows_at_once
+            for start in range(0, head.weight.shape[0], chunk):
+                part = slice(start, start + chunk)
                 logits[rows, part] = inputs @ head.weight[part].T
                 head.drop_pages(part)
         if head.bias is not None:

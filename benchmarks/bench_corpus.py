@@ -241,13 +241,16 @@ class _Ours:
     ):
         import onnxmerge
         from onnxmerge._ort import shared_pool_threads
-        from onnxmerge.runtime import _model
+        from onnxmerge.runtime import Accelerations
 
-        _model.DROP_FINISHED = not keep_rows  # kept: to the batch's end, as transformers runs
         self.parallel = parallel
         self.new_tokens = new_tokens
         self.model = onnxmerge.Seq2SeqModel(
-            path, threads=shared_pool_threads(parallel, threads), session_cache=session_cache
+            path,
+            threads=shared_pool_threads(parallel, threads),
+            session_cache=session_cache,
+            # kept: to the batch's end, as transformers runs
+            accelerations=Accelerations(drop_finished=not keep_rows),
         )
 
     def run(self, inputs, beams: int, batch_type: str, size: int) -> list[list[int]]:

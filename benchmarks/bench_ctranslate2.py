@@ -21,8 +21,8 @@ reference for onnxruntime's int8 kernels; and the plain float32 and int8 files o
 session cache whose entry was written before the timed runs (``float32 session cache``,
 ``int8 session cache``), what every load after the first costs; ``weights="int4"`` of the
 plain file (``int4``), held against CTranslate2's int8; and the plain float32 and int8
-files with their steps run by OpenVINO's CPU plug-in (``MergedSession(path,
-backend="openvino")`` under ``Seq2SeqModel``'s search, float32 arithmetic; ``float32
+files with their steps run by OpenVINO's CPU plug-in (``benchmarks/_openvino_backend.py``
+under ``Seq2SeqModel``'s search, float32 arithmetic; ``float32
 openvino``, ``int8 openvino``), each also against onnxruntime on the same file
 (``vs_onnxruntime``), when the openvino package is installed.
 
@@ -330,11 +330,9 @@ def worker_ours(
     if backend == "onnxruntime":
         model = onnxmerge.Seq2SeqModel(path, session_options=options, session_cache=session_cache)
     else:  # the same search on another runtime's steps
-        from onnxmerge.runtime._session import MergedSession
+        from benchmarks._openvino_backend import openvino_model
 
-        model = onnxmerge.Seq2SeqModel._on(
-            MergedSession(path, session_options=options, backend=backend)
-        )
+        model = openvino_model(path, threads)
     load_s = time.perf_counter() - start
     import_s = imported - start
     rss = _common.self_rss_bytes()["rss_bytes"]

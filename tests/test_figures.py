@@ -1,4 +1,5 @@
-"""Figures quoted in docs/performance.md, docs/architecture.md and the demo's note are the benchmarks' own.
+"""Figures quoted in docs/performance.md, docs/architecture.md and the demo's note are the
+benchmarks' own.
 
 They are written from benchmarks/out/*.json (what `python benchmarks/run_all.py` produces); after a
 benchmark run changes them, update the prose to the values these tests print.
@@ -69,7 +70,9 @@ def test_readme_sizes_and_merge_cost_are_the_merge_benchmark() -> None:
     ratios = [v["merge_time_memory"]["ratios_ours_over_optimum"] for v in variants.values()]
     time = _span([r["call_s"] for r in ratios], 1)
     memory = _span([r["peak_rss_bytes"] for r in ratios])
-    _assert_quoted(page, f"takes {time}× the time and {memory}× the peak memory", "docs/performance.md")
+    _assert_quoted(
+        page, f"takes {time}× the time and {memory}× the peak memory", "docs/performance.md"
+    )
 
 
 def test_readme_generation_ratios_are_the_generate_benchmark() -> None:
@@ -187,7 +190,8 @@ CORPUS_ROWS = (("greedy tokens/s", "greedy"), ("beam-4 tokens/s", "beam4"))
 
 
 def corpus_readme_rows(precisions: dict) -> list[str]:
-    """The performance page's corpus table, row by row: fastest against fastest, then ours within the
+    """The performance page's corpus table, row by row: fastest against fastest, then ours within
+    the
     memory target (with the batching that got there)."""
 
     def within(case: str, precision: str) -> str:
@@ -266,7 +270,8 @@ CASE_NAMES = {"greedy": "greedy", "beam4": "beam 4"}
 
 
 def corpus_ends_memory_sentence(precisions: dict, target: float) -> str:
-    """The performance page's account of peak memory on the ends corpus: at each side's fastest batching,
+    """The performance page's account of peak memory on the ends corpus: at each side's fastest
+    batching,
     within the corpus benchmark's memory target or not, and where not, our fastest batching
     that stays within it."""
     over = []

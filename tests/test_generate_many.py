@@ -307,27 +307,44 @@ def test_batches_at_once_yield_the_windows_before_a_bad_input(one_thread_model):
 
 @pytest.mark.parametrize("beams", [1, 3], ids=["greedy", "beam3"])
 def test_rows_that_ended_leave_the_batch_and_the_tokens_stay(model, monkeypatch, beams):  # noqa: F811
-    from onnxmerge.runtime import _model
+    from onnxmerge.runtime import Accelerations, Seq2SeqModel
 
-    session = model._session
-    step = session.next_step
-    rows: list[int] = []
+    keeping = Seq2SeqModel(model.path, accelerations=Accelerations(drop_finished=False))
+    rows: dict[str, list[int]] = {"dropping": [], "keeping": []}
+    for name, runtime in (("dropping", model), ("keeping", keeping)):
+        session, noted = runtime._session, rows[name]
 
-    def noted(tokens, cache, *args, **kwargs):
-        rows.append(len(tokens))
-        return step(tokens, cache, *args, **kwargs)
+        def noting(tokens, cache, *args, step=session.next_step, noted=noted, **kwargs):
+            noted.append(len(tokens))
+            return step(tokens, cache, *args, **kwargs)
 
-    monkeypatch.setattr(session, "next_step", noted)
+        monkeypatch.setattr(session, "next_step", noting)
     batch = corpus.pad_right([np.asarray(s)[None] for s in sources(16, seed=4)], PAD)
     settings = {"max_new_tokens": 12, "num_beams": beams}
-    dropped = model.generate(batch, attention_mask=(batch != PAD).astype(np.int64), **settings)
-    shrinking = list(rows)
-    monkeypatch.setattr(_model, "DROP_FINISHED", False)
-    rows.clear()
-    kept = model.generate(batch, attention_mask=(batch != PAD).astype(np.int64), **settings)
+    mask = (batch != PAD).astype(np.int64)
+    dropped = model.generate(batch, attention_mask=mask, **settings)
+    kept = keeping.generate(batch, attention_mask=mask, **settings)
     np.testing.assert_array_equal(dropped, kept)
-    assert len(set(rows)) == 1 and rows[0] == 16 * beams
-    assert shrinking[-1] < rows[0] and sum(shrinking) < sum(rows[: len(shrinking)])
+    shrinking, full = rows["dropping"], rows["keeping"]
+    assert len(set(full)) == 1 and full[0] == 16 * beams
+    assert shrinking[-1] < full[0] and sum(shrinking) < sum(full[: len(shrinking)])
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{"max_new_tokens": MAX_NEW}, {"max_new_tokens": MAX_NEW, "num_beams": 3}],
+    ids=["greedy", "beam3"],
+)
+def test_generate_many_on_the_plain_runtime_gives_the_same_tokens(model, settings):  # noqa: F811
+    from onnxmerge.runtime import Accelerations, Seq2SeqModel
+
+    plain = Seq2SeqModel(model.path, accelerations=Accelerations.off())
+    inputs = sources(20, seed=6)
+    accelerated = list(model.generate_many(inputs, max_batch_size=4, **settings))
+    for one, other in zip(
+        plain.generate_many(inputs, max_batch_size=4, **settings), accelerated, strict=True
+    ):
+        np.testing.assert_array_equal(one, other)
 
 
 def test_leaving_batches_at_once_early_ends_the_running_batches_at_their_next_step(

@@ -23,6 +23,7 @@ from onnxmerge.errors import GenerationError  # noqa: E402
 from onnxmerge.model_io import load_model  # noqa: E402
 from onnxmerge.passes import NoMatch  # noqa: E402
 from onnxmerge.runtime import processors as p  # noqa: E402
+from onnxmerge.runtime._accelerations import Accelerations, FloatHeadBackoff  # noqa: E402
 from onnxmerge.runtime._greedy_head import TABLES, GreedyHead, LogitBounds  # noqa: E402
 from onnxmerge.runtime._greedy_source import (  # noqa: E402
     ROWS,
@@ -30,7 +31,6 @@ from onnxmerge.runtime._greedy_source import (  # noqa: E402
     find_head,
     row_tables,
 )
-from onnxmerge.runtime._model import _GreedyHeadRunner  # noqa: E402
 from onnxmerge.runtime.processors import (  # noqa: E402
     ForcedBOS,
     MinLength,
@@ -300,7 +300,7 @@ def test_greedy_search_with_an_untied_head_gives_the_float_heads_tokens(
     assert not isinstance(head, NoMatch) and head.columns, head
     assert len(head.products) == (2 if merged == "untied_format_2" else 1)
     plain = Seq2SeqModel(untied)
-    cached = Seq2SeqModel(untied, session_cache=tmp_path / "cache")
+    cached = Seq2SeqModel(untied, session_cache=tmp_path / "cache", accelerations=screen_every_step)
     assert cached._session.greedy_head is not None
     steps = []
     bounds = GreedyHead.bounds
@@ -312,63 +312,85 @@ def test_greedy_search_with_an_untied_head_gives_the_float_heads_tokens(
     assert len(np.unique(_generate(plain))) > 3
 
 
-def test_costly_bounds_send_the_next_steps_to_the_float_head(tied, tmp_path, monkeypatch):
-    # Each step that went through the bounds is costly or not, as scripted; the runner runs the
-    # float head for 4, then 8 steps after a costly one, and screens every step after a cheap one.
-    costly = iter([True, True, False] + [False] * 40)
-    candidates = LogitBounds._candidates
+def test_costly_steps_send_the_next_steps_to_the_float_head_4_then_8_steps():
+    # Two screened steps that cost more than the float head, then cheap ones: the float head
+    # runs 4, then 8 steps, and every step after a cheap one is screened.
+    backoff = FloatHeadBackoff(Accelerations())
+    shares = iter([1.0, 1.0] + [0.0] * 40)
+    screened, last = [], None
+    for step in range(19):
+        last = next(shares) if backoff.next_is_screened(last) else None
+        if last is not None:
+            screened.append(step)
+    assert screened == [0, 5, 14, 15, 16, 17, 18]
 
-    def scripted(self, *args):
-        found = candidates(self, *args)
-        self.float_share = 2 * _GreedyHeadRunner.CHEAPER_BELOW if next(costly) else 0.0
-        return found
 
-    monkeypatch.setattr(LogitBounds, "_candidates", scripted)
-    cached = Seq2SeqModel(tied, session_cache=tmp_path / "cache")
-    session = cached._session
-    through_bounds = []
+# The tiny model's logits are flat: a screened step takes some tokens in float, which with no
+# share cheap enough is costly; the float head then runs 2 steps, then 4 at most.
+BACKING_OFF = Accelerations(
+    greedy_cheaper_below=0.0, greedy_first_float_steps=2, greedy_most_float_steps=4
+)
+BACKED_OFF_STEPS = [0, 3, 8, 13, 18]  # of 19 cached steps: screened, 2 float, 4 float, ...
+
+
+def _screened_steps(model: Seq2SeqModel, monkeypatch) -> list[tuple[int, bool]]:
+    """(thread, whether screened) of each cached step the model runs from now on."""
+    import threading
+
+    seen: list[tuple[int, bool]] = []
+    session = model._session
     next_step = session.next_step
 
-    def recorded(*args, greedy=False, **kwargs):
-        through_bounds.append(greedy)
+    def noted(*args, greedy=False, **kwargs):
+        seen.append((threading.get_ident(), greedy))
         return next_step(*args, greedy=greedy, **kwargs)
 
-    monkeypatch.setattr(session, "next_step", recorded)
-    inputs = tm.sample_inputs(seed=5, batch=3)
-    tokens = cached.generate(
-        input_ids=inputs["input_ids"],
-        attention_mask=inputs["attention_mask"],
-        min_new_tokens=20,
-        max_new_tokens=20,
+    monkeypatch.setattr(session, "next_step", noted)
+    return seen
+
+
+def test_the_float_head_runs_as_the_settings_say_and_the_tokens_stay(tied, tmp_path, monkeypatch):
+    cached = Seq2SeqModel(tied, session_cache=tmp_path / "cache", accelerations=BACKING_OFF)
+    seen = _screened_steps(cached, monkeypatch)
+    plain = Seq2SeqModel(tied, accelerations=Accelerations.off())
+    twenty = {"min_new_tokens": 20, "max_new_tokens": 20}
+    expected = _generate(plain, **twenty)
+    np.testing.assert_array_equal(_generate(cached, **twenty), expected)
+    assert [i for i, (_, greedy) in enumerate(seen) if greedy] == BACKED_OFF_STEPS
+    # A later search starts afresh: what the first found was its own.
+    seen.clear()
+    np.testing.assert_array_equal(_generate(cached, **twenty), expected)
+    assert [i for i, (_, greedy) in enumerate(seen) if greedy] == BACKED_OFF_STEPS
+    screening = Seq2SeqModel(
+        tied, session_cache=tmp_path / "cache", accelerations=Accelerations(greedy_cheaper_below=1)
     )
-    assert [i for i, greedy in enumerate(through_bounds) if greedy] == [0, 5, 14, 15, 16, 17, 18]
-    plain = Seq2SeqModel(tied).generate(
-        input_ids=inputs["input_ids"],
-        attention_mask=inputs["attention_mask"],
-        min_new_tokens=20,
-        max_new_tokens=20,
+    seen = _screened_steps(screening, monkeypatch)
+    np.testing.assert_array_equal(_generate(screening, **twenty), expected)
+    assert all(greedy for _, greedy in seen) and len(seen) == 19
+
+
+def test_batches_at_once_each_keep_their_own_back_off(tied, tmp_path, monkeypatch):
+    cached = Seq2SeqModel(
+        tied, session_cache=tmp_path / "cache", threads=1, accelerations=BACKING_OFF
     )
-    np.testing.assert_array_equal(tokens, plain)
-    # A later search starts from what the earlier ones found: costly again, it runs the float
-    # head for 4 steps before it looks again, then 8.
-    costly = iter([True] * 40)
-    through_bounds.clear()
-    again = cached.generate(
-        input_ids=inputs["input_ids"],
-        attention_mask=inputs["attention_mask"],
-        min_new_tokens=20,
-        max_new_tokens=20,
-    )
-    assert [i for i, greedy in enumerate(through_bounds) if greedy] == [0, 5, 14]
-    np.testing.assert_array_equal(again, plain)
-    through_bounds.clear()
-    cached.generate(
-        input_ids=inputs["input_ids"],
-        attention_mask=inputs["attention_mask"],
-        max_new_tokens=20,
-        min_new_tokens=20,
-    )
-    assert [i for i, greedy in enumerate(through_bounds) if greedy] == [16]
+    sample = tm.sample_inputs(seed=6, batch=8)
+    pairs = zip(sample["input_ids"], sample["attention_mask"], strict=True)
+    inputs = [ids[mask == 1] for ids, mask in pairs]
+    twenty = {"min_new_tokens": 20, "max_new_tokens": 20, "max_batch_size": 2}
+    one_at_a_time = list(cached.generate_many(inputs, **twenty))
+    seen = _screened_steps(cached, monkeypatch)
+    at_once = list(cached.generate_many(inputs, parallel_batches=2, **twenty))
+    for one, other in zip(at_once, one_at_a_time, strict=True):
+        np.testing.assert_array_equal(one, other)
+    # Each thread ran whole searches one after another: 19 cached steps each, every one backing
+    # off from its own first step, whatever the other thread's search did meanwhile.
+    threads = {thread for thread, _ in seen}
+    assert len(seen) == 4 * 19 and len(threads) == 2
+    for thread in threads:
+        flags = [greedy for t, greedy in seen if t == thread]
+        for search in range(0, len(flags), 19):
+            steps = flags[search : search + 19]
+            assert [i for i, greedy in enumerate(steps) if greedy] == BACKED_OFF_STEPS
 
 
 def test_a_step_with_many_tokens_left_takes_one_product_over_all_rows():
@@ -421,8 +443,7 @@ def _generate(model: Seq2SeqModel, **settings) -> np.ndarray:
     return model.generate(
         input_ids=inputs["input_ids"],
         attention_mask=inputs["attention_mask"],
-        max_new_tokens=8,
-        **settings,
+        **{"max_new_tokens": 8, **settings},
     )
 
 
@@ -436,16 +457,17 @@ SETTINGS = [
 
 
 @pytest.fixture
-def screen_every_step(monkeypatch):
-    """The tiny models' logits are flat: the runner would soon turn to the float head."""
-    monkeypatch.setattr(_GreedyHeadRunner, "CHEAPER_BELOW", 1.0)
+def screen_every_step():
+    """The tiny models' logits are flat: the runner would soon turn to the float head, unless
+    no share of float logits counts as costly."""
+    return Accelerations(greedy_cheaper_below=1.0)
 
 
 def test_greedy_search_through_the_cache_entry_gives_the_float_heads_tokens(
     tied, tmp_path, monkeypatch, screen_every_step
 ):
     plain = Seq2SeqModel(tied)
-    cached = Seq2SeqModel(tied, session_cache=tmp_path / "cache")
+    cached = Seq2SeqModel(tied, session_cache=tmp_path / "cache", accelerations=screen_every_step)
     assert cached._session.greedy_head is not None
     (entry,) = (tmp_path / "cache").iterdir()
     assert (entry / TABLES).is_file() and not (entry / "source").exists()
@@ -608,3 +630,20 @@ def test_a_searchs_steps_work_in_the_same_arrays(processors, array):
         assert kept.any(axis=1).all()  # the step's own values: a new mapping reads as zeros
         addresses.add(kept.ctypes.data)
     assert len(addresses) == 1
+
+
+def test_switched_off_the_head_and_the_cache_leave_the_tokens(tied, tmp_path):
+    cache = tmp_path / "cache"
+    expected = _generate(Seq2SeqModel(tied, session_cache=cache))
+    float_head = Seq2SeqModel(
+        tied, session_cache=cache, accelerations=Accelerations(greedy_head=False)
+    )
+    assert float_head._session.greedy_head is None
+    assert float_head._session.opened.parent.parent == cache  # the entry, run without its head
+    np.testing.assert_array_equal(_generate(float_head), expected)
+    plain = Seq2SeqModel(tied, session_cache=cache, accelerations=Accelerations.off())
+    assert plain._session.opened == tied  # the cache is not used at all
+    for settings in SETTINGS:
+        np.testing.assert_array_equal(
+            _generate(plain, **settings), _generate(float_head, **settings)
+        )

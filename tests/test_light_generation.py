@@ -141,17 +141,31 @@ def model(export):
     return Seq2SeqModel(merge_seq2seq(folder, folder.parent / "merged" / "model.onnx"))
 
 
+@pytest.fixture(scope="module")
+def plain_model(model):
+    """The same file on the plain runtime: every acceleration off."""
+    from onnxmerge.runtime import Accelerations, Seq2SeqModel
+
+    return Seq2SeqModel(model.path, accelerations=Accelerations.off())
+
+
+@pytest.fixture(params=["accelerated", "plain"])
+def either_model(request, model, plain_model):
+    """The token tests run on both: the accelerations change no token."""
+    return model if request.param == "accelerated" else plain_model
+
+
 def _inputs(seed: int = 3, batch: int = 3) -> dict[str, np.ndarray]:
     sample = tm.sample_inputs(seed=seed, batch=batch)  # the last row is padded
     return {"input_ids": sample["input_ids"], "attention_mask": sample["attention_mask"]}
 
 
 @pytest.mark.parametrize("seed", [3, 4, 5])
-def test_greedy_matches_the_reference_loop(export, model, seed):
+def test_greedy_matches_the_reference_loop(export, either_model, seed):
     folder, eos = export
     inputs = _inputs(seed)
     expected = reference_greedy(folder, inputs, eos)
-    got = model.generate(inputs, max_new_tokens=MAX_NEW)
+    got = either_model.generate(inputs, max_new_tokens=MAX_NEW)
     np.testing.assert_array_equal(got, expected)
 
 
@@ -194,12 +208,66 @@ def test_a_padded_row_generates_what_it_generates_alone(export, model):
 
 
 @pytest.mark.parametrize("beams", [2, 3])
-def test_beam_search_matches_the_reference_loop(export, model, beams):
+def test_beam_search_matches_the_reference_loop(export, either_model, beams):
     folder, eos = export
     inputs = _inputs(6)
     expected = reference_beam(folder, inputs, eos, beams)
-    got = model.generate(inputs, max_new_tokens=MAX_NEW, num_beams=beams, suppress_tokens=[eos])
+    got = either_model.generate(
+        inputs, max_new_tokens=MAX_NEW, num_beams=beams, suppress_tokens=[eos]
+    )
     np.testing.assert_array_equal(got, expected)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {},
+        {"num_beams": 3, "num_return_sequences": 2},
+        {"do_sample": True, "top_k": 20, "seed": 7},
+        {"do_sample": True, "num_beams": 2, "seed": 7},
+        {"repetition_penalty": 1.5, "no_repeat_ngram_size": 2, "min_new_tokens": 4},
+    ],
+    ids=["greedy", "beam3", "sampling", "beam-sampling", "processors"],
+)
+def test_the_plain_runtime_gives_the_accelerated_tokens(model, plain_model, settings):
+    inputs = _inputs(4, batch=5)
+    np.testing.assert_array_equal(
+        plain_model.generate(inputs, max_new_tokens=MAX_NEW + 4, **settings),
+        model.generate(inputs, max_new_tokens=MAX_NEW + 4, **settings),
+    )
+
+
+def test_accelerations_are_checked_before_the_file_is_read(tmp_path):
+    from onnxmerge.errors import InvalidArgumentError
+    from onnxmerge.runtime import Accelerations, Seq2SeqModel
+
+    missing = tmp_path / "absent.onnx"  # never read: the arguments are refused first
+    with pytest.raises(InvalidArgumentError, match="must be an onnxmerge.runtime.Accelerations"):
+        Seq2SeqModel(missing, accelerations={"drop_finished": False})  # type: ignore[arg-type]
+    for bad, message in [
+        ({"drop_finished": 1}, "drop_finished must be True or False"),
+        ({"greedy_most_of_row": 1.5}, "greedy_most_of_row must be a share between 0 and 1"),
+        ({"topk_slabs": 0}, "topk_slabs must be a positive integer"),
+        ({"greedy_first_float_steps": 8, "greedy_most_float_steps": 4}, "must not exceed"),
+    ]:
+        with pytest.raises(InvalidArgumentError, match=message) as caught:
+            Accelerations(**bad)
+        assert caught.value.argument == "accelerations"
+    with pytest.raises(TypeError):
+        Accelerations(ring=False)  # type: ignore[call-arg]
+
+
+def test_accelerations_off_switches_every_switch_and_keeps_the_thresholds():
+    import dataclasses
+
+    from onnxmerge.runtime import Accelerations
+
+    off, on = Accelerations.off(), Accelerations()
+    for field in dataclasses.fields(Accelerations):
+        if field.type == "bool":
+            assert getattr(on, field.name) is True and getattr(off, field.name) is False
+        else:
+            assert getattr(off, field.name) == getattr(on, field.name)
 
 
 @pytest.mark.parametrize("search", ["greedy", "beam"])

@@ -121,6 +121,61 @@ def test_bad_decoder_input_ids(marian):
         model.generate(**inputs, decoder_input_ids=np.zeros((2, 1), dtype=np.float32))
 
 
+def test_decoder_input_ids_are_checked_alike_by_generate_and_the_step_api(marian):
+    model, inputs, _ = marian
+    for call in (
+        lambda ids: model.generate(**inputs, decoder_input_ids=ids, max_new_tokens=2),
+        lambda ids: model.first_step(inputs, ids),
+    ):
+        with pytest.raises(GenerationError, match="3 rows but the encoder inputs have 2"):
+            call(np.zeros((3, 1), dtype=np.int64))
+        with pytest.raises(GenerationError, match="empty; give at least the decoder start"):
+            call(np.zeros((2, 0), dtype=np.int64))
+        with pytest.raises(GenerationError, match="must have 2 dimensions"):
+            call(np.zeros(2, dtype=np.int64))
+
+
+@pytest.mark.parametrize(
+    "arguments, argument",
+    [
+        ({"threads": 0}, "threads"),
+        ({"threads": True}, "threads"),
+        ({"accelerations": 1}, "accelerations"),
+    ],
+)
+def test_bad_arguments_are_refused_before_the_file_is_read(tmp_path, arguments, argument):
+    from onnxmerge import Seq2SeqModel
+    from onnxmerge.errors import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError) as caught:  # the file does not even exist
+        Seq2SeqModel(tmp_path / "absent.onnx", **arguments)
+    assert caught.value.argument == argument
+
+
+def test_bad_batching_names_its_argument(marian):
+    from onnxmerge.errors import InvalidArgumentError
+
+    model, _, _ = marian
+    for options, argument in [
+        ({"max_batch_size": 0}, "max_batch_size"),
+        ({"parallel_batches": 1.5}, "parallel_batches"),
+        ({"batch_type": "rows"}, "batch_type"),
+        ({"decoder_input_ids": None}, "decoder_input_ids"),
+    ]:
+        with pytest.raises(InvalidArgumentError) as caught:
+            model.generate_many([[5, 6]], **options)
+        assert caught.value.argument == argument
+
+
+def test_main_input_is_the_encoders_first_input_but_the_mask(marian):
+    model, inputs, _ = marian
+    assert model.main_input == "input_ids"
+    np.testing.assert_array_equal(
+        model.generate(inputs["input_ids"], max_new_tokens=2),
+        model.generate(**{model.main_input: inputs["input_ids"]}, max_new_tokens=2),
+    )
+
+
 def test_step_api_errors(marian):
     model, inputs, _ = marian
     step = model.first_step(inputs, np.zeros((2, 1), dtype=np.int64))

@@ -334,15 +334,14 @@ def test_cached_steps_write_the_cache_into_a_ring_of_buffers(merged, monkeypatch
     the whole search: layer i's where layer i - 1's pasts are, layer 0's into a spare layer, so
     that no present lands on a past that its step reads later. The tokens are those of two sets
     of buffers by turns and of onnxruntime's own buffers."""
-    from onnxmerge.runtime import _model
-    from onnxmerge.runtime._session import MergedSession
+    from onnxmerge.runtime import Accelerations, Seq2SeqModel, _runners
     from tests import zoo
 
     model, _, export = merged("marian")
     inputs = zoo.sample_encoder_inputs(export, batch=2, seq=7, seed=4)
     layers = model.info.num_layers
     seen: list[tuple[int, ...]] = []
-    real_next = _model._PresentBuffers.next
+    real_next = _runners.PresentBuffers.next
 
     def next_recorded(self, past):
         arrays = real_next(self, past)
@@ -352,7 +351,7 @@ def test_cached_steps_write_the_cache_into_a_ring_of_buffers(merged, monkeypatch
         seen.append(tuple(a.__array_interface__["data"][0] for a in arrays))
         return arrays
 
-    monkeypatch.setattr(_model._PresentBuffers, "next", next_recorded)
+    monkeypatch.setattr(_runners.PresentBuffers, "next", next_recorded)
     steps = 2 * (layers + 1) + 1
     settings = dict(num_beams=3, max_new_tokens=steps + 1, min_new_tokens=steps + 1)
     assert model._session.pasts_die_by_layer
@@ -362,14 +361,14 @@ def test_cached_steps_write_the_cache_into_a_ring_of_buffers(merged, monkeypatch
     assert all(seen[i] == seen[i - period] for i in range(period, steps))
 
     seen.clear()
-    monkeypatch.setitem(vars(model._session), "pasts_die_by_layer", False)  # a cached property
-    assert np.array_equal(model.generate(**inputs, **settings), written)
+    two_sets = Seq2SeqModel(model.path, accelerations=Accelerations(present_ring=False))
+    assert np.array_equal(two_sets.generate(**inputs, **settings), written)
     assert len({a for s in seen for a in s}) == 4 * layers
     assert all(seen[i] == seen[i - 2] for i in range(2, steps))
 
     seen.clear()
-    monkeypatch.setattr(MergedSession, "writes_into", property(lambda self: False))
-    assert np.array_equal(model.generate(**inputs, **settings), written)
+    arena = Seq2SeqModel(model.path, accelerations=Accelerations(present_buffers=False))
+    assert np.array_equal(arena.generate(**inputs, **settings), written)
     assert not seen  # onnxruntime's buffers, not the runner's
 
 

@@ -5,6 +5,7 @@ One input, two beams, a vocabulary of three with eos 1, a prompt of one token (t
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 
 from onnxmerge.runtime import _search as search
+from onnxmerge.runtime._accelerations import Accelerations
 from onnxmerge.runtime.processors import (
     ProcessorList,
     build_processors,
@@ -49,14 +51,17 @@ def _mid_search(cfg: search._BeamConfig) -> search._Beams:
 
 # Step at cur_len 2 over [batch, beams * vocab]; the best four: beam 1 eos, beam 0 eos, beam 0
 # token 0, beam 1 token 0.
+# The fast top-k as the runtime runs it (slabs 0 is a plain stable sort).
+SLABS = Accelerations().topk_slabs
+
 LOG_PROBS = np.array([[-1.0, -0.5, -3.0, -2.0, -0.1, -4.0]], np.float32)
 
 
 def test_topk_indices_put_the_lower_index_first_on_ties():
     values = np.array([[1.0, 3.0, 3.0, 0.0, 2.0]])
-    assert search._topk_indices(values, 2).tolist() == [[1, 2]]
-    assert search._topk_indices(values, 3).tolist() == [[1, 2, 4]]
-    assert search._topk_indices(values, 5).tolist() == [[1, 2, 4, 0, 3]]
+    assert search._topk_indices(values, 2, SLABS).tolist() == [[1, 2]]
+    assert search._topk_indices(values, 3, SLABS).tolist() == [[1, 2, 4]]
+    assert search._topk_indices(values, 5, SLABS).tolist() == [[1, 2, 4, 0, 3]]
 
 
 def _rows_with_ties(rng: np.random.Generator, dtype: type) -> np.ndarray:
@@ -93,7 +98,7 @@ def test_topk_indices_are_a_stable_sorts_with_ties_and_neg_inf(monkeypatch, dtyp
         values = _rows_with_ties(rng, dtype)
         k = int(rng.integers(1, 12))
         expected = _stable_topk(values, k)
-        np.testing.assert_array_equal(search._topk_indices(values, k), expected)
+        np.testing.assert_array_equal(search._topk_indices(values, k, SLABS), expected)
         np.testing.assert_array_equal(full(values, k), expected)
     assert partitioned == 0  # ties and masked rows are not partitioned
 
@@ -105,7 +110,7 @@ def test_a_row_masked_but_for_a_few_tokens_takes_them_then_the_first_masked_colu
     values = np.full((3, 4 * 1000), -np.inf, np.float32)
     values[:, [7, 1007, 2007, 3007]] = [[-1.0, -2.0, -1.0, -3.0]]
     values[2] = np.linspace(-5, -1, values.shape[1])  # an open row beside them
-    top = search._topk_indices(values, 8)
+    top = search._topk_indices(values, 8, SLABS)
     assert top[0].tolist() == top[1].tolist() == [7, 2007, 1007, 3007, 0, 1, 2, 3]
     np.testing.assert_array_equal(top, _stable_topk(values, 8))
 
@@ -113,7 +118,7 @@ def test_a_row_masked_but_for_a_few_tokens_takes_them_then_the_first_masked_colu
 def test_topk_indices_skip_nan_as_a_stable_sort_does():
     values = np.random.default_rng(1).standard_normal((2, 4000)).astype(np.float32)
     values[values > 2.5] = np.nan
-    np.testing.assert_array_equal(search._topk_indices(values, 4), _stable_topk(values, 4))
+    np.testing.assert_array_equal(search._topk_indices(values, 4, SLABS), _stable_topk(values, 4))
     np.testing.assert_array_equal(search._topk_by_partition(values, 4), _stable_topk(values, 4))
 
 
@@ -294,19 +299,26 @@ class _Bigram:
         {"do_sample": True, "top_k": 40},
     ],
 )
-def test_beam_search_tokens_do_not_depend_on_which_top_k_runs(monkeypatch, overrides):
+def test_beam_search_tokens_do_not_depend_on_which_top_k_runs(overrides):
     table = (np.random.default_rng(3).standard_normal((600, 600)) * 3).astype(np.float32)
     prompt = np.array([[START], [5], [9]])
     settings = _settings(num_beams=4, max_new_tokens=10, **overrides)
 
-    def generate():
+    def generate(accelerations):
         runner = _Bigram(table, prompt[:, 0])
         processors = build_processors(settings)
-        return search.beam_search(runner, prompt, settings, processors, np.random.default_rng(0))
+        return search.beam_search(
+            runner,
+            prompt,
+            settings,
+            processors,
+            np.random.default_rng(0),
+            accelerations=accelerations,
+        )
 
-    bounded = generate()
-    monkeypatch.setattr(search, "_topk_indices", search._topk_by_partition)
-    np.testing.assert_array_equal(bounded, generate())
+    bounded = generate(Accelerations())
+    np.testing.assert_array_equal(bounded, generate(Accelerations.off()))
+    np.testing.assert_array_equal(bounded, generate(Accelerations(topk_slabs=7)))
 
 
 @pytest.mark.parametrize("masked", [False, True], ids=["open", "all-but-one-masked"])
@@ -314,6 +326,7 @@ def test_first_step_takes_beam_zeros_columns_with_the_full_answer(masked):
     """On the first step the other beams score -1e9 plus their log-probs: the shortcut through
     beam 0's columns picks what the full top-k picks, and falls back where beam 0 runs out."""
     cfg = search._beam_config(_settings(num_beams=4), 3, 1)
+    cfg = dataclasses.replace(cfg, topk_slabs=SLABS)
     rng = np.random.default_rng(0)
     log_probs = log_softmax(rng.standard_normal((12, 500)).astype(np.float32))
     if masked:  # beam 0 of input 1 keeps one finite candidate: the others come from -1e9
@@ -326,14 +339,16 @@ def test_first_step_takes_beam_zeros_columns_with_the_full_answer(masked):
 
 
 def test_beam_reorders_move_only_the_rows_that_change_in_the_runners_own_cache():
-    from onnxmerge.runtime._model import _Steps
+    from onnxmerge.runtime._runners import SessionSteps
     from onnxmerge.runtime._session import Cache
 
     rng = np.random.default_rng(3)
     decoder = tuple(rng.standard_normal((6, 2, 3, 4)).astype(np.float32) for _ in range(2))
     encoder = (rng.standard_normal((6, 2, 5, 4)).astype(np.float32),)
     expected = [t.copy() for t in decoder]
-    steps = _Steps(session=None, encoder_inputs={}, prompt=np.zeros((6, 1), np.int64), max_length=8)
+    steps = SessionSteps(
+        session=None, encoder_inputs={}, prompt=np.zeros((6, 1), np.int64), max_length=8
+    )
     steps._cache = Cache(attention_mask=None, decoder=decoder, encoder=encoder)
     for rows in ([1, 0, 2, 2, 5, 4], [0, 0, 0, 3, 3, 3], [2, 0, 1, 3, 4, 5]):  # cycles, copies
         rows = np.array(rows)
@@ -366,7 +381,7 @@ def test_beam_reorders_move_only_the_rows_that_change_in_the_runners_own_cache()
 def test_rows_that_stay_move_to_the_front_of_the_runners_own_cache(per_input):
     # A dropped row's copy of the cache would be a second cache while the first goes (and
     # onnxruntime's arena keeps the first step's).
-    from onnxmerge.runtime._model import _Steps
+    from onnxmerge.runtime._runners import SessionSteps
     from onnxmerge.runtime._session import Cache
 
     rng = np.random.default_rng(4)
@@ -379,7 +394,7 @@ def test_rows_that_stay_move_to_the_front_of_the_runners_own_cache(per_input):
     for rows in ([0, 1, 4, 5, 6, 7], [1, 0, 7, 6], [2, 3]):
         rows = np.array(rows)
         expected = cache.reorder(rows)
-        steps = _Steps(
+        steps = SessionSteps(
             session=None, encoder_inputs={}, prompt=np.zeros((8, 1), np.int64), max_length=8
         )
         steps._cache = Cache(
@@ -414,10 +429,10 @@ def _overlap(a: np.ndarray, b: np.ndarray) -> bool:
 
 @pytest.mark.parametrize("ring", [False, True])
 def test_present_buffers_never_hold_a_past_that_the_step_reads_after_writing(ring):
-    from onnxmerge.runtime._model import _PresentBuffers
+    from onnxmerge.runtime._runners import PresentBuffers
 
     layers, rows = 3, 2
-    buffers = _PresentBuffers(6, vocab=5, logits_dtype=np.float32, ring=ring)
+    buffers = PresentBuffers(6, vocab=5, logits_dtype=np.float32, ring=ring)
     past = [np.zeros((rows, 2, 1, 4), np.float32) for _ in range(2 * layers)]
     for _ in range(5):
         presents = buffers.next(past)
@@ -434,9 +449,9 @@ def test_present_buffers_never_hold_a_past_that_the_step_reads_after_writing(rin
 
 
 def test_present_buffers_give_the_logits_one_array_every_step():
-    from onnxmerge.runtime._model import _PresentBuffers
+    from onnxmerge.runtime._runners import PresentBuffers
 
-    buffers = _PresentBuffers(6, vocab=5, logits_dtype=np.float32)
+    buffers = PresentBuffers(6, vocab=5, logits_dtype=np.float32)
     first = buffers.logits(3, flat=False)
     assert first.shape == (3, 1, 5) and buffers.logits(3, flat=True).shape == (3, 5)
     assert _overlap(buffers.logits(3, flat=False), first)
@@ -455,9 +470,9 @@ def _vm_flags(array: np.ndarray) -> list[str]:
 def test_present_buffers_ask_for_no_huge_pages_and_the_logits_do():
     # A present buffer faults in a few pages at every step; asked for huge pages, each fault
     # could compact memory first: tens of milliseconds more a step at a few hundred rows.
-    from onnxmerge.runtime._model import _PresentBuffers
+    from onnxmerge.runtime._runners import PresentBuffers
 
-    buffers = _PresentBuffers(64, vocab=1 << 20, logits_dtype=np.float32)
+    buffers = PresentBuffers(64, vocab=1 << 20, logits_dtype=np.float32)
     presents = buffers.next([np.zeros((64, 8, 1, 64), np.float32) for _ in range(2)])
     assert all("hg" not in _vm_flags(p) for p in presents)
     assert "hg" in _vm_flags(buffers.logits(4, flat=True))  # written once, read over and over

@@ -321,14 +321,14 @@ def test_generator_in_node(files, tmp_path, search, precision):
 
 
 def test_openvino_steps_under_the_python_search(files):
-    """MergedSession(backend="openvino"), which the benchmarks run, gives onnxruntime's tokens."""
+    """The benchmarks' OpenVINO steps under the runtime's search give onnxruntime's tokens."""
     pytest.importorskip("openvino", reason="openvino is not installed: pip install openvino")
     import onnxmerge
-    from onnxmerge.runtime._session import MergedSession
+    from benchmarks._openvino_backend import openvino_model
 
     path = files.merged("marian")
     ours = onnxmerge.Seq2SeqModel(path)
-    theirs = onnxmerge.Seq2SeqModel._on(MergedSession(path, backend="openvino"))
+    theirs = openvino_model(path)
     inputs = files.inputs("marian")[1]
     for beams in (1, 3):
         np.testing.assert_array_equal(
@@ -337,27 +337,12 @@ def test_openvino_steps_under_the_python_search(files):
         )
 
 
-def test_unknown_or_missing_backend_says_what_to_do(files, monkeypatch):
-    import importlib.util
-
-    from onnxmerge import GenerationError, MissingDependencyError
-    from onnxmerge.cli import ExitCode, _failure
+def test_the_runtime_offers_no_other_backend(files):
+    """OpenVINO, measured slower, lives with the benchmarks: the session takes no backend."""
     from onnxmerge.runtime._session import MergedSession
 
-    path = files.merged("marian")
-    with pytest.raises(GenerationError, match="unknown backend 'tvm'"):
-        MergedSession(path, backend="tvm")
-    with pytest.raises(GenerationError, match="session_cache"):
-        MergedSession(path, backend="openvino", session_cache=files.root / "cache")
-    find_spec = importlib.util.find_spec
-    monkeypatch.setattr(
-        importlib.util,
-        "find_spec",
-        lambda name, *a: None if name == "openvino" else find_spec(name, *a),
-    )
-    with pytest.raises(MissingDependencyError, match="pip install 'openvino'") as caught:
-        MergedSession(path, backend="openvino")
-    assert _failure(caught.value) == (ExitCode.MISSING_DEPENDENCY, str(caught.value))
+    with pytest.raises(TypeError, match="backend"):
+        MergedSession(files.merged("marian"), backend="openvino")  # type: ignore[call-arg]
 
 
 @pytest.mark.docs

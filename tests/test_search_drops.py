@@ -7,10 +7,15 @@ import numpy as np
 import pytest
 
 from onnxmerge.runtime import _search as search
+from onnxmerge.runtime._accelerations import Accelerations
 from onnxmerge.runtime.processors import build_processors
 from onnxmerge.settings import resolve_settings
 
 START, EOS, PAD, VOCAB = 2, 1, 0, 40
+
+
+def _dropping(drop: bool) -> Accelerations:
+    return Accelerations(drop_finished=drop)
 
 
 class _PerInput:
@@ -60,7 +65,7 @@ def _search(kind: str, seed: int, batch: int, *, drop: bool, **overrides):
     runner = _PerInput(_table(seed), batch)
     prompt = np.full((batch, 1), START)
     run = search.greedy_or_sample if kind == "greedy" else search.beam_search
-    got = run(runner, prompt, settings, build_processors(settings), drop_finished=drop)
+    got = run(runner, prompt, settings, build_processors(settings), accelerations=_dropping(drop))
     return got, runner
 
 
@@ -118,7 +123,7 @@ def test_greedy_drops_the_rows_that_ended_as_they_end():
     runner.start = start  # type: ignore[method-assign]
     prompt = np.full((6, 1), START)
     got = search.greedy_or_sample(
-        runner, prompt, settings, build_processors(settings), drop_finished=True
+        runner, prompt, settings, build_processors(settings), accelerations=_dropping(True)
     )
     assert got[:2, 1:].tolist() == [[EOS, PAD, PAD, PAD]] * 2
     assert (got[2:, 1:] == 5).all()
@@ -135,7 +140,7 @@ def test_rows_stay_where_a_processor_pairs_its_state_with_them():
     def kept(processors) -> list:
         runner = _PerInput(_table(0), 9)
         prompt = np.full((9, 1), START)
-        search.greedy_or_sample(runner, prompt, settings, processors, drop_finished=True)
+        search.greedy_or_sample(runner, prompt, settings, processors, accelerations=_dropping(True))
         return runner.kept
 
     assert kept(build_processors(settings, encoder_ids)) == []
@@ -172,7 +177,7 @@ def test_beam_search_ends_when_every_input_settled_before_it_would_have_stopped(
         runner = _ByStep()
         prompt = np.full((2, 1), START)
         got[drop] = search.beam_search(
-            runner, prompt, settings, build_processors(settings), drop_finished=drop
+            runner, prompt, settings, build_processors(settings), accelerations=_dropping(drop)
         )
         assert 0 not in runner.rows
     np.testing.assert_array_equal(got[True], got[False])

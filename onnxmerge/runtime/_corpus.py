@@ -35,9 +35,11 @@ class Stopped(Exception):
 
 def _check_count(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise GenerationError(f"{name} must be an integer, got {type(value).__name__}")
+        raise GenerationError(
+            f"{name} must be an integer, got {type(value).__name__}", argument=name
+        )
     if value < 1:
-        raise GenerationError(f"{name} must be at least 1, got {value}")
+        raise GenerationError(f"{name} must be at least 1, got {value}", argument=name)
 
 
 def check_batching(max_batch_size: Any, batch_type: Any, parallel_batches: Any = 1) -> None:
@@ -46,7 +48,8 @@ def check_batching(max_batch_size: Any, batch_type: Any, parallel_batches: Any =
     if batch_type not in BATCH_TYPES:
         raise GenerationError(
             f"batch_type must be one of {', '.join(map(repr, BATCH_TYPES))}, got {batch_type!r}: "
-            "'examples' counts inputs per batch, 'tokens' the padded batch's source tokens"
+            "'examples' counts inputs per batch, 'tokens' the padded batch's source tokens",
+            argument="batch_type",
         )
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from onnxmerge.runtime._accelerations import Accelerations
 from onnxmerge.runtime._memory import Workspace
 
 logger = logging.getLogger(__name__)
@@ -26,13 +27,6 @@ logger = logging.getLogger(__name__)
 FLAG = "onnxmerge.greedy_head"
 HIDDEN = "onnxmerge.greedy_head.hidden"
 TABLES = "greedy_head.npz"
-# Where more tokens than this share of a row's vocabulary remain, its own product is cheaper; where
-# more than this share of a step's logits, one product over all its rows. A token's float logit
-# from its gathered row costs about what 100 logits of a product do (opus-mt-fr-en shape).
-_MOST = 0.25
-_MOST_OF_STEP = 1 / 128
-# Float logits of this many tokens at a time: the rows they read, gathered, stay within 16 MB.
-_GATHERED = 8192
 # float32 sums here round too: every bound is taken this much wider.
 _RAISE = 1 + 2.0**-10
 
@@ -84,9 +78,6 @@ class GreedyHead:
         self._base = 0  # the mapping's address
         if self._mapping is not None:
             self._base = np.frombuffer(self._mapping, np.uint8, 1).ctypes.data
-        # The steps that run the float head after a costly one (``_GreedyHeadRunner``): kept
-        # here, so that a model's later searches start from what its earlier ones found.
-        self.float_steps = 0
         hidden = weight.shape[1]
         # Per unit of the input's L1 norm: the rows' quantization error, and the rounding of the
         # float products (sums of `hidden` terms). Per unit of the input's quantization step:
@@ -148,24 +139,37 @@ class GreedyHead:
             logger.debug("greedy head pages not dropped: %s", error)
 
     def bounds(
-        self, approximate: np.ndarray, hidden: np.ndarray, workspace: Workspace | None = None
+        self,
+        approximate: np.ndarray,
+        hidden: np.ndarray,
+        workspace: Workspace | None = None,
+        accelerations: Accelerations | None = None,
     ) -> LogitBounds:
         """``approximate`` ``[rows, vocab]``: the int8 head's logits of one step; ``hidden``
         ``[rows, hidden]``: the input it quantized (one tensor, one scale). ``workspace``: the
-        search's arrays to work in, kept from step to step."""
-        return LogitBounds(self, approximate, hidden, workspace or Workspace())
+        search's arrays to work in, kept from step to step; ``accelerations``: the shares of
+        tokens left beyond which whole rows take the float product (default: as measured)."""
+        return LogitBounds(
+            self, approximate, hidden, workspace or Workspace(), accelerations or Accelerations()
+        )
 
 
 class LogitBounds:
     """One step's int8 logits with their bounds; :meth:`argmax` gives the greedy tokens."""
 
     def __init__(
-        self, head: GreedyHead, approximate: np.ndarray, hidden: np.ndarray, workspace: Workspace
+        self,
+        head: GreedyHead,
+        approximate: np.ndarray,
+        hidden: np.ndarray,
+        workspace: Workspace,
+        accelerations: Accelerations,
     ):
         self.head = head
         self.approximate = approximate
         self.hidden = hidden
         self.workspace = workspace
+        self.accelerations = accelerations
         # After argmax: the share of the step's logits it took in float beyond one a row (the
         # least any step takes), which is what the bounds cost.
         self.float_share = 0.0
@@ -248,8 +252,11 @@ class LogitBounds:
         rows, vocab = reaching.shape
         row_of, token_of = np.divmod(np.flatnonzero(reaching), vocab)
         counts = np.bincount(row_of, minlength=rows)
-        whole = unbounded | (counts == 0) | (counts > _MOST * vocab)
-        if row_of.size > _MOST_OF_STEP * rows * vocab:
+        # Where many tokens remain, a product over the row (or every row) costs less than
+        # gathering theirs.
+        most = self.accelerations
+        whole = unbounded | (counts == 0) | (counts > most.greedy_most_of_row * vocab)
+        if row_of.size > most.greedy_most_of_step * rows * vocab:
             whole[:] = True
         picked = ~whole[row_of]
         row_of, token_of = row_of[picked], token_of[picked]
@@ -259,8 +266,9 @@ class LogitBounds:
         exact = np.empty(token_of.size, np.float32)
         hidden_size = head.weight.shape[1]
         space = self.workspace
-        for start in range(0, token_of.size, _GATHERED):
-            part = slice(start, start + _GATHERED)
+        chunk = self.accelerations.greedy_rows_at_once
+        for start in range(0, token_of.size, chunk):
+            part = slice(start, start + chunk)
             count = token_of[part].size
             rows_read = space.array("gathered_rows", (count, hidden_size), np.float32)
             inputs = space.array("gathered_inputs", (count, hidden_size), np.float32)
@@ -277,8 +285,9 @@ class LogitBounds:
         head, rows = self.head, np.flatnonzero(whole)
         if rows.size:  # one pass over the weight for all of them, a part resident at a time
             inputs = self.hidden[rows]
-            for start in range(0, head.weight.shape[0], _GATHERED):
-                part = slice(start, start + _GATHERED)
+            chunk = self.accelerations.greedy_rows_at_once
+            for start in range(0, head.weight.shape[0], chunk):
+                part = slice(start, start + chunk)
                 logits[rows, part] = inputs @ head.weight[part].T
                 head.drop_pages(part)
         if head.bias is not None:

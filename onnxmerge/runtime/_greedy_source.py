@@ -40,6 +40,7 @@ _HIDDEN_SHAPE = "onnxmerge.greedy_head.hidden_shape"
 # DynamicQuantizeLinear arrived in opset 11.
 _MIN_OPSET = 11
 _CHUNK_ROWS = 4096
+_PREFIX = "onnxmerge.greedy_head/"  # the names of the nodes and values added
 
 
 @dataclass(frozen=True)
@@ -212,29 +213,16 @@ def add_greedy_head(model: ir.Model, head: Head) -> RowTables:
     the opus-mt-fr-en shape. The bias is the float product's third operand instead.
     """
     main = model.graph
-    p = "onnxmerge.greedy_head/"
     rows = head.rows()
     vocab, hidden_size = rows.shape
-    if head.branches is None:
-        hidden = _head_input(head.products[0])
-        after: ir.Node = head.products[0]
-        logits_at = head.index
-    else:
-        # Each branch now ends with the head's input.
-        for branch, product in zip(("then_branch", "else_branch"), head.products, strict=True):
-            graph = head.branches.attributes[branch].as_graph()
-            graph.outputs[head.index] = _head_input(product)
-        hidden = head.branches.outputs[head.index]
-        hidden.name = p + "head_input"  # the logits' name until now
-        after = head.branches
-        logits_at = main.outputs.index(hidden)
+    hidden, after, logits_at = _take_head_out(main, head)
     tail: list[ir.Node] = []
     weight = head.weight
     if head.columns:
         # A MatMul's input may have any rank: [rows * new tokens, hidden] for the Gemms. The
         # float head reads the weight's rows, stored once, as the tied head does.
         shape = initializer(main, _HIDDEN_SHAPE, np.array([-1, hidden_size], np.int64))
-        tail.append(ir.node("Reshape", [hidden, shape], name=p + "hidden"))
+        tail.append(ir.node("Reshape", [hidden, shape], name=_PREFIX + "hidden"))
         hidden = tail[-1].outputs[0]
         weight = initializer(main, ROWS, rows)
 
@@ -251,8 +239,47 @@ def add_greedy_head(model: ir.Model, head: Head) -> RowTables:
     if bias is not None and len(tensor_of(bias).shape) != 1:
         # Gemm's third operand broadcasts to [rows, vocab] only as [vocab] or [1, vocab].
         flat = initializer(main, _BIAS_SHAPE, np.array([vocab], np.int64))
-        tail.append(ir.node("Reshape", [bias, flat], name=p + "bias"))
+        tail.append(ir.node("Reshape", [bias, flat], name=_PREFIX + "bias"))
         bias = tail[-1].outputs[0]
+    choose = _choose_head(flag, hidden, weight, codes, scales, bias)
+    tail.append(choose)
+    for node in tail[:-1]:
+        if node.outputs[0] is not hidden:
+            node.outputs[0].name = node.name
+    main.insert_after(after, tail)
+    result = choose.outputs[0]
+    result.name = c.LOGITS
+    result.type = ir.TensorType(ir.DataType.FLOAT)
+    result.shape = ir.Shape([None, vocab])
+    main.outputs[logits_at] = result
+    main.outputs.append(hidden)
+    ir.passes.common.RemoveUnusedNodesPass()(model)  # the heads' nodes left in the branches
+    return tables
+
+
+def _take_head_out(main: ir.Graph, head: Head) -> tuple[ir.Value, ir.Node, int]:
+    """The head's input where its logits were (each branch ends with it), the node after which
+    the new heads go, and the logits' place among the main graph's outputs."""
+    if head.branches is None:
+        return _head_input(head.products[0]), head.products[0], head.index
+    for branch, product in zip(("then_branch", "else_branch"), head.products, strict=True):
+        graph = head.branches.attributes[branch].as_graph()
+        graph.outputs[head.index] = _head_input(product)
+    hidden = head.branches.outputs[head.index]
+    hidden.name = _PREFIX + "head_input"  # the logits' name until now
+    return hidden, head.branches, main.outputs.index(hidden)
+
+
+def _choose_head(
+    flag: ir.Value,
+    hidden: ir.Value,
+    weight: ir.Value,
+    codes: ir.Value,
+    scales: ir.Value,
+    bias: ir.Value | None,
+) -> ir.Node:
+    """``If(flag)``: the int8 rows' product where it is true, the float head's where false."""
+    p = _PREFIX
     quantize = ir.Node("", "DynamicQuantizeLinear", [hidden], num_outputs=3, name=p + "quantize")
     for value, suffix in zip(quantize.outputs, ("rows_q", "rows_scale", "rows_zero"), strict=True):
         value.name = p + suffix
@@ -268,7 +295,7 @@ def add_greedy_head(model: ir.Model, head: Head) -> RowTables:
     exact = ir.node("Gemm", exact_inputs, {"transB": 1}, name=p + "float")
     for node in [*int8_nodes[1:], exact]:
         node.outputs[0].name = node.name
-    choose = ir.node(
+    return ir.node(
         "If",
         [flag],
         {
@@ -277,19 +304,6 @@ def add_greedy_head(model: ir.Model, head: Head) -> RowTables:
         },
         name=p + "choose",
     )
-    tail.append(choose)
-    for node in tail[:-1]:
-        if node.outputs[0] is not hidden:
-            node.outputs[0].name = node.name
-    main.insert_after(after, tail)
-    result = choose.outputs[0]
-    result.name = c.LOGITS
-    result.type = ir.TensorType(ir.DataType.FLOAT)
-    result.shape = ir.Shape([None, vocab])
-    main.outputs[logits_at] = result
-    main.outputs.append(hidden)
-    ir.passes.common.RemoveUnusedNodesPass()(model)  # the heads' nodes left in the branches
-    return tables
 
 
 def _head_input(product: ir.Node) -> ir.Value:

@@ -15,8 +15,8 @@ from onnxmerge import _ort as ort
 from onnxmerge import contract as c
 from onnxmerge.errors import GenerationError
 from onnxmerge.runtime import _corpus as corpus
-from onnxmerge.runtime import _memory as memory
-from onnxmerge.runtime._greedy_head import GreedyHead, LogitBounds
+from onnxmerge.runtime._accelerations import Accelerations
+from onnxmerge.runtime._runners import GreedyHeadRunner, Runner
 from onnxmerge.runtime._search import GreedyRunner, beam_search, greedy_or_sample
 from onnxmerge.runtime._session import Cache, MergedSession, StepOutput
 from onnxmerge.runtime.processors import build_processors
@@ -30,195 +30,10 @@ from onnxmerge.settings import (
 
 logger = logging.getLogger(__name__)
 
-# Rows whose search ended leave their batch (docs/runtime.md); False runs them to the batch's
-# end, as transformers does, for comparisons.
-DROP_FINISHED = True
 
-
-class _Steps:
-    """A session and its cache, stepped by the search loops through the runners below."""
-
-    def __init__(
-        self,
-        session: MergedSession,
-        encoder_inputs: dict,
-        prompt: np.ndarray,
-        max_length: int,
-        stop: threading.Event | None = None,
-    ):
-        self.session = session
-        self.encoder_inputs = encoder_inputs
-        self.prompt = prompt
-        self.max_length = max_length
-        self.stop = stop
-        self._cache: Cache | None = None
-        self._presents: _PresentBuffers | None = None
-
-    def _check_stop(self) -> None:
-        """End the search between steps once ``generate_many``'s caller has left."""
-        if self.stop is not None and self.stop.is_set():
-            raise corpus.Stopped
-
-    @property
-    def cache(self) -> Cache:
-        if self._cache is None:
-            raise RuntimeError("the runner has not started")  # the search loops start first
-        return self._cache
-
-    def start(self) -> np.ndarray:
-        self._check_stop()
-        out = self.session.first_step(self.encoder_inputs, self.prompt)
-        self._cache = out.cache
-        if self.session.writes_into:
-            vocab = out.logits.shape[-1]
-            ring = self.session.pasts_die_by_layer
-            self._presents = _PresentBuffers(self.max_length, vocab, out.logits.dtype, ring=ring)
-        return out.logits[:, -1, :]
-
-    def _next(self, tokens: np.ndarray, *, greedy: bool) -> StepOutput:
-        self._check_stop()
-        ids = np.ascontiguousarray(tokens, dtype=np.int64).reshape(-1, 1)
-        into = logits = None
-        if self._presents is not None:
-            into = self._presents.next(self.cache.decoder)
-            logits = self._presents.logits(ids.shape[0], flat=self.session.flat_logits)
-        out = self.session.next_step(ids, self.cache, greedy=greedy, into=into, logits_into=logits)
-        self._cache = out.cache
-        return out
-
-    def expand(self, n: int) -> None:
-        if n > 1:
-            self._cache = self.cache.expand(n)
-
-    def keep(self, rows: np.ndarray) -> None:
-        """Run on with these rows only: the search dropped the others, which ended."""
-        self._cache = self.cache.kept(rows)  # the runner's own cache
-
-    def reorder(self, rows: np.ndarray, *, within_batch: bool = False) -> None:
-        if within_batch:  # the runner's own cache: its rows move within its arrays
-            self._cache = self.cache.kept(rows, encoder=False)
-        else:
-            self._cache = self.cache.reorder(rows)
-
-
-class _PresentBuffers:
-    """Buffers that cached steps write their presents (``present.*.decoder.*``) into, and one
-    that every step's logits are written into, which the search consumes before the next step.
-
-    A step reads its past from some of these buffers and writes its present into others. Where
-    the session's pasts die by layer (``MergedSession.pasts_die_by_layer``), they form a ring
-    one layer longer than the model: a step's presents of layer ``i`` go where the pasts of
-    layer ``i - 1`` are, layer 0's into the spare one, so the cache is held ``(layers + 1) /
-    layers`` times; otherwise two sets, by turns, hold it twice.
-
-    onnxruntime would allocate every present in its arena, one position longer each step than
-    the last, and a freed past cannot hold the next present: the arena grows by the cache's size
-    again and again over a search. Each buffer is mapped once, long enough for ``positions``
-    (the search's max_length), and its pages become resident only as the cache grows into
-    them: no page is written twice for the first time, and none is kept that the search ends
-    without. The logits would take the arena's largest block and a copy into numpy besides.
-    """
-
-    def __init__(
-        self, positions: int, vocab: int, logits_dtype: np.dtype, *, ring: bool = False
-    ) -> None:
-        self._positions = positions
-        self._ring = ring
-        self._slots: list[np.ndarray] = []
-        self._step = 0
-        self._vocab = vocab
-        self._logits_dtype = logits_dtype
-        self._space = memory.Workspace()
-
-    def logits(self, rows: int, *, flat: bool) -> np.ndarray:
-        """The array a step's logits for ``rows`` rows, one new token each, are written into;
-        the same memory every step (mapped once per search, unless its rows grow)."""
-        shape = (rows, self._vocab) if flat else (rows, 1, self._vocab)
-        return self._space.array("logits", shape, self._logits_dtype)
-
-    def _slot(self, tensor: int, tensors: int) -> int:
-        kinds = len(c.CACHE_KINDS)
-        if self._ring:
-            layers = tensors // kinds + 1
-            return (tensor // kinds - self._step) % layers * kinds + tensor % kinds
-        return self._step % 2 * tensors + tensor
-
-    def next(self, past: Sequence[np.ndarray]) -> list[np.ndarray]:
-        """Arrays for the presents of a step after ``past``; never memory that the step reads
-        after writing there (the step before wrote ``past`` at most)."""
-        arrays = []
-        for i, tensor in enumerate(past):
-            rows, heads, length, width = tensor.shape
-            shape = (rows, heads, length + 1, width)
-            size = rows * heads * (length + 1) * width
-            slot = self._slot(i, len(past))
-            while slot >= len(self._slots):
-                self._slots.append(np.empty(0, tensor.dtype))
-            if self._slots[slot].size < size or self._slots[slot].dtype != tensor.dtype:
-                # Once per search, unless its rows change or it outgrows max_length. Each step
-                # faults in a few pages more: small ones, which the system never compacts for.
-                longest = rows * heads * max(self._positions, length + 1) * width
-                grown = max(longest, 2 * self._slots[slot].size)
-                self._slots[slot] = memory.anonymous_array(grown, tensor.dtype, huge_pages=False)
-            arrays.append(self._slots[slot][:size].reshape(shape))
-        self._step += 1
-        return arrays
-
-
-class _Runner(_Steps):
-    """The search loops' ``StepRunner``: every step returns the next-token logits."""
-
-    def advance(self, tokens: np.ndarray) -> np.ndarray:
-        return self._next(tokens, greedy=False).logits[:, -1, :]
-
-
-class _GreedyHeadRunner(_Steps):
-    """A runner for greedy search whose cached steps return the greedy head's bounds
-    (``GreedyRunner``): full logits only where the session gave no hidden state.
-
-    Where the bounds leave many tokens to take in float (flat logits, as random weights give),
-    a step costs more than the float head's; the next steps run the float head, more of them
-    each time it happens again (the count is the head's, which later searches start from), and
-    then the int8 head once more to see.
-    """
-
-    # Of a step's logits, the share taken in float beyond which the int8 head ran slower than
-    # the float head: a logit from a gathered row costs about what 100 of a product do, and the
-    # int8 head saves about half the float head's time (opus-mt-fr-en shape).
-    CHEAPER_BELOW = 1 / 256
-    MOST_FLOAT_STEPS = 32
-
-    def __init__(
-        self,
-        session: MergedSession,
-        encoder_inputs: dict,
-        prompt: np.ndarray,
-        max_length: int,
-        head: GreedyHead,
-        stop: threading.Event | None = None,
-    ):
-        super().__init__(session, encoder_inputs, prompt, max_length, stop)
-        self.head = head
-        self.workspace = memory.Workspace()
-        self._screened: LogitBounds | None = None
-        self._float_steps_left = head.float_steps
-
-    def advance(self, tokens: np.ndarray) -> np.ndarray | LogitBounds:
-        head, last, self._screened = self.head, self._screened, None
-        if last is not None:
-            if last.float_share > self.CHEAPER_BELOW:
-                head.float_steps = min(max(2 * head.float_steps, 4), self.MOST_FLOAT_STEPS)
-                self._float_steps_left = head.float_steps
-                head.drop_pages()  # the many rows it read
-            else:
-                head.float_steps = 0
-        greedy = self._float_steps_left == 0
-        self._float_steps_left = max(self._float_steps_left - 1, 0)
-        out = self._next(tokens, greedy=greedy)
-        if out.hidden is not None:
-            self._screened = head.bounds(out.logits[:, -1, :], out.hidden, self.workspace)
-            return self._screened
-        return out.logits[:, -1, :]
+# A batch of generate_many: its window's size (or 0), its inputs' places in the window, its
+# encoder inputs and each input's own ids.
+_Job = tuple[int, list[int], dict[str, np.ndarray], list[np.ndarray] | None]
 
 
 class Seq2SeqModel:
@@ -233,10 +48,15 @@ class Seq2SeqModel:
             that later loads skip the graph optimizations (``docs/runtime.md``); default: none.
         threads: onnxruntime's intra-op threads (default: every core), with the default
             session options; with your own, set their ``intra_op_num_threads`` instead.
+        accelerations: what the runtime does beyond the plain search, with its thresholds
+            (:class:`onnxmerge.runtime.Accelerations`; default: all on, ``docs/runtime.md``);
+            ``Accelerations.off()`` runs the plain search. Tokens are the same either way.
 
     Raises:
         InvalidMergedModelError: the file is not a merged seq2seq model.
-        GenerationError: ``threads`` is not a positive integer, or comes with session options.
+        GenerationError: ``threads`` is not a positive integer, or comes with session options
+            (an ``InvalidArgumentError``, raised before the file is read).
+        InvalidArgumentError: ``accelerations`` is not an ``Accelerations``.
     """
 
     def __init__(
@@ -247,6 +67,7 @@ class Seq2SeqModel:
         session_options: Any | None = None,
         session_cache: str | os.PathLike | None = None,
         threads: int | None = None,
+        accelerations: Accelerations | None = None,
     ):
         self._adopt(
             MergedSession(
@@ -255,14 +76,15 @@ class Seq2SeqModel:
                 session_options=session_options,
                 session_cache=session_cache,
                 threads=threads,
+                accelerations=accelerations,
             )
         )
 
     @classmethod
     def _on(cls, session: MergedSession) -> Seq2SeqModel:
         """A model over an opened session: the benchmarks run OpenVINO through it
-        (``MergedSession(path, backend="openvino")``), which is measured slower and heavier than
-        onnxruntime and therefore not offered (docs/runtimes.md)."""
+        (``benchmarks/_openvino_backend.py``), which is measured slower and heavier than
+        onnxruntime and therefore not offered (docs/runtime.md, "Accelerations")."""
         model = cls.__new__(cls)
         model._adopt(session)
         return model
@@ -283,8 +105,19 @@ class Seq2SeqModel:
         return self._session.session
 
     @property
+    def accelerations(self) -> Accelerations:
+        """What this model runs beyond the plain search (given when it was opened)."""
+        return self._session.accelerations
+
+    @property
     def encoder_input_names(self) -> tuple[str, ...]:
         return tuple(self._session.encoder_input_names)
+
+    @property
+    def main_input(self) -> str:
+        """The encoder input a bare array is (``input_ids``, ``input_features``,
+        ``pixel_values``): the first that is not the attention mask."""
+        return next(n for n in self.encoder_input_names if n != c.ATTENTION_MASK)
 
     @property
     def num_layers(self) -> int:
@@ -317,14 +150,24 @@ class Seq2SeqModel:
 
     # -- inputs ---------------------------------------------------------------------------------
 
-    def _main_input(self) -> str:
-        """The encoder input a bare array is: the first that is not the attention mask."""
-        return next(n for n in self.encoder_input_names if n != c.ATTENTION_MASK)
-
-    @property
-    def main_input(self) -> str:
-        """The encoder input a bare array is: the first that is not the attention mask."""
-        return self._main_input()
+    def _given_inputs(
+        self, encoder_inputs: Mapping[str, Any] | np.ndarray | None, named: dict[str, Any]
+    ) -> dict[str, Any]:
+        """``generate()``'s encoder inputs, given as one mapping, a bare main input or by
+        name, in one mapping."""
+        if isinstance(encoder_inputs, Mapping) or encoder_inputs is None:
+            given = dict(encoder_inputs or {})
+        else:
+            given = {self.main_input: encoder_inputs}
+        overlap = set(given) & set(named)
+        if overlap:
+            raise GenerationError(f"inputs {sorted(overlap)} passed twice")
+        given.update(named)
+        if not given:
+            raise GenerationError(
+                f"no encoder inputs given; this model takes {list(self.encoder_input_names)}"
+            )
+        return given
 
     def _check_encoder_inputs(self, given: Mapping[str, Any]) -> dict[str, np.ndarray]:
         names = self.encoder_input_names
@@ -435,15 +278,7 @@ class Seq2SeqModel:
             raise GenerationError(
                 f"decoder_input_ids must be a numpy array, got {type(decoder_input_ids).__name__}"
             )
-        ids = _cast(c.DECODER_INPUT_IDS, decoder_input_ids, np.int64, 2)
-        if ids.shape[0] != batch:
-            raise GenerationError(
-                f"decoder_input_ids has {ids.shape[0]} rows but the encoder inputs have {batch}"
-            )
-        if ids.shape[1] == 0:
-            raise GenerationError(
-                "decoder_input_ids is empty; omit it to start from the start token"
-            )
+        ids = _decoder_ids(decoder_input_ids, batch)
         if self.model_type != "whisper" and bool((ids[:, 0] != start).all()):
             ids = np.concatenate([np.full((batch, 1), start, dtype=np.int64), ids], axis=1)
         return ids
@@ -493,19 +328,7 @@ class Seq2SeqModel:
         padded batch's rows without the padding); by default the ``input_ids`` given."""
         overrides = {k: v for k, v in keywords.items() if k in GENERATE_KEYWORDS}
         named_inputs = {k: v for k, v in keywords.items() if k not in GENERATE_KEYWORDS}
-        if isinstance(encoder_inputs, Mapping) or encoder_inputs is None:
-            given = dict(encoder_inputs or {})
-        else:
-            given = {self._main_input(): encoder_inputs}
-        overlap = set(given) & set(named_inputs)
-        if overlap:
-            raise GenerationError(f"inputs {sorted(overlap)} passed twice")
-        given.update(named_inputs)
-        if not given:
-            raise GenerationError(
-                f"no encoder inputs given; this model takes {list(self.encoder_input_names)}"
-            )
-        inputs = self._check_encoder_inputs(given)
+        inputs = self._check_encoder_inputs(self._given_inputs(encoder_inputs, named_inputs))
         batch = next(iter(inputs.values())).shape[0]
         # The prompt's length decides max_length; resolve the start token first.
         start = resolve_settings(self.config, self.generation_config, overrides, 1)
@@ -530,15 +353,17 @@ class Seq2SeqModel:
             )
             max_length = settings.max_length
             runner: GreedyRunner = (
-                _GreedyHeadRunner(self._session, inputs, prompt, max_length, greedy_head, stop)
+                GreedyHeadRunner(self._session, inputs, prompt, max_length, greedy_head, stop)
                 if greedy_head is not None
-                else _Runner(self._session, inputs, prompt, max_length, stop)
+                else Runner(self._session, inputs, prompt, max_length, stop)
             )
             return greedy_or_sample(
-                runner, prompt, settings, processors, rng, drop_finished=DROP_FINISHED
+                runner, prompt, settings, processors, rng, accelerations=self.accelerations
             )
-        runner = _Runner(self._session, inputs, prompt, settings.max_length, stop)
-        return beam_search(runner, prompt, settings, processors, rng, drop_finished=DROP_FINISHED)
+        runner = Runner(self._session, inputs, prompt, settings.max_length, stop)
+        return beam_search(
+            runner, prompt, settings, processors, rng, accelerations=self.accelerations
+        )
 
     def generate_many(
         self,
@@ -582,7 +407,8 @@ class Seq2SeqModel:
         if unknown:
             raise GenerationError(
                 f"generate_many() takes generate()'s settings, not {unknown}: give encoder "
-                "inputs as the items of `inputs`; a decoder prompt per input is not supported"
+                "inputs as the items of `inputs`; a decoder prompt per input is not supported",
+                argument=unknown[0],
             )
         settings = self.resolve_settings(
             **{k: v for k, v in generate_kwargs.items() if k in GENERATE_KEYWORDS}
@@ -604,47 +430,18 @@ class Seq2SeqModel:
     ) -> Generator[np.ndarray, None, None]:
         """``generate_many`` once its options are checked: a generator, so nothing runs until
         the first result is asked for."""
-        pad = settings.pad_token_id if settings.pad_token_id is not None else 0
-        main = self._main_input()
         examples = (self._one_example(index, item, settings) for index, item in enumerate(inputs))
-
-        Job = tuple[int, list[int], dict[str, np.ndarray], list[np.ndarray] | None]
-
-        def batches() -> Iterator[Job]:
-            """Each batch as (its window's size, or 0 before the window's last, its inputs'
-            places in the window, its encoder inputs, each input's own ids for the
-            encoder-side processors, which would count the padding as tokens)."""
-            for window in corpus.windows(
-                examples, lambda ex: ex[main].shape[-1], max_batch_size, batch_type
-            ):
-                lengths = [ex[main].shape[-1] for ex in window]
-                keys = [self._batch_key(ex) for ex in window]
-                cut = corpus.cut_batches(
-                    lengths, keys, max_batch_size, batch_type, parallel_batches
-                )
-                for number, batch in enumerate(cut):
-                    rows = [window[i] for i in batch]
-                    fed = {
-                        name: corpus.pad_right(
-                            [r[name] for r in rows], 0 if name == c.ATTENTION_MASK else pad
-                        )
-                        if self._paddable(name)
-                        else np.concatenate([r[name] for r in rows])
-                        for name in rows[0]
-                    }
-                    own_ids = [r["input_ids"][0] for r in rows] if "input_ids" in fed else None
-                    yield (len(window) if number == len(cut) - 1 else 0), batch, fed, own_ids
-
+        jobs_in = self._batches(examples, settings, max_batch_size, batch_type, parallel_batches)
         stop = threading.Event()
         seed = generate_kwargs.get("seed")
         keywords = {k: v for k, v in generate_kwargs.items() if k != "seed"}
 
-        def run(job: Job) -> tuple[int, list[int], np.ndarray]:
+        def run(job: _Job) -> tuple[int, list[int], np.ndarray]:
             window_size, batch, fed, own_ids = job
             return window_size, batch, self._generate(fed, None, seed, keywords, stop, own_ids)
 
         results: dict[int, np.ndarray] = {}
-        jobs = corpus.ordered_map(run, batches(), parallel_batches, stop)
+        jobs = corpus.ordered_map(run, jobs_in, parallel_batches, stop)
         try:
             for window_size, batch, out in jobs:
                 per_input = out.shape[0] // len(batch)
@@ -656,6 +453,38 @@ class Seq2SeqModel:
                     yield from (results.pop(i) for i in range(window_size))
         finally:  # leaving early stops the batches running now, not when jobs is collected
             jobs.close()
+
+    def _batches(
+        self,
+        examples: Iterator[dict[str, np.ndarray]],
+        settings: GenerationSettings,
+        max_batch_size: int,
+        batch_type: str,
+        parallel_batches: int,
+    ) -> Iterator[_Job]:
+        """Each batch as (its window's size, or 0 before the window's last, its inputs' places
+        in the window, its encoder inputs, each input's own ids for the encoder-side
+        processors, which would count the padding as tokens)."""
+        pad = settings.pad_token_id if settings.pad_token_id is not None else 0
+        main = self.main_input
+        for window in corpus.windows(
+            examples, lambda ex: ex[main].shape[-1], max_batch_size, batch_type
+        ):
+            lengths = [ex[main].shape[-1] for ex in window]
+            keys = [self._batch_key(ex) for ex in window]
+            cut = corpus.cut_batches(lengths, keys, max_batch_size, batch_type, parallel_batches)
+            for number, batch in enumerate(cut):
+                rows = [window[i] for i in batch]
+                fed = {
+                    name: corpus.pad_right(
+                        [r[name] for r in rows], 0 if name == c.ATTENTION_MASK else pad
+                    )
+                    if self._paddable(name)
+                    else np.concatenate([r[name] for r in rows])
+                    for name in rows[0]
+                }
+                own_ids = [r["input_ids"][0] for r in rows] if "input_ids" in fed else None
+                yield (len(window) if number == len(cut) - 1 else 0), batch, fed, own_ids
 
     def _warn_unless_threads_divided(self, parallel_batches: int) -> None:
         """Batches at once with more threads than cores run slower than one batch at a time
@@ -707,7 +536,7 @@ class Seq2SeqModel:
                     f"got text ({type(item).__name__}); tokenize it first, or call translate()"
                 )
             else:
-                given = {self._main_input(): item}
+                given = {self.main_input: item}
             batched = {}
             for name, value in given.items():
                 spec = self._session.inputs.get(name)
@@ -741,13 +570,7 @@ class Seq2SeqModel:
         """Run encoder and decoder on a prompt; ``logits`` is ``[rows, prompt_len, vocab]``."""
         inputs = self._check_encoder_inputs(dict(encoder_inputs))
         batch = next(iter(inputs.values())).shape[0]
-        ids = _cast(c.DECODER_INPUT_IDS, np.asarray(decoder_input_ids), np.int64, 2)
-        if ids.shape[0] != batch:
-            raise GenerationError(
-                f"decoder_input_ids has {ids.shape[0]} rows but the encoder inputs have {batch}"
-            )
-        if ids.shape[1] == 0:
-            raise GenerationError("decoder_input_ids is empty; start with the decoder start token")
+        ids = _decoder_ids(np.asarray(decoder_input_ids), batch)
         if self._session.has_attention_mask and c.ATTENTION_MASK not in inputs:
             first = next(iter(inputs.values()))
             inputs[c.ATTENTION_MASK] = np.ones(first.shape[:2], dtype=np.int64)
@@ -812,6 +635,22 @@ def _generate_signature() -> inspect.Signature:
 
 
 Seq2SeqModel.generate.__signature__ = _generate_signature()  # type: ignore[attr-defined]
+
+
+def _decoder_ids(value: np.ndarray, batch: int) -> np.ndarray:
+    """``decoder_input_ids`` as int64 ``[batch, length]``; refuses another kind of number, rank
+    or row count, and a prompt without a token."""
+    ids = _cast(c.DECODER_INPUT_IDS, value, np.int64, 2)
+    if ids.shape[0] != batch:
+        raise GenerationError(
+            f"decoder_input_ids has {ids.shape[0]} rows but the encoder inputs have {batch}"
+        )
+    if ids.shape[1] == 0:
+        raise GenerationError(
+            "decoder_input_ids is empty; give at least the decoder start token (generate() "
+            "starts from it where no decoder_input_ids is given)"
+        )
+    return ids
 
 
 def _cast(name: str, value: np.ndarray, dtype: type, rank: int) -> np.ndarray:

@@ -16,6 +16,7 @@ from typing import Protocol
 
 import numpy as np
 
+from onnxmerge.runtime._accelerations import Accelerations
 from onnxmerge.runtime.processors import ProcessorList, log_softmax, softmax
 from onnxmerge.settings import GenerationSettings
 
@@ -75,14 +76,14 @@ def greedy_or_sample(
     processors: ProcessorList,
     rng: np.random.Generator | None = None,
     *,
-    drop_finished: bool = False,
+    accelerations: Accelerations | None = None,
 ) -> np.ndarray:
     """transformers' ``_sample``: one token per row per step until eos or max_length.
 
-    ``drop_finished``: rows that ended leave the runner (``runner.keep``), as CTranslate2 drops
-    them, rather than run on to the batch's end on padding as in transformers; their tokens are
-    the same. Only greedy search drops them (sampling draws for every row), and only where the
-    processors keep no state by row.
+    ``accelerations`` (default: off): with ``drop_finished``, rows that ended leave the runner
+    (``runner.keep``), as CTranslate2 drops them, rather than run on to the batch's end on
+    padding as in transformers; their tokens are the same. Only greedy search drops them
+    (sampling draws for every row), and only where the processors keep no state by row.
     """
     eos = None if settings.eos_token_id is None else np.asarray(settings.eos_token_id, np.int64)
     # What finished rows take: pad (which resolve_settings sets where eos is set), else eos; no
@@ -92,7 +93,8 @@ def greedy_or_sample(
     rows, cur_len = prompt.shape
     sequences = np.empty((rows, settings.max_length), dtype=np.int64)
     sequences[:, :cur_len] = prompt
-    drop = drop_finished and not settings.do_sample and processors.rows_may_drop
+    drop = bool(accelerations and accelerations.drop_finished) and processors.rows_may_drop
+    drop = drop and not settings.do_sample
     live = np.arange(rows)  # the rows the runner still holds, in its order
     unfinished = np.ones(rows, dtype=bool)
     logits: np.ndarray | TokenPicker = runner.start()
@@ -135,27 +137,27 @@ def _gather(tensor: np.ndarray, indices: np.ndarray) -> np.ndarray:
     return tensor[np.arange(len(indices))[:, None], indices]
 
 
-_SLABS = 32  # few enough that the tiny test models' beams * vocab take the fast path too
-
-
-def _topk_indices(values: np.ndarray, k: int) -> np.ndarray:
+def _topk_indices(values: np.ndarray, k: int, slabs: int = 0) -> np.ndarray:
     """Indices of the k largest values per row, largest first, lower index first on ties, NaN
-    last: ``np.argsort(-values, axis=1, kind="stable")[:, :k]``, without sorting whole rows.
+    last: ``np.argsort(-values, axis=1, kind="stable")[:, :k]``, which it is where ``slabs`` is
+    0 (the plain top-k); otherwise without sorting whole rows.
 
     Beam search asks for 2 * beams of beams * vocab every step. The first ``width`` columns are
-    viewed as ``_SLABS`` slabs; the maximum over slabs of each column group is a value of the
+    viewed as ``slabs`` slabs; the maximum over slabs of each column group is a value of the
     row, so the k-th largest of these maxima bounds the row's k-th largest from below, and only
     the groups that reach it, and the columns past ``width``, hold candidates. Rows whose bound
     is -inf (a forced token masks all but a few) take their finite values and then the first
     -inf columns; rows with a NaN, or too many candidates at a finite bound, go to
     ``_topk_by_partition``, row by row.
     """
+    if not slabs:
+        return np.argsort(-values, axis=1, kind="stable")[:, :k]
     rows, n = values.shape
-    group_count = n // _SLABS
+    group_count = n // slabs
     if group_count <= k:
         return _topk_by_partition(values, k)
-    width = _SLABS * group_count
-    groups = values[:, :width].reshape(rows, _SLABS, group_count)  # column: slab, then group
+    width = slabs * group_count
+    groups = values[:, :width].reshape(rows, slabs, group_count)  # column: slab, then group
     group_max = groups.max(axis=1)
     bound = np.partition(group_max, -k, axis=1)[:, -k, None]
     reaching = group_max >= bound
@@ -165,7 +167,7 @@ def _topk_indices(values: np.ndarray, k: int) -> np.ndarray:
     reaching[slow] = False
     # np.nonzero on 2-D masks costs ten times a flat one here.
     row, group = np.divmod(np.flatnonzero(reaching), group_count)
-    hit, slab = np.divmod(np.flatnonzero(groups[row, :, group] >= bound[row]), _SLABS)
+    hit, slab = np.divmod(np.flatnonzero(groups[row, :, group] >= bound[row]), slabs)
     tail_row, tail_col = np.nonzero(values[:, width:] >= bound)
     tail = ~slow[tail_row]
     row = np.concatenate((row[hit], tail_row[tail]))
@@ -223,6 +225,10 @@ class _BeamConfig:
     beams_to_keep: int  # candidates per input each step: enough to survive every eos hit
     top_num_beam_mask: np.ndarray  # [beams_to_keep], True for the first num_beams
     batch_offset: np.ndarray  # [batch, 1], each input's first runner row
+    topk_slabs: int = 0  # _topk_indices' slabs; 0: a stable sort
+
+    def topk(self, values: np.ndarray, k: int) -> np.ndarray:
+        return _topk_indices(values, k, self.topk_slabs)
 
 
 @dataclass
@@ -278,18 +284,22 @@ def beam_search(
     processors: ProcessorList,
     rng: np.random.Generator | None = None,
     *,
-    drop_finished: bool = False,
+    accelerations: Accelerations | None = None,
 ) -> np.ndarray:
     """transformers' vectorised ``_beam_search`` (and beam sampling when ``do_sample``).
 
     ``prompt`` holds one row per input; the runner's rows are expanded to beams after the first
-    step, so the encoder and the prompt run once per input. ``drop_finished``: an input whose
-    finished hypotheses can no longer change leaves the runner with its beams
-    (``runner.keep``), as in ``greedy_or_sample``.
+    step, so the encoder and the prompt run once per input. ``accelerations`` (default: off):
+    with ``drop_finished``, an input whose finished hypotheses can no longer change leaves the
+    runner with its beams (``runner.keep``), as in ``greedy_or_sample``; with ``fast_topk``,
+    the top-k searches only the column groups that can hold it.
     """
+    accelerations = accelerations or Accelerations.off()
     cfg = _beam_config(settings, prompt.shape[0], prompt.shape[1])
+    if accelerations.fast_topk:
+        cfg = dataclasses.replace(cfg, topk_slabs=accelerations.topk_slabs)
     beams = _initial_beams(cfg, prompt, settings.pad_token_id)
-    drop = drop_finished and not settings.do_sample and processors.rows_may_drop
+    drop = accelerations.drop_finished and not settings.do_sample and processors.rows_may_drop
     results = _Results.empty(beams)
     inputs = np.arange(cfg.batch)  # the inputs the runner still holds, in its order
     cur_len = cfg.prompt_len
@@ -415,7 +425,7 @@ def _top_candidates(
             gumbel = np.log(softmax(log_probs).astype(np.float64)) - np.log(
                 -np.log((rng or np.random.default_rng()).random(log_probs.shape))
             )
-        topk_indices = _topk_indices(gumbel, cfg.beams_to_keep)
+        topk_indices = cfg.topk(gumbel, cfg.beams_to_keep)
     else:
         topk_indices = _first_step_topk(cfg, cur_len, log_probs)
     vocab = log_probs.shape[1] // cfg.num_beams
@@ -443,16 +453,16 @@ def _first_step_topk(cfg: _BeamConfig, cur_len: int, log_probs: np.ndarray) -> n
     if cur_len == cfg.prompt_len and cfg.num_beams > 1:
         first = log_probs[:, : log_probs.shape[1] // cfg.num_beams]
         if first.shape[1] >= cfg.beams_to_keep:
-            top = _topk_indices(first, cfg.beams_to_keep)
+            top = cfg.topk(first, cfg.beams_to_keep)
             if bool((_gather(first, top)[:, -1] > _NEG).all()):
                 return top
-    return _topk_indices(log_probs, cfg.beams_to_keep)
+    return cfg.topk(log_probs, cfg.beams_to_keep)
 
 
 def _keep_running(cfg: _BeamConfig, beams: _Beams, candidates: _Candidates) -> None:
     """Step e: the best unfinished candidates run on."""
     running_log_probs = candidates.log_probs + candidates.hits.astype(np.float32) * _NEG
-    next_topk = _topk_indices(running_log_probs, cfg.num_beams)
+    next_topk = cfg.topk(running_log_probs, cfg.num_beams)
     beams.running_sequences = _gather(candidates.sequences, next_topk)
     beams.running_beam_scores = _gather(running_log_probs, next_topk)
     beams.running_beam_indices = _gather(candidates.beam_indices, next_topk)
@@ -469,7 +479,7 @@ def _keep_finished(cfg: _BeamConfig, beams: _Beams, candidates: _Candidates, cur
     finished_scores = finished_scores + (~beams.heuristic_unsatisfied).astype(np.float32) * _NEG
     finished_scores = finished_scores + (~just_finished).astype(np.float32) * _NEG
     merged_scores = np.concatenate((beams.beam_scores, finished_scores), axis=1)
-    keep = _topk_indices(merged_scores, cfg.num_beams)
+    keep = cfg.topk(merged_scores, cfg.num_beams)
     beams.sequences = _gather(np.concatenate((beams.sequences, candidates.sequences), axis=1), keep)
     beams.beam_scores = _gather(merged_scores, keep)
     beams.beam_indices = _gather(

@@ -23,7 +23,9 @@ from onnxmerge import _ort as ort
 from onnxmerge import contract as c
 from onnxmerge._ort import release_free_heap
 from onnxmerge._wire import load_skeleton
-from onnxmerge.errors import GenerationError, InvalidMergedModelError, MissingDependencyError
+from onnxmerge.errors import GenerationError, InvalidMergedModelError
+from onnxmerge.runtime._accelerations import Accelerations
+from onnxmerge.runtime._accelerations import checked as checked_accelerations
 from onnxmerge.runtime._graph_reads import (
     gathered_only,
     pasts_read_only_into_presents,
@@ -187,29 +189,35 @@ class StepOutput:
     hidden: np.ndarray | None = None
 
 
-# The runtimes a merged model can run on, and the package each needs.
-BACKENDS = {"onnxruntime": "onnxmerge[runtime]", "openvino": "openvino"}
+def _session_options(session_options: Any | None, threads: int | None) -> Any:
+    """The session options to open with; refuses a bad ``threads`` before anything is read."""
+    if threads is not None:
+        if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or threads < 1:
+            raise GenerationError(
+                f"threads must be a positive integer, got {threads!r}", argument="threads"
+            )
+        if session_options is not None:
+            raise GenerationError(
+                "give threads or session_options (with its intra_op_num_threads), not both",
+                argument="threads",
+            )
+        return ort.session_options(threads=int(threads))
+    return session_options if session_options is not None else ort.session_options()
 
 
-def _require(backend: str) -> None:
-    """Refuse an unknown backend, or one whose package is missing, saying what to do."""
-    import importlib.util
-
-    if backend not in BACKENDS:
-        raise GenerationError(
-            f"unknown backend {backend!r}; choose one of {', '.join(map(repr, BACKENDS))}"
-        )
-    if importlib.util.find_spec(backend) is None:
-        raise MissingDependencyError(
-            f"backend={backend!r} needs the {backend} package: pip install '{BACKENDS[backend]}'"
-        )
+def _model_file(path: str | os.PathLike) -> Path:
+    path = Path(path)
+    if not path.is_file():
+        raise InvalidMergedModelError(f"{path} is not a file; pass the merged .onnx file")
+    return path
 
 
 class MergedSession:
     """An onnxruntime session over a merged model, with the step API.
 
     ``opened`` is the file onnxruntime read: the model, or its entry in ``session_cache``;
-    ``wrote_cache_entry`` says whether this load wrote that entry.
+    ``wrote_cache_entry`` says whether this load wrote that entry. ``accelerations`` says what
+    the runtime does beyond the plain search (``Accelerations``).
     """
 
     def __init__(
@@ -219,52 +227,67 @@ class MergedSession:
         providers: Sequence[Any] | None = None,
         session_options: Any | None = None,
         session_cache: str | os.PathLike | None = None,
-        backend: str = "onnxruntime",
         threads: int | None = None,
+        accelerations: Accelerations | None = None,
     ):
-        _require(backend)
-        self.path = Path(path)
-        self.backend = backend
-        if not self.path.is_file():
-            raise InvalidMergedModelError(f"{self.path} is not a file; pass the merged .onnx file")
-        if backend != "onnxruntime" and (session_cache is not None or providers):
-            raise GenerationError(
-                f"session_cache and providers are onnxruntime's; backend={backend!r} takes neither"
-            )
-        if threads is not None:
-            if (
-                isinstance(threads, bool)
-                or not isinstance(threads, (int, np.integer))
-                or threads < 1
-            ):
-                raise GenerationError(f"threads must be a positive integer, got {threads!r}")
-            threads = int(threads)
-            if session_options is not None:
-                raise GenerationError(
-                    "give threads or session_options (with its intra_op_num_threads), not both"
-                )
-        options = (
-            session_options if session_options is not None else ort.session_options(threads=threads)
-        )
+        self.accelerations = checked_accelerations(accelerations)
+        options = _session_options(session_options, threads)
+        self.path = _model_file(path)
+        if not self.accelerations.session_cache:
+            session_cache = None
         try:
-            if backend == "openvino":
-                from onnxmerge.runtime._openvino import OpenVinoSession
-
-                threads = threads or getattr(session_options, "intra_op_num_threads", 0)
-                self.session, self.opened = OpenVinoSession(self.path, threads), self.path
-                self.wrote_cache_entry = False
-            elif session_cache is None:
-                self.session = ort.open_session(self.path, options, providers)
-                self.opened = self.path
-                self.wrote_cache_entry = False
+            if session_cache is None:
+                session = ort.open_session(self.path, options, providers)
+                opened, wrote = self.path, False
             else:
-                self.session, self.opened, self.wrote_cache_entry = open_with_cache(
+                session, opened, wrote = open_with_cache(
                     self.path, session_cache, options, providers
                 )
         except Exception as error:
-            raise InvalidMergedModelError(f"{backend} cannot load {self.path}: {error}") from error
+            raise InvalidMergedModelError(
+                f"onnxruntime cannot load {self.path}: {error}"
+            ) from error
+        self._adopt(session, opened, wrote, options)
+
+    @classmethod
+    def over(
+        cls, path: str | os.PathLike, session: Any, *, accelerations: Accelerations | None = None
+    ) -> MergedSession:
+        """A session over ``session``, already opened on ``path`` by another runtime, which has
+        the part of onnxruntime's ``InferenceSession`` that steps use: ``run``, ``get_inputs``,
+        ``get_outputs`` and ``get_modelmeta`` (``benchmarks/_openvino_backend.py``)."""
+        self = cls.__new__(cls)
+        self.accelerations = checked_accelerations(accelerations)
+        self.path = _model_file(path)
+        self._adopt(session, self.path, False, None)
+        return self
+
+    def _adopt(self, session: Any, opened: Path, wrote_cache_entry: bool, options: Any) -> None:
+        """Hand the load's memory back, then read the contract, the step names and the greedy
+        head of the opened ``session``."""
+        self.session, self.opened, self.wrote_cache_entry = session, opened, wrote_cache_entry
         release_free_heap()
         release_mapped_weights(self.opened)
+        self._read_contract()
+        self._true = np.ones(1, dtype=np.bool_)
+        self._false = np.zeros(1, dtype=np.bool_)
+        self._passed_through: dict[str, str] | None = None
+        if self.has_past:
+            self._check_past()
+        # A session-cache entry may hold an int8 head for greedy search under FLAG.
+        self._has_flag = self.has_past and FLAG in self.inputs and HIDDEN in self.output_names
+        self.greedy_head = (
+            GreedyHead.load(self.opened.parent)
+            if self._has_flag and self.accelerations.greedy_head
+            else None
+        )
+        if self.greedy_head is not None:
+            self._greedy_outputs = self._next_outputs + [HIDDEN]
+        # After the greedy head, whose rows of the embedding are mapped as well.
+        self._gathered = GatheredPages(self.opened, self._gathered_tensors(options))
+
+    def _read_contract(self) -> None:
+        """The contract, inputs and outputs of the session; refuses encoder inputs it lacks."""
         inputs = self.session.get_inputs()
         outputs = self.session.get_outputs()
         metadata = self.session.get_modelmeta().custom_metadata_map
@@ -296,49 +319,40 @@ class MergedSession:
         self.past_encoder_names = c.past_names(layers, "encoder")
         self.present_decoder_names = c.present_names(layers, "decoder")
         self.present_encoder_names = c.present_names(layers, "encoder")
-        self._passed_through: dict[str, str] | None = None
-        if self.has_past:
-            absent = [
-                n
-                for n in self.past_decoder_names + self.past_encoder_names + [c.USE_CACHE_BRANCH]
-                if n not in self.inputs
-            ] + [
-                n
-                for n in self.present_decoder_names + self.present_encoder_names
-                if n not in self.output_names
-            ]
-            if absent:
-                raise InvalidMergedModelError(
-                    f"{self.path} is not a complete merged model: it lacks {absent[:4]}"
-                )
-            self._first_outputs = (
-                [c.LOGITS] + self.present_decoder_names + self.present_encoder_names
+
+    def _check_past(self) -> None:
+        """Refuse a cached branch without its pasts and presents; name each step's outputs."""
+        absent = [
+            n
+            for n in self.past_decoder_names + self.past_encoder_names + [c.USE_CACHE_BRANCH]
+            if n not in self.inputs
+        ] + [
+            n
+            for n in self.present_decoder_names + self.present_encoder_names
+            if n not in self.output_names
+        ]
+        if absent:
+            raise InvalidMergedModelError(
+                f"{self.path} is not a complete merged model: it lacks {absent[:4]}"
             )
-            self._next_outputs = [c.LOGITS] + self.present_decoder_names
-            # Format 3's cached steps return the past cross-attention tensors as they came in;
-            # on another device than the CPU, binding them to numpy arrays would copy them.
-            session: Any = self.session
-            on_cpu = backend == "onnxruntime" and session.get_providers() == [
-                "CPUExecutionProvider"
-            ]
-            self._passed_through = (
-                dict(zip(self.present_encoder_names, self.past_encoder_names, strict=True))
-                if self.info.one_decoder and on_cpu
-                else None
-            )
-            self._past_shapes = {
-                name: self._past_shape(name)
-                for name in self.past_decoder_names + self.past_encoder_names
-            }
-        self._true = np.ones(1, dtype=np.bool_)
-        self._false = np.zeros(1, dtype=np.bool_)
-        # A session-cache entry may hold an int8 head for greedy search under FLAG.
-        self._has_flag = self.has_past and FLAG in self.inputs and HIDDEN in self.output_names
-        self.greedy_head = GreedyHead.load(self.opened.parent) if self._has_flag else None
-        if self.greedy_head is not None:
-            self._greedy_outputs = self._next_outputs + [HIDDEN]
-        # After the greedy head, whose rows of the embedding are mapped as well.
-        self._gathered = GatheredPages(self.opened, self._gathered_tensors(options))
+        self._first_outputs = [c.LOGITS] + self.present_decoder_names + self.present_encoder_names
+        self._next_outputs = [c.LOGITS] + self.present_decoder_names
+        # Format 3's cached steps return the past cross-attention tensors as they came in;
+        # on another device than the CPU, binding them to numpy arrays would copy them.
+        self._passed_through = (
+            dict(zip(self.present_encoder_names, self.past_encoder_names, strict=True))
+            if self.info.one_decoder and self._on_cpu()
+            else None
+        )
+        self._past_shapes = {
+            name: self._past_shape(name)
+            for name in self.past_decoder_names + self.past_encoder_names
+        }
+
+    def _on_cpu(self) -> bool:
+        """Whether the session is onnxruntime's on its CPU provider alone."""
+        providers = getattr(self.session, "get_providers", None)
+        return providers is not None and providers() == ["CPUExecutionProvider"]
 
     @functools.cached_property
     def _graph(self) -> onnx.GraphProto | None:
@@ -352,10 +366,7 @@ class MergedSession:
     def _gathered_tensors(self, options: Any) -> list[tuple[Path, int, int]]:
         """Where the weights lie that steps only gather rows of, outside the runs' packed copies:
         on onnxruntime's CPU provider, which packs MatMul and Gemm weights unless told not to."""
-        session: Any = self.session  # an InferenceSession where the backend is onnxruntime
-        if self.backend != "onnxruntime" or session.get_providers() != ["CPUExecutionProvider"]:
-            return []
-        if self._graph is None:
+        if options is None or not self._on_cpu() or self._graph is None:
             return []
         try:
             if options.get_session_config_entry("session.disable_prepacking") == "1":
@@ -552,16 +563,7 @@ class MergedSession:
             raise GenerationError(f"{self.path}: this session has no greedy head")
         mask = attention_mask if attention_mask is not None else cache.attention_mask
         if not self.has_past:
-            tokens = np.concatenate([cache.tokens, decoder_input_ids], axis=1)
-            feeds = dict(cache.encoder_inputs or {})
-            if mask is not None:
-                feeds[c.ATTENTION_MASK] = mask
-            feeds[c.DECODER_INPUT_IDS] = tokens
-            logits = self._run([c.LOGITS], feeds)[0]
-            new_cache = Cache(
-                attention_mask=mask, tokens=tokens, encoder_inputs=cache.encoder_inputs
-            )
-            return StepOutput(logits[:, -decoder_input_ids.shape[1] :], new_cache)
+            return self._next_without_past(decoder_input_ids, cache, mask)
         rows = decoder_input_ids.shape[0]
         feeds = self.placeholders(rows)
         if mask is not None and self.has_attention_mask:
@@ -591,3 +593,16 @@ class MergedSession:
         return StepOutput(
             self._logits(results[0], rows), new_cache, results[-1] if greedy else None
         )
+
+    def _next_without_past(
+        self, decoder_input_ids: np.ndarray, cache: Cache, mask: np.ndarray | None
+    ) -> StepOutput:
+        """A step of a model merged without past: the encoder and the whole prefix again."""
+        tokens = np.concatenate([cache.tokens, decoder_input_ids], axis=1)
+        feeds = dict(cache.encoder_inputs or {})
+        if mask is not None:
+            feeds[c.ATTENTION_MASK] = mask
+        feeds[c.DECODER_INPUT_IDS] = tokens
+        logits = self._run([c.LOGITS], feeds)[0]
+        new_cache = Cache(attention_mask=mask, tokens=tokens, encoder_inputs=cache.encoder_inputs)
+        return StepOutput(logits[:, -decoder_input_ids.shape[1] :], new_cache)

@@ -3,6 +3,9 @@
 OpenVINO compiles the merged file for the CPU once; every step is one inference request. It
 computes in float32 (``INFERENCE_PRECISION_HINT``): left to itself it picks bfloat16 on
 processors that have it, which changes tokens.
+
+Only the benchmarks run it (``bench_ctranslate2``'s ``openvino`` rows): measured slower and
+heavier than onnxruntime, it is not part of the package (docs/runtime.md, "Accelerations").
 """
 
 from __future__ import annotations
@@ -91,3 +94,11 @@ class OpenVinoSession:
         values = list(results.values())
         names = output_names or [o.name for o in self._outputs]
         return [values[self._port[n]] for n in names]
+
+
+def openvino_model(path: str | os.PathLike, threads: int | None = None) -> Any:
+    """A ``Seq2SeqModel`` over ``path`` whose steps OpenVINO runs, under the same search."""
+    from onnxmerge.runtime import Seq2SeqModel
+    from onnxmerge.runtime._session import MergedSession
+
+    return Seq2SeqModel._on(MergedSession.over(path, OpenVinoSession(path, threads)))

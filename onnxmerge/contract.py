@@ -124,10 +124,12 @@ def cache_layer(name: str) -> int | None:
 
 
 def is_past_name(name: str) -> bool:
+    """Whether ``name`` is a cached key or value fed to a step (``past_key_values.*``)."""
     return name.startswith("past_key_values.")
 
 
 def is_present_name(name: str) -> bool:
+    """Whether ``name`` is a key or value a step returns for the cache (``present.*``)."""
     return name.startswith("present.")
 
 
@@ -238,6 +240,7 @@ class ContractInfo:
 
     @property
     def has_past(self) -> bool:
+        """Whether the file caches keys and values between steps."""
         return self.layout == LAYOUT_WITH_PAST
 
     @property

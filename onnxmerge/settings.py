@@ -257,6 +257,12 @@ def _check_decoder_positions(config: dict, max_length: int, prompt_length: int) 
 
 
 def validate_settings(s: GenerationSettings) -> None:
+    """Refuse settings that cannot run together.
+
+    Raises:
+        GenerationError: a count below 1, more sequences than beams, or another combination
+            ``generate()`` refuses; the message names the setting.
+    """
     if s.num_beams < 1:
         raise GenerationError(f"num_beams must be >= 1, got {s.num_beams}")
     if s.num_return_sequences < 1:

@@ -58,9 +58,11 @@ class FeatureSpec:
 
     @property
     def frames(self) -> int:
+        """Frames of features a full window gives (3,000 for Whisper's 30 s)."""
         return self.n_samples // self.hop_length
 
     def as_dict(self) -> dict[str, int]:
+        """The settings as the feature model's metadata records them."""
         return {
             "n_mels": self.n_mels,
             "n_samples": self.n_samples,

@@ -17,6 +17,8 @@ logger = logging.getLogger(__name__)
 
 
 class Role(enum.Enum):
+    """What a file of an export is, judged from its inputs and outputs, not its name."""
+
     ENCODER = "encoder"
     DECODER = "decoder"
     DECODER_WITH_PAST = "decoder_with_past"

@@ -111,6 +111,7 @@ class Seq2SeqModel:
 
     @property
     def encoder_input_names(self) -> tuple[str, ...]:
+        """The encoder's inputs, as the file names them (``input_ids``, ``attention_mask``...)."""
         return tuple(self._session.encoder_input_names)
 
     @property
@@ -121,10 +122,12 @@ class Seq2SeqModel:
 
     @property
     def num_layers(self) -> int:
+        """Decoder layers: the cache holds a key and a value per layer."""
         return self.info.num_layers
 
     @property
     def has_past(self) -> bool:
+        """Whether the file caches keys and values between steps (exported with past)."""
         return self._session.has_past
 
     @property
@@ -146,6 +149,7 @@ class Seq2SeqModel:
 
     @property
     def model_type(self) -> str | None:
+        """The config's ``model_type`` (``"marian"``, ``"t5"``, ``"whisper"``...), if it has one."""
         return self.config.get("model_type")
 
     # -- inputs ---------------------------------------------------------------------------------

@@ -67,6 +67,7 @@ class Cache:
 
     @property
     def rows(self) -> int:
+        """Rows of the batch the cache holds (inputs times beams)."""
         if self.tokens is not None:
             return self.tokens.shape[0]
         return self.decoder[0].shape[0]

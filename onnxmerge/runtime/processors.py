@@ -42,6 +42,7 @@ class _Mask:
     keeps_bounds = True
 
     def masks_only(self, input_ids: np.ndarray) -> bool:
+        """Whether, called with ``input_ids``, this processor only sets scores to -inf."""
         return True
 
 
@@ -223,6 +224,7 @@ class ForcedBOS:
         self.token_id = int(token_id)
 
     def masks_only(self, input_ids: np.ndarray) -> bool:
+        """Whether, called with ``input_ids``, this processor only sets scores to -inf."""
         return input_ids.shape[1] != 1  # a step that leaves the scores alone
 
     def __call__(self, input_ids: np.ndarray, scores: np.ndarray) -> np.ndarray:
@@ -246,6 +248,7 @@ class ForcedEOS:
             )
 
     def masks_only(self, input_ids: np.ndarray) -> bool:
+        """Whether, called with ``input_ids``, this processor only sets scores to -inf."""
         return input_ids.shape[1] != self.max_length - 1  # a step that leaves the scores alone
 
     def __call__(self, input_ids: np.ndarray, scores: np.ndarray) -> np.ndarray:
@@ -280,6 +283,9 @@ class SuppressTokensAtBegin(_Mask):
 
 
 class Temperature:
+    """Divides the scores by ``temperature`` before sampling, as transformers'
+    ``TemperatureLogitsWarper``."""
+
     def __init__(self, temperature: float):
         self.temperature = float(_positive("temperature", temperature, " when sampling"))
 
@@ -323,6 +329,7 @@ class TopP:
 
 
 def softmax(scores: np.ndarray) -> np.ndarray:
+    """Probabilities along the last axis, computed from the shifted scores so none overflows."""
     exp = scores - scores.max(axis=-1, keepdims=True)
     np.exp(exp, out=exp)
     exp /= exp.sum(axis=-1, keepdims=True)
@@ -393,6 +400,8 @@ class ProcessorList(list):
 
     @property
     def keeps_bounds(self) -> bool:
+        """Whether every processor keeps each row's largest score the largest (the greedy head's
+        screening stays exact)."""
         return all(getattr(processor, "keeps_bounds", False) for processor in self)
 
     @property

@@ -1,5 +1,7 @@
 """The merge stage: loading an export, judging each file's role, splicing the files into one
-model, the checkpoint analysis and the orchestration that runs them with the rewrite passes.
+model, the checkpoint analysis and the orchestration that runs them with the rewrite passes;
+and the one way every writer gets a merged model from what it is given (``resolve_source``,
+``merged_model``).
 
 The orchestrator is imported when one of its names is first asked for, so that a module that only
 loads files (``merge._load``) does not pull in the rest of the stage.
@@ -18,6 +20,7 @@ if TYPE_CHECKING:
         merge_seq2seq_with_report,
         rewrite_steps,
     )
+    from onnxmerge.merge._resolve import Source, merged_model, resolve_source
 
 __all__ = [
     "DEFAULT_OUTPUT_NAME",
@@ -27,6 +30,9 @@ __all__ = [
     "merge_seq2seq",
     "merge_seq2seq_with_report",
     "rewrite_steps",
+    "Source",
+    "merged_model",
+    "resolve_source",
 ]
 
 
@@ -35,6 +41,10 @@ def __getattr__(name: str):
         from onnxmerge.merge import _load as load
 
         return getattr(load, name)
+    if name in ("Source", "merged_model", "resolve_source"):
+        from onnxmerge.merge import _resolve as resolve
+
+        return getattr(resolve, name)
     if name in __all__:
         from onnxmerge.merge import _orchestrate as orchestrate
 

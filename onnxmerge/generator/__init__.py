@@ -11,11 +11,13 @@ from onnxmerge.generator._build import (
     MAX_NEW_TOKENS,
     SEQUENCES,
     SEQUENCES_SCORES,
+    GeneratorResult,
     build_generator,
 )
 
 __all__ = [
     "build_generator",
+    "GeneratorResult",
     "DEFAULT_OUTPUT_NAME",
     "MAX_NEW_TOKENS",
     "SEQUENCES",

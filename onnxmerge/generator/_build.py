@@ -30,7 +30,7 @@ from onnxmerge.generator import _processor_nodes as processors
 from onnxmerge.generator import _search_nodes as search
 from onnxmerge.generator import audio as audio_front
 from onnxmerge.generator._ops import Names, Ops, typed_input
-from onnxmerge.merge import merged_model, resolve_source
+from onnxmerge.merge import Source, merged_model, resolve_source
 from onnxmerge.passes import base as passes_base
 from onnxmerge.passes.base import name_of
 from onnxmerge.settings import GenerationSettings, resolve_settings
@@ -63,7 +63,7 @@ _FIXED = {"num_beams", "do_sample", "num_return_sequences", "max_new_tokens", "m
 
 
 def build_generator(
-    source: str | os.PathLike,
+    source: str | os.PathLike | Source,
     output: str | os.PathLike | None = None,
     *,
     search: str = "greedy",

@@ -24,7 +24,7 @@ from onnxmerge.errors import (
     InvalidMergedModelError,
     QuantizationError,
 )
-from onnxmerge.merge import merged_model, resolve_source
+from onnxmerge.merge import Source, merged_model, resolve_source
 from onnxmerge.passes import dedup
 from onnxmerge.quantization import _rewrite
 from onnxmerge.quantization._codes import INT8_PEAK
@@ -53,7 +53,7 @@ def default_output(source: Path, weights: str) -> Path:
 
 
 def quantize(
-    source: str | os.PathLike,
+    source: str | os.PathLike | Source,
     output: str | os.PathLike | None = None,
     *,
     weights: str = DEFAULT_WEIGHTS,
@@ -110,7 +110,7 @@ def quantize(
 
 
 def quantize_with_report(
-    source: str | os.PathLike, output: str | os.PathLike | None = None, **options: Any
+    source: str | os.PathLike | Source, output: str | os.PathLike | None = None, **options: Any
 ) -> QuantizeResult:
     """Deprecated: ``quantize(...).report``, which this returns.
 

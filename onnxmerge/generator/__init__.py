@@ -9,6 +9,7 @@ from __future__ import annotations
 from onnxmerge.generator._build import (
     DEFAULT_OUTPUT_NAME,
     MAX_NEW_TOKENS,
+    SEARCHES,
     SEQUENCES,
     SEQUENCES_SCORES,
     GeneratorResult,
@@ -20,6 +21,7 @@ __all__ = [
     "GeneratorResult",
     "DEFAULT_OUTPUT_NAME",
     "MAX_NEW_TOKENS",
+    "SEARCHES",
     "SEQUENCES",
     "SEQUENCES_SCORES",
 ]

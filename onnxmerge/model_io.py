@@ -14,10 +14,11 @@ import os
 import re
 import shutil
 import stat
+import sys
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import TextIO
+from typing import Any, Generic, TextIO, TypeVar
 
 import numpy as np
 import onnx
@@ -25,11 +26,17 @@ import onnx_ir as ir
 
 from onnxmerge import _wire
 from onnxmerge.errors import (
+    IncompatibleModelsError,
     ModelNotFoundError,
-    OnnxMergeError,
     RefusedOutputError,
     UnsafeExternalDataError,
+    WireFormatError,
 )
+
+if sys.platform == "win32":
+    from pathlib import WindowsPath as _SystemPath
+else:
+    from pathlib import PosixPath as _SystemPath
 
 logger = logging.getLogger(__name__)
 
@@ -216,18 +223,29 @@ def load_model(path: Path) -> tuple[ir.Model, set[Path]]:
     except FileNotFoundError:
         raise ModelNotFoundError(f"{path} does not exist") from None
     except Exception as e:  # protobuf raises several unrelated types on a corrupt file
-        raise OnnxMergeError(f"{path} is not a readable ONNX model: {e}") from e
+        raise WireFormatError(f"{path} is not a readable ONNX model: {e}") from e
     _refuse_sparse(proto.graph, path)
     locations = check_external_data(proto, path)
     try:
         model = ir.serde.deserialize_model(proto)
     except Exception as e:  # a corrupt file can parse as protobuf yet not be a valid model
-        raise OnnxMergeError(f"{path} is not a valid ONNX model: {e}") from e
+        raise WireFormatError(f"{path} is not a valid ONNX model: {e}") from e
     ir.external_data.set_base_dir(model.graph, path.parent.resolve())
     _pin_external_tensors(model, locations)
     data_files = set(locations.values()) - {path.resolve()}
     logger.debug("loaded %s (%d external data files)", path, len(data_files))
     return model, data_files
+
+
+def read_metadata(path: Path) -> dict[str, str]:
+    """A model file's metadata, its weights left unread."""
+    try:
+        proto = _wire.load_skeleton(path)
+    except FileNotFoundError:
+        raise ModelNotFoundError(f"{path} does not exist") from None
+    except Exception as e:  # protobuf raises several unrelated types on a corrupt file
+        raise WireFormatError(f"{path} is not a readable ONNX model: {e}") from e
+    return {entry.key: entry.value for entry in proto.metadata_props}
 
 
 def _refuse_sparse(graph: onnx.GraphProto, path: Path) -> None:
@@ -238,7 +256,7 @@ def _refuse_sparse(graph: onnx.GraphProto, path: Path) -> None:
             for attr in node.attribute:
                 sparse |= attr.HasField("sparse_tensor") or len(attr.sparse_tensors) > 0
         if sparse:
-            raise OnnxMergeError(
+            raise IncompatibleModelsError(
                 f"{path} holds sparse tensors, which onnxmerge does not merge; export the model "
                 "with dense weights"
             )
@@ -381,13 +399,33 @@ def _free_data_name(output: Path) -> str:
     return name
 
 
-def check_output(output: Path, inputs: Iterable[Path], *, overwrite: bool) -> None:
-    """Refuse an output (or its data file) that is an input, exists unless ``overwrite``, or is a
-    folder."""
-    inputs = list(inputs)
+def check_output(
+    output: str | os.PathLike,
+    inputs: Iterable[str | os.PathLike],
+    *,
+    overwrite: bool,
+    folder: bool = False,
+) -> None:
+    """Refuse an output every writer must refuse, before it reads or writes anything.
+
+    Args:
+        output: the file (or, with ``folder``, the folder) to write.
+        inputs: every file (or folder) the write reads; none may be replaced by the output.
+        overwrite: whether an existing output (a non-empty folder) may be replaced.
+        folder: the output is a folder of files (a web site) rather than one model file.
+
+    Raises:
+        RefusedOutputError: the output (or a model's data file) is an input or holds one, exists
+            without ``overwrite``, or is a folder where a file is written (or the reverse).
+    """
+    output = Path(output)
+    read = [Path(path) for path in inputs]
+    if folder:
+        _check_output_folder(output, read, overwrite=overwrite)
+        return
     for target in (output, output.parent / data_file_name(output)):
-        for path in inputs:
-            if target.exists() and os.path.samefile(target, path):
+        for path in read:
+            if target.exists() and path.exists() and os.path.samefile(target, path):
                 raise RefusedOutputError(
                     f"the output {target} is the input {path}; choose another output path"
                 )
@@ -397,6 +435,60 @@ def check_output(output: Path, inputs: Iterable[Path], *, overwrite: bool) -> No
         )
     if output.is_dir():
         raise RefusedOutputError(f"{output} is a folder; give a file path")
+
+
+def _check_output_folder(output: Path, inputs: list[Path], *, overwrite: bool) -> None:
+    for path in inputs:
+        if _inside(path, output):
+            raise RefusedOutputError(
+                f"the folder {output} holds the input {path}; writing it would replace the "
+                "input: choose another output folder"
+            )
+    if output.exists() and not output.is_dir():
+        raise RefusedOutputError(f"{output} exists and is not a folder; choose another output")
+    if output.is_dir() and any(output.iterdir()) and not overwrite:
+        raise RefusedOutputError(
+            f"{output} exists and is not empty; pass --overwrite (overwrite=True) to replace it, "
+            "or choose another folder"
+        )
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    path, folder = path.resolve(), folder.resolve()
+    return path == folder or folder in path.parents
+
+
+Report = TypeVar("Report")
+
+
+class WrittenPath(_SystemPath, Generic[Report]):
+    """The path a writer wrote, carrying the writer's numbers in ``report``.
+
+    It is a :class:`pathlib.Path`, so it goes wherever the path did (``str(path)``, ``open``,
+    ``path.stat()``, ``path.parent``); paths derived from it carry no report.
+
+    Example:
+        >>> from onnxmerge.model_io import WrittenPath
+        >>> written = WrittenPath.of("model.onnx", {"bytes": 1})
+        >>> written.name, written.report
+        ('model.onnx', {'bytes': 1})
+    """
+
+    report: Any = None
+
+    @classmethod
+    def of(cls, path: str | os.PathLike, report: Report) -> WrittenPath[Report]:
+        """``path`` with ``report`` attached."""
+        written = cls(path)
+        written.report = report
+        return written
+
+    def with_segments(self, *segments: str | os.PathLike) -> Path:  # Python 3.12 and later
+        return Path(*segments)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled with its report, as a batch worker sends results back.
+        return (WrittenPath.of, (os.fspath(self), self.report))
 
 
 def _new_file_mode(output: Path) -> int:
@@ -458,6 +550,27 @@ def save_model_atomically(
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise RefusedOutputError(f"cannot create the output folder {folder}: {e}") from e
+    external_data = _room_for(model, folder, external_data)
+    old_data = {link for link in _stale_data_links(output) if _resolved(link) not in set(protected)}
+    data_name = _free_data_name(output) if external_data else None
+    try:
+        tmp_dir = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".tmp", dir=folder))
+    except OSError as e:
+        raise RefusedOutputError(f"cannot write in {folder}: {e}") from e
+    try:
+        written = _write_staged(model, tmp_dir, output, data_name, validate)
+        _publish(written, output)
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+    for stale in old_data - _stale_data_links(output):
+        with contextlib.suppress(OSError):
+            stale.unlink()
+    logger.info("wrote %s", output)
+    return output
+
+
+def _room_for(model: ir.Model, folder: Path, external_data: bool | None) -> bool:
+    """Whether the weights go to a data file; refuses a write the file system cannot hold."""
     payload = tensor_bytes(model)
     if external_data is None:
         external_data = payload > EXTERNAL_DATA_THRESHOLD
@@ -475,15 +588,19 @@ def save_model_atomically(
             f"{needed / 2**20:.0f} MiB while it is written; free some space or choose another "
             "output"
         )
-    old_data = {link for link in _stale_data_links(output) if _resolved(link) not in set(protected)}
-    data_name = _free_data_name(output) if external_data else None
+    return external_data
+
+
+def _write_staged(
+    model: ir.Model,
+    tmp_dir: Path,
+    output: Path,
+    data_name: str | None,
+    validate: Callable[[Path], None] | None,
+) -> list[Path]:
+    """Save into the staging folder and check; the files to publish, the data file first."""
+    tmp_model = tmp_dir / output.name
     try:
-        tmp_dir = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".tmp", dir=folder))
-    except OSError as e:
-        raise RefusedOutputError(f"cannot write in {folder}: {e}") from e
-    published: list[Path] = []
-    try:
-        tmp_model = tmp_dir / output.name
         # Weights are streamed to a data file first (tensors under 1 KiB stay inline, as in
         # optimum's exports); a single-file output then copies them in, slice by slice. No step
         # holds the serialised model in memory.
@@ -506,8 +623,17 @@ def save_model_atomically(
             (tmp_dir / staging).unlink()
         for path in written:
             _fsync(path)
-        # The data file first, under a name no existing model reads: until the model file is
-        # replaced, the previous output still reads its own, untouched data.
+    except OSError as e:
+        raise RefusedOutputError(f"writing {output} failed: {e}; nothing was replaced") from e
+    return written
+
+
+def _publish(written: list[Path], output: Path) -> None:
+    """Move the staged files beside ``output``, the data file first: until the model file is
+    replaced, the previous output still reads its own, untouched data."""
+    folder = output.parent
+    published: list[Path] = []
+    try:
         for path in written:
             os.replace(path, folder / path.name)
             published.append(folder / path.name)
@@ -519,10 +645,3 @@ def save_model_atomically(
                 with contextlib.suppress(OSError):
                     path.unlink()
         raise RefusedOutputError(f"writing {output} failed: {e}; nothing was replaced") from e
-    finally:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-    for stale in old_data - _stale_data_links(output):
-        with contextlib.suppress(OSError):
-            stale.unlink()
-    logger.info("wrote %s", output)
-    return output

@@ -175,6 +175,18 @@ def test_what_the_graph_does_not_do_is_refused(multilingual, tiny_export, tmp_pa
     assert not (tmp_path / "g.onnx").exists()
 
 
+def test_feature_model_needs_a_source_or_a_spec(tmp_path):
+    from onnxmerge.errors import InvalidArgumentError, RefusedOutputError
+
+    with pytest.raises(InvalidArgumentError, match="FeatureSpec") as refused:
+        audio.build_features(None, tmp_path / "features.onnx")
+    assert refused.value.argument == "source"
+    (tmp_path / "features.onnx").write_bytes(b"mine")
+    with pytest.raises(RefusedOutputError, match="exists"):
+        audio.build_features(None, tmp_path / "features.onnx", spec=audio.FeatureSpec())
+    assert [p.name for p in tmp_path.iterdir()] == ["features.onnx"]
+
+
 def test_feature_model_of_an_export(whisper, spec, tmp_path):
     path = audio.build_features(whisper.onnx_dir, tmp_path / "features.onnx")
     rows = _rows()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import onnx
@@ -73,9 +74,61 @@ def test_a_worker_that_dies_fails_its_own_model_only(tmp_path):
 def test_an_unknown_precision_is_refused_before_any_work(tmp_path):
     from onnxmerge.errors import OnnxMergeError
 
-    with pytest.raises(OnnxMergeError, match="int3 is not a precision"):
+    with pytest.raises(OnnxMergeError, match="'int3' is not a precision") as refused:
         convert_many([tmp_path], tmp_path / "out", weights="int3")
+    assert refused.value.argument == "weights"
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("arguments", "argument"),
+    [
+        ({"runner": "threads"}, "runner"),
+        ({"ray_address": "auto"}, "ray_address"),
+        ({"search": "sample"}, "search"),
+        ({"search": "beam", "num_beams": 1}, "num_beams"),
+    ],
+)
+def test_a_bad_argument_is_refused_before_any_work(tmp_path, arguments, argument):
+    from onnxmerge.errors import OnnxMergeError
+
+    with pytest.raises(ValueError) as refused:
+        convert_many([tmp_path], tmp_path / "out", **arguments)
+    assert isinstance(refused.value, OnnxMergeError) and refused.value.argument == argument
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_old_spellings_still_work_and_warn(tmp_path):
+    from onnxmerge.errors import InvalidArgumentError
+
+    with pytest.warns(DeprecationWarning, match="generation"):
+        with pytest.raises(InvalidArgumentError, match="sample") as refused:
+            convert_many([tmp_path], out=tmp_path / "out", generation="sample")
+    assert refused.value.argument == "search"
+    with pytest.warns(DeprecationWarning, match="out"):
+        assert convert_many([], out=tmp_path / "out", jobs=0) == []
+    assert (tmp_path / "out" / "results.jsonl").read_text() == ""
+
+
+def test_ray_without_ray_installed_names_the_extra(tmp_path, monkeypatch, capsys):
+    from onnxmerge.errors import MissingDependencyError
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray now fails, as when absent
+    with pytest.raises(MissingDependencyError, match=r"pip install 'onnxmerge\[ray\]'"):
+        convert_many([tmp_path], tmp_path / "out", runner="ray")
+    with pytest.warns(DeprecationWarning, match="ray"):
+        with pytest.raises(MissingDependencyError):
+            convert_many([tmp_path], tmp_path / "out", ray="10.0.0.1:6379")
+    assert main(["batch", str(tmp_path), "-o", str(tmp_path / "out"), "--ray"]) == 4
+    assert "onnxmerge[ray]" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_progress_hears_of_every_model(tmp_path):
+    (tmp_path / "empty").mkdir()
+    lines: list[str] = []
+    [result] = convert_many([tmp_path / "empty"], tmp_path / "out", jobs=0, progress=lines.append)
+    assert lines == [f"empty: {result.status} (1/1)"]
 
 
 # ------------------------------------------------------------------ real conversions

@@ -109,11 +109,11 @@ def test_merge_prints_the_files_read_and_written_with_their_sizes(merged) -> Non
         ("decoder_model.onnx", "decoder"),
         ("decoder_with_past_model.onnx", "decoder_with_past"),
     ):
-        size = cli._human((folder / name).stat().st_size)
+        size = cli.human((folder / name).stat().st_size)
         assert f"{name}" in out and f"{role}" in out and size in out
     merged_line = next(line for line in out.splitlines() if line.startswith("model.onnx"))
     assert merged_line.split()[1] == "merged"
-    assert merged_line.endswith(cli._human((folder / "model.onnx").stat().st_size))
+    assert merged_line.endswith(cli.human((folder / "model.onnx").stat().st_size))
     assert f"wrote {folder / 'model.onnx'}" in out
     assert "saved " in out
     assert "loading ..." in result.stderr  # progress goes to stderr, not into the table
@@ -673,7 +673,7 @@ def test_batch_ray_without_ray_exits_4_with_what_to_install(tmp_path, monkeypatc
     assert not out.exists()
 
 
-def test_an_invalid_argument_the_library_refuses_exits_2(tmp_path, monkeypatch, capsys) -> None:
+def test_an_invalid_argument_the_library_refuses_exits_3(tmp_path, monkeypatch, capsys) -> None:
     from onnxmerge import inspection
     from onnxmerge.errors import InvalidArgumentError
 
@@ -681,7 +681,7 @@ def test_an_invalid_argument_the_library_refuses_exits_2(tmp_path, monkeypatch, 
         raise InvalidArgumentError(f"{path} is not a name this takes", argument="file")
 
     monkeypatch.setattr(inspection, "inspect_model", refuse)
-    assert cli.main(["inspect", str(tmp_path / "m.onnx"), "--json"]) == EXIT_USAGE
+    assert cli.main(["inspect", str(tmp_path / "m.onnx"), "--json"]) == EXIT_ERROR
     captured = capsys.readouterr()
     assert captured.err == f"{ERROR_PREFIX}{tmp_path / 'm.onnx'} is not a name this takes\n"
-    assert json.loads(captured.out)["error"]["exit_code"] == EXIT_USAGE
+    assert json.loads(captured.out)["error"]["exit_code"] == EXIT_ERROR

@@ -106,13 +106,13 @@ def test_architecture_merge_peaks_are_the_merge_benchmark() -> None:
 
 
 def test_demo_note_quotes_the_merge_benchmark() -> None:
-    from onnxmerge import cli
+    from onnxmerge.cli import demo_command
 
     ours = _load("merge")["variants"]["tied"]["layouts"]["onnxmerge model.onnx"]
     _assert_quoted(
-        cli._DEMO_SIZE_NOTE,
+        demo_command.SIZE_NOTE,
         f"the merged file is {ours['ratio_to_safetensors']:.3f}x the checkpoint",
-        "cli._DEMO_SIZE_NOTE",
+        "onnxmerge.cli.demo_command.SIZE_NOTE",
     )
 
 

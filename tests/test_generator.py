@@ -302,6 +302,43 @@ def test_refusals(zoo, tiny_export, tmp_path):
     assert not (tmp_path / "g.onnx").exists()
 
 
+@pytest.mark.parametrize(
+    ("arguments", "argument"),
+    [
+        ({"search": "sample"}, "search"),
+        ({"search": "beam", "num_beams": 1}, "num_beams"),
+        ({"generation_config": {"max_new_tokens": 3}}, "generation_config"),
+    ],
+)
+def test_a_bad_argument_is_refused_before_the_source_is_read(tmp_path, arguments, argument):
+    from onnxmerge.errors import OnnxMergeError
+    from onnxmerge.generator import build_generator
+
+    with pytest.raises(ValueError) as refused:
+        build_generator(tmp_path / "missing.onnx", tmp_path / "out" / "g.onnx", **arguments)
+    assert isinstance(refused.value, OnnxMergeError) and refused.value.argument == argument
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_result_is_the_path_and_carries_the_report(zoo, tmp_path):
+    from onnxmerge.errors import RefusedOutputError
+    from onnxmerge.generator import GeneratorResult, build_generator
+
+    merged = zoo.merged("marian")
+    steps: list[str] = []
+    written = build_generator(
+        merged, tmp_path / "g.onnx", search="beam", num_beams=3, progress=steps.append
+    )
+    assert written == tmp_path / "g.onnx" and isinstance(written, Path)
+    assert written.report == GeneratorResult(
+        tmp_path / "g.onnx", "beam", 3, False, (tmp_path / "g.onnx").stat().st_size
+    )
+    assert steps == ["building the beam decoding loop"]
+    assert written.read_bytes() == zoo.generator("marian", "beam")[0].read_bytes()
+    with pytest.raises(RefusedOutputError, match="exists"):
+        build_generator(merged, written)
+
+
 def test_node_runtime_generates_the_same_tokens(zoo, tmp_path):
     node = shutil.which("node")
     if node is None:

@@ -19,6 +19,7 @@ from onnxmerge import (
     merge_every_dtype,
     merge_seq2seq,
     merge_seq2seq_with_report,
+    model_io,
 )
 from onnxmerge.cli import ExitCode, main
 from tests import textmodels as tm
@@ -177,11 +178,9 @@ def test_batch_finds_the_models_under_onnx(tiny_repo) -> None:
 
 
 def test_the_merge_record_tells_a_current_merge_from_a_stale_one(tiny_repo) -> None:
-    from onnxmerge.web._static_site import _metadata
-
     merged = merge_seq2seq(tiny_repo)
     layout = export_layout.resolve(tiny_repo)
-    recorded = _metadata(merged).get(contract.META_SOURCES)
+    recorded = model_io.read_metadata(merged).get(contract.META_SOURCES)
     assert export_layout.is_merge_of(recorded, layout)
     assert not export_layout.is_merge_of(recorded, export_layout.resolve(tiny_repo, "fp16"))
     config = json.loads((tiny_repo / "config.json").read_text())
@@ -304,11 +303,10 @@ def test_web_after_merge_uses_the_merged_file_or_merges_afresh(demo_export, tmp_
 def test_batch_converts_a_hub_repository_in_the_dtype_asked_for(demo_repo, tmp_path) -> None:
     pytest.importorskip("onnxruntime")
     from onnxmerge.batch import CONVERTED, convert_many
-    from onnxmerge.web._static_site import _metadata
 
     [result] = convert_many([demo_repo], tmp_path / "zoo", jobs=0, dtype="q8")
     assert result.status == CONVERTED, result.error
     folder = tmp_path / "zoo" / result.name
     assert (folder / "tokenizer.json").read_bytes() == (demo_repo / "tokenizer.json").read_bytes()
-    recorded = json.loads(_metadata(folder / "model.onnx")[contract.META_SOURCES])
+    recorded = json.loads(model_io.read_metadata(folder / "model.onnx")[contract.META_SOURCES])
     assert recorded["dtype"] == "q8"

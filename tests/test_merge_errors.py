@@ -303,3 +303,51 @@ def test_merged_file_passes_the_full_checker(tmp_path, layout):
     )
     onnx.checker.check_model(os.fspath(path), full_check=True)
     assert np.isfinite(tm.run_merged(path, tm.sample_inputs(), use_cache=False)["logits"]).all()
+
+
+# ------------------------------------------------------------------ arguments and the result
+
+
+@pytest.mark.parametrize(
+    ("arguments", "argument"),
+    [
+        ({"format_version": 5}, "format_version"),
+        ({"format_version": "3"}, "format_version"),
+        ({"format": 7}, "format_version"),
+        ({"format": 3, "format_version": 3}, "format"),
+    ],
+)
+def test_a_bad_argument_is_refused_before_the_folder_is_read(tmp_path, arguments, argument):
+    # The folder does not exist: the argument is refused before it is looked for.
+    with pytest.raises(ValueError, match=argument) as refused:
+        merge_seq2seq(tmp_path / "nowhere", tmp_path / "out" / "model.onnx", **arguments)
+    assert isinstance(refused.value, OnnxMergeError) and refused.value.argument == argument
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_result_is_the_path_and_carries_the_report(tmp_path):
+    import pickle
+
+    from onnxmerge.merge import MergeResult, merge_seq2seq_with_report
+
+    folder = tm.write_export(tmp_path / "export", layout="with_past")
+    steps: list[str] = []
+    written = merge_seq2seq(folder, tmp_path / "a" / "model.onnx", progress=steps.append)
+    assert written == tmp_path / "a" / "model.onnx" and isinstance(written, Path)
+    assert str(written) == os.fspath(tmp_path / "a" / "model.onnx")
+    assert written.parent == tmp_path / "a" and (written.parent / written.name).is_file()
+    assert isinstance(written.report, MergeResult) and written.report.path == written
+    assert written.report.output_bytes == Path(written).stat().st_size
+    assert steps[0] == "loading" and steps[-1] == "saving and checking"
+    assert pickle.loads(pickle.dumps(written)).report == written.report
+    with pytest.warns(DeprecationWarning, match="merge_seq2seq_with_report"):
+        old = merge_seq2seq_with_report(folder, tmp_path / "b" / "model.onnx")
+    assert isinstance(old, MergeResult) and old.path.read_bytes() == written.read_bytes()
+    with pytest.warns(DeprecationWarning, match="format_version"):
+        two = merge_seq2seq(folder, tmp_path / "c" / "model.onnx", format=2)
+    assert (
+        two.report.format_version
+        == merge_seq2seq(
+            folder, tmp_path / "d" / "model.onnx", format_version=2
+        ).report.format_version
+    )

@@ -415,3 +415,41 @@ def test_writers_sync_the_folder_after_the_new_name_is_in_place(tmp_path, monkey
             stream.write("one line\n")
     assert events[-1] == ("sync", output.parent)
     assert ("replace", output) in events[:-1]
+
+
+def test_check_output_of_a_folder(tmp_path):
+    from onnxmerge.model_io import check_output
+
+    source = tmp_path / "export"
+    source.mkdir()
+    with pytest.raises(RefusedOutputError, match="holds the input"):
+        check_output(tmp_path, [source], overwrite=True, folder=True)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(RefusedOutputError, match="not a folder"):
+        check_output(tmp_path / "file", [source], overwrite=True, folder=True)
+    (tmp_path / "site").mkdir()
+    check_output(tmp_path / "site", [source], overwrite=False, folder=True)  # empty: taken
+    (tmp_path / "site" / "index.html").write_text("x")
+    with pytest.raises(RefusedOutputError, match="not empty.*overwrite"):
+        check_output(tmp_path / "site", [source], overwrite=False, folder=True)
+    check_output(tmp_path / "site", [source], overwrite=True, folder=True)
+    with pytest.raises(RefusedOutputError, match="is a folder"):
+        check_output(tmp_path / "site", [], overwrite=True)
+
+
+def test_a_written_path_goes_wherever_a_path_did(tmp_path):
+    import pickle
+
+    from onnxmerge.model_io import WrittenPath
+
+    (tmp_path / "model.onnx").write_bytes(b"12345")
+    written = WrittenPath.of(tmp_path / "model.onnx", {"bytes": 5})
+    assert written == tmp_path / "model.onnx" and hash(written) == hash(tmp_path / "model.onnx")
+    assert {written: 1}[tmp_path / "model.onnx"] == 1
+    assert os.fspath(written) == str(tmp_path / "model.onnx")
+    with open(written, "rb") as f:
+        assert f.read() == b"12345"
+    assert written.stat().st_size == 5 and Path(written).read_bytes() == b"12345"
+    assert written.with_suffix(".txt").name == "model.txt" and written.parent == tmp_path
+    assert (written.parent / "x").name == "x"
+    assert pickle.loads(pickle.dumps(written)).report == {"bytes": 5}

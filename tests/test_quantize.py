@@ -14,7 +14,12 @@ import pytest
 
 from onnxmerge import contract, model_io
 from onnxmerge._ort import open_session, session_options
-from onnxmerge.errors import QuantizationError, RefusedOutputError
+from onnxmerge.errors import (
+    InvalidArgumentError,
+    OnnxMergeError,
+    QuantizationError,
+    RefusedOutputError,
+)
 from onnxmerge.quantization import _codes as quant_math
 from onnxmerge.quantization import _rewrite as quant_rewrite
 from tests import quality
@@ -407,11 +412,13 @@ def test_refusals_name_the_problem(merged, tmp_path):
 
     source = merged("t5")
     before = source.read_bytes()
-    with pytest.raises(QuantizationError, match="int8, uint8, fp16, int4"):
+    with pytest.raises(InvalidArgumentError, match="int8, uint8, fp16, int4") as bad:
         quantize(source, tmp_path / "a.onnx", weights="int3")
-    with pytest.raises(QuantizationError, match="choose one of tensor, row"):
+    assert bad.value.argument == "weights"
+    with pytest.raises(InvalidArgumentError, match="choose one of tensor, row") as bad:
         quantize(source, tmp_path / "a.onnx", activation_scale="column")
-    with pytest.raises(QuantizationError, match="applies to the products of int8 and uint8"):
+    assert bad.value.argument == "activation_scale"
+    with pytest.raises(InvalidArgumentError, match="applies to the products of int8 and uint8"):
         quantize(source, tmp_path / "a.onnx", weights="fp16", activation_scale="row")
     once = quantize(source, tmp_path / "b.onnx", weights="int8")
     with pytest.raises(QuantizationError, match="already quantized"):
@@ -530,3 +537,39 @@ def test_verify_and_inspect_read_quantized_files(tiny_export, merged, precision,
     assert found.metadata.get(contract.META_ACTIVATION_SCALE) == expected
     # The quantized embedding still counts as the embedding, read by both Gathers.
     assert found.bytes_by_part["embedding"] > 0 and found.bytes_by_part["decoder"] > 0
+
+
+@pytest.mark.parametrize(
+    ("arguments", "argument"),
+    [
+        ({"weights": "int3"}, "weights"),
+        ({"weights": None}, "weights"),
+        ({"encoder": "bf16"}, "encoder"),
+        ({"activation_scale": "column"}, "activation_scale"),
+    ],
+)
+def test_a_bad_argument_is_refused_before_the_source_is_read(tmp_path, arguments, argument):
+    from onnxmerge import quantize
+
+    # The source does not exist: the argument is refused before it is looked for.
+    with pytest.raises(ValueError, match=argument) as refused:
+        quantize(tmp_path / "missing.onnx", tmp_path / "out" / "q.onnx", **arguments)
+    assert isinstance(refused.value, OnnxMergeError) and refused.value.argument == argument
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_result_is_the_path_and_carries_the_report(merged, tmp_path):
+    from onnxmerge import quantize
+    from onnxmerge.quantization import QuantizeResult, quantize_with_report
+
+    source = merged("marian")
+    written = quantize(source, tmp_path / "q.onnx", weights="int8")
+    assert written == tmp_path / "q.onnx" and isinstance(written, Path)
+    assert written.report.path == written and written.report.precision["decoder"] == "int8"
+    assert written.report.bytes_after == Path(written).stat().st_size
+    steps: list[str] = []
+    quantize(source, tmp_path / "p.onnx", progress=steps.append)
+    assert steps == ["storing the weights as int8"]
+    with pytest.warns(DeprecationWarning, match="quantize_with_report"):
+        old = quantize_with_report(source, tmp_path / "r.onnx", weights="int8")
+    assert isinstance(old, QuantizeResult) and old.path.read_bytes() == written.read_bytes()

@@ -148,15 +148,29 @@ def test_overwrite_replaces_a_site_from_a_generator_file(demo_site, tmp_path) ->
     site = tmp_path / "site"
     site.mkdir()
     (site / "old.txt").write_text("old")
-    build_site(demo_site / "generator.onnx", site, overwrite=True)
-    assert {p.name for p in site.iterdir()} == SITE_FILES
+    written = build_site(demo_site / "generator.onnx", site, overwrite=True)
+    assert written == site and {p.name for p in site.iterdir()} == SITE_FILES
+    assert written.report.files == {p.name: p.stat().st_size for p in site.iterdir()}
+    assert not written.report.audio
     assert (site / "generator.onnx").read_bytes() == (demo_site / "generator.onnx").read_bytes()
     assert [p.name for p in tmp_path.iterdir()] == ["site"]  # no staging or old folder left
 
 
-def test_an_unknown_precision_leaves_nothing_behind(demo_merged, tmp_path) -> None:
-    with pytest.raises(OnnxMergeError, match="not a precision"):
-        build_site(demo_merged, tmp_path / "site", weights="int3")
+def test_an_unknown_precision_leaves_nothing_behind(tmp_path) -> None:
+    # Refused before the source (which does not exist) is looked for.
+    with pytest.raises(ValueError, match="not a precision") as refused:
+        build_site(tmp_path / "missing.onnx", tmp_path / "site", weights="int3")
+    assert isinstance(refused.value, OnnxMergeError) and refused.value.argument == "weights"
+    assert [p.name for p in tmp_path.iterdir()] == []
+
+
+def test_a_generator_source_refuses_what_it_cannot_change(demo_site, tmp_path) -> None:
+    with pytest.raises(ValueError, match="to quantize") as refused:
+        build_site(demo_site / "generator.onnx", tmp_path / "site", weights="int8")
+    assert isinstance(refused.value, OnnxMergeError) and refused.value.argument == "weights"
+    with pytest.raises(ValueError, match="Whisper models only") as refused:
+        build_site(demo_site / "generator.onnx", tmp_path / "site", language="fr")
+    assert refused.value.argument == "language"
     assert [p.name for p in tmp_path.iterdir()] == []
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from onnxmerge.batch._sources import Job
 from onnxmerge.batch._task import ModelResult, Options, convert_one, failed, proc_bytes
-from onnxmerge.errors import OnnxMergeError
+from onnxmerge.errors import MissingDependencyError
 
 Task = Callable[[Job, str, Options], ModelResult]
 
@@ -122,7 +122,9 @@ def run_ray(
     try:
         import ray
     except ImportError as e:
-        raise OnnxMergeError("--ray needs Ray: pip install 'onnxmerge[ray]'") from e
+        raise MissingDependencyError(
+            "runner='ray' (--ray) needs Ray: pip install 'onnxmerge[ray]'"
+        ) from e
     started = not ray.is_initialized()
     if started:
         ray.init(

@@ -26,7 +26,12 @@ from typing import Any
 
 from onnxmerge.batch import _manifest as manifest
 from onnxmerge.batch._sources import EXPORT, PYTORCH, Job, fingerprint
-from onnxmerge.errors import ExportFolderError, InvalidMergedModelError, OnnxMergeError
+from onnxmerge.errors import (
+    ExportFolderError,
+    InvalidArgumentError,
+    InvalidMergedModelError,
+    MissingDependencyError,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +107,7 @@ class ModelResult:
     error: str | None = None
 
     def to_json(self) -> dict[str, Any]:
+        """The result as the manifest and ``--json`` write it."""
         return asdict(self)
 
 
@@ -200,30 +206,14 @@ def _timed(seconds: dict[str, float], stage: str) -> Iterator[None]:
 
 
 def _convert(job: Job, staging: Path, options: Options, seconds: dict[str, float]) -> dict:
-    from onnxmerge.merge import find_checkpoint, merge_seq2seq_with_report
+    from onnxmerge.merge import find_checkpoint, merge_seq2seq
     from onnxmerge.verify import verify
 
     check_features(options)
-    if job.kind == PYTORCH:
-        export_dir = staging / ".export"
-        with _timed(seconds, "export"):
-            export_checkpoint(job.source, export_dir)
-    elif job.kind == EXPORT:
-        export_dir = job.source
-    else:
-        raise ExportFolderError(
-            f"{job.source} holds neither an optimum export (encoder_model.onnx, here or in onnx/) "
-            "nor a PyTorch "
-            "checkpoint (config.json with *.safetensors or *.bin); pass a model folder"
-        )
-    from onnxmerge.export_layout import config_folder
-
-    copy_side_files(config_folder(export_dir), staging)
-    if job.kind == PYTORCH:
-        copy_side_files(job.source, staging)
+    export_dir = _export_of(job, staging, seconds)
     model = staging / MODEL_FILE
     with _timed(seconds, "merge"):
-        merged = merge_seq2seq_with_report(export_dir, model, dtype=options.dtype)
+        merged = merge_seq2seq(export_dir, model, dtype=options.dtype).report
     with _timed(seconds, "verify"):
         report = verify(model, export_dir, tolerance=options.tolerance, dtype=options.dtype)
     if not report.ok:
@@ -232,27 +222,7 @@ def _convert(job: Job, staging: Path, options: Options, seconds: dict[str, float
             f"{report.max_abs_diff:.3g} > tolerance {options.tolerance:g}"
         )
     checkpoint = find_checkpoint(job.source if job.kind == PYTORCH else export_dir)
-    site_source = model
-    if options.weights:
-        import onnxmerge
-
-        with _timed(seconds, "quantize"):
-            site_source = Path(onnxmerge.quantize(model, weights=options.weights))
-    if options.generation:
-        from onnxmerge.generator import build_generator
-
-        with _timed(seconds, "generator"):
-            build_generator(
-                model,
-                staging / GENERATOR_FILE,
-                search=options.generation,
-                num_beams=options.num_beams,
-            )
-    if options.web:
-        from onnxmerge.web import build_site
-
-        with _timed(seconds, "web"):
-            build_site(site_source, staging / SITE_DIR, tokenizer=staging)
+    _write_extras(model, staging, options, seconds)
     if job.kind == PYTORCH:
         shutil.rmtree(export_dir)
     checkpoint_bytes = checkpoint.stat().st_size if checkpoint else None
@@ -268,21 +238,79 @@ def _convert(job: Job, staging: Path, options: Options, seconds: dict[str, float
     )
 
 
-def check_features(options: Options) -> None:
-    """Refuse options that would fail every model, before any work starts."""
-    from onnxmerge.contract import WEIGHT_PRECISIONS
+def _export_of(job: Job, staging: Path, seconds: dict[str, float]) -> Path:
+    """The export folder of the job (a checkpoint is exported into the staging folder first),
+    its tokenizer and configs copied beside the model."""
+    from onnxmerge.export_layout import config_folder
 
-    if options.weights and options.weights not in WEIGHT_PRECISIONS:
-        raise OnnxMergeError(
-            f"--weights {options.weights} is not a precision onnxmerge writes; use one of "
-            + ", ".join(WEIGHT_PRECISIONS)
+    if job.kind == PYTORCH:
+        export_dir = staging / ".export"
+        with _timed(seconds, "export"):
+            export_checkpoint(job.source, export_dir)
+    elif job.kind == EXPORT:
+        export_dir = job.source
+    else:
+        raise ExportFolderError(
+            f"{job.source} holds neither an optimum export (encoder_model.onnx, here or in onnx/) "
+            "nor a PyTorch checkpoint (config.json with *.safetensors or *.bin); pass a model "
+            "folder"
+        )
+    copy_side_files(config_folder(export_dir), staging)
+    if job.kind == PYTORCH:
+        copy_side_files(job.source, staging)
+    return export_dir
+
+
+def _write_extras(model: Path, staging: Path, options: Options, seconds: dict[str, float]) -> None:
+    """The quantized model, the generator and the web page the options ask for."""
+    site_source = model
+    if options.weights:
+        from onnxmerge.quantization import quantize
+
+        with _timed(seconds, "quantize"):
+            site_source = quantize(model, weights=options.weights)
+    if options.generation:
+        from onnxmerge.generator import build_generator
+
+        with _timed(seconds, "generator"):
+            build_generator(
+                model,
+                staging / GENERATOR_FILE,
+                search=options.generation,
+                num_beams=options.num_beams,
+            )
+    if options.web:
+        from onnxmerge.web import build_site
+
+        with _timed(seconds, "web"):
+            build_site(site_source, staging / SITE_DIR, tokenizer=staging)
+
+
+def check_features(options: Options) -> None:
+    """Refuse options that would fail every model, before any work starts.
+
+    Raises:
+        InvalidArgumentError: naming the argument (``weights``, ``search``, ``num_beams``).
+    """
+    from onnxmerge.generator import SEARCHES
+    from onnxmerge.quantization import check_weights
+
+    check_weights(options.weights)
+    if options.generation is not None and options.generation not in SEARCHES:
+        raise InvalidArgumentError(
+            f"search must be one of {', '.join(SEARCHES)}, got {options.generation!r}",
+            argument="search",
+        )
+    if options.generation == "beam" and options.num_beams < 2:
+        raise InvalidArgumentError(
+            f"beam search needs num_beams >= 2, got {options.num_beams}", argument="num_beams"
         )
 
 
 def export_checkpoint(model_dir: Path, export_dir: Path) -> None:
     """Export a PyTorch checkpoint folder with optimum, with past key values."""
     if importlib.util.find_spec("optimum") is None:
-        raise OnnxMergeError(
+        raise MissingDependencyError(
             f"{model_dir} is a PyTorch checkpoint; exporting it needs optimum: "
             "pip install 'onnxmerge[export]'"
         )

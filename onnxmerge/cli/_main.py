@@ -16,35 +16,35 @@ from typing import Any
 
 from onnxmerge import __version__
 from onnxmerge.cli import (
-    batch,
-    demo,
-    export,
-    features,
-    generate,
-    inspect,
-    merge,
-    quantize,
-    serve,
-    translate,
-    verify,
-    web,
+    batch_command,
+    demo_command,
+    export_command,
+    features_command,
+    generate_command,
+    inspect_command,
+    merge_command,
+    quantize_command,
+    serve_command,
+    translate_command,
+    verify_command,
+    web_command,
 )
 from onnxmerge.cli._shared import ExitCode, failure
 
 # Each command's module: its HELP, add_arguments(parser) and run(args) -> exit code.
 COMMANDS: dict[str, ModuleType] = {
-    "merge": merge,
-    "quantize": quantize,
-    "verify": verify,
-    "inspect": inspect,
-    "generate": generate,
-    "translate": translate,
-    "export": export,
-    "features": features,
-    "web": web,
-    "batch": batch,
-    "serve": serve,
-    "demo": demo,
+    "merge": merge_command,
+    "quantize": quantize_command,
+    "verify": verify_command,
+    "inspect": inspect_command,
+    "generate": generate_command,
+    "translate": translate_command,
+    "export": export_command,
+    "features": features_command,
+    "web": web_command,
+    "batch": batch_command,
+    "serve": serve_command,
+    "demo": demo_command,
 }
 
 

@@ -16,8 +16,6 @@ from pathlib import Path
 from typing import Any
 
 from onnxmerge.errors import (
-    GenerationError,
-    InvalidArgumentError,
     MissingDependencyError,
     OnnxMergeError,
 )
@@ -48,10 +46,8 @@ def failure(e: Exception) -> tuple[int, str]:
     """The exit code and the one-line message for an exception that ends a command."""
     if isinstance(e, MissingDependencyError):
         return ExitCode.MISSING_DEPENDENCY, str(e)
-    # A generation refuses what it was given to run (ids outside the vocabulary, a source too
-    # long, no tokenizer beside the model): refused input, as it always exited.
-    if isinstance(e, InvalidArgumentError) and not isinstance(e, GenerationError):
-        return ExitCode.USAGE, str(e)
+    # A value the library refuses once the command runs (an InvalidArgumentError among them) is
+    # refused input, as it always exited; 2 stays argparse's, found before anything runs.
     if isinstance(e, OnnxMergeError):
         return ExitCode.ERROR, str(e)
     if isinstance(e, FileNotFoundError):

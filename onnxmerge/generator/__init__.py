@@ -9,15 +9,19 @@ from __future__ import annotations
 from onnxmerge.generator._build import (
     DEFAULT_OUTPUT_NAME,
     MAX_NEW_TOKENS,
+    SEARCHES,
     SEQUENCES,
     SEQUENCES_SCORES,
+    GeneratorResult,
     build_generator,
 )
 
 __all__ = [
     "build_generator",
+    "GeneratorResult",
     "DEFAULT_OUTPUT_NAME",
     "MAX_NEW_TOKENS",
+    "SEARCHES",
     "SEQUENCES",
     "SEQUENCES_SCORES",
 ]

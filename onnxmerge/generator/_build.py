@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,14 +23,14 @@ import onnx_ir.passes.common
 from onnxmerge import check, contract, model_io
 from onnxmerge.errors import (
     GenerationError,
+    InvalidArgumentError,
     InvalidMergedModelError,
-    OnnxMergeError,
-    RefusedOutputError,
 )
 from onnxmerge.generator import _processor_nodes as processors
 from onnxmerge.generator import _search_nodes as search
 from onnxmerge.generator import audio as audio_front
 from onnxmerge.generator._ops import Names, Ops, typed_input
+from onnxmerge.merge import Source, merged_model, resolve_source
 from onnxmerge.passes import base as passes_base
 from onnxmerge.passes.base import name_of
 from onnxmerge.settings import GenerationSettings, resolve_settings
@@ -48,8 +47,23 @@ SEARCHES = ("greedy", "beam")
 SEQUENCES_DIMS = ["batch_size", "sequence_length"]
 
 
+@dataclass(frozen=True)
+class GeneratorResult:
+    """What :func:`build_generator` wrote."""
+
+    path: Path
+    search: str
+    num_beams: int  # 1 for greedy search
+    audio: bool
+    output_bytes: int
+
+
+# Settings the generator takes as arguments (search, num_beams) or inputs (max_new_tokens).
+_FIXED = {"num_beams", "do_sample", "num_return_sequences", "max_new_tokens", "max_length"}
+
+
 def build_generator(
-    source: str | os.PathLike,
+    source: str | os.PathLike | Source,
     output: str | os.PathLike | None = None,
     *,
     search: str = "greedy",
@@ -57,11 +71,15 @@ def build_generator(
     generation_config: Mapping[str, Any] | None = None,
     audio: bool = False,
     overwrite: bool = False,
-) -> Path:
+    external_data: bool | None = None,
+    progress: Callable[[str], None] | None = None,
+    dtype: str | None = None,
+) -> model_io.WrittenPath[GeneratorResult]:
     """Write one ONNX model that generates token ids from encoder inputs; return its path.
 
     Args:
-        source: an optimum export folder (merged first, to a temporary file) or a merged file.
+        source: a merged file, or an optimum export folder or Hub repository (merged first, to a
+            temporary file, unless it holds the merge of its files already).
         output: the file to write; ``generator.onnx`` beside the merged file, or inside the
             export folder, by default.
         search: ``"greedy"`` or ``"beam"`` (transformers' beam search, length penalty and early
@@ -74,34 +92,51 @@ def build_generator(
             (``onnxmerge.generator.audio``), from ``preprocessor_config.json`` beside the source
             when there is one, else from the model's config.
         overwrite: replace an existing output file.
+        external_data: as :func:`onnxmerge.merge_seq2seq` takes it (``None``: one file up to
+            2 GB).
+        progress: called with the name of each step as it starts.
+        dtype: which files of a folder with several dtypes (transformers.js's names).
+
+    Returns:
+        The written file's path; its ``report`` is the :class:`GeneratorResult`.
 
     Raises:
+        InvalidArgumentError: ``search``, ``num_beams`` or ``generation_config`` cannot be taken
+            (``GenerationError`` for a setting).
         OnnxMergeError: or a subclass, saying what is wrong; nothing is written then.
     """
-    if search not in SEARCHES:
-        raise OnnxMergeError(f"search must be one of {', '.join(SEARCHES)}, got {search!r}")
-    if search == "beam" and num_beams < 2:
-        raise OnnxMergeError(f"beam search needs num_beams >= 2, got {num_beams}")
-    source = Path(source)
-    if source.is_dir():
-        output = Path(output) if output is not None else source / DEFAULT_OUTPUT_NAME
-        from onnxmerge.merge import merge_seq2seq
+    _check_arguments(search, num_beams, generation_config)
+    found = resolve_source(source, dtype)
+    folder = found.path if found.layout else found.path.parent
+    output = Path(output) if output is not None else folder / DEFAULT_OUTPUT_NAME
+    model_io.check_output(output, found.files(), overwrite=overwrite)
+    preprocessor = _preprocessor_config(found.config_dir) if audio else None
+    step = progress or (lambda _name: None)
+    with merged_model(found, progress=step) as merged:
+        step(f"building the {search} decoding loop")
+        request = _Request(search, num_beams, dict(generation_config or {}), preprocessor)
+        result = _build_from_merged(merged, output, request, external_data)
+    return model_io.WrittenPath.of(result.path, result)
 
-        preprocessor = _preprocessor_config(source) if audio else None
-        with tempfile.TemporaryDirectory(prefix="onnxmerge-generator-") as tmp:
-            merged = merge_seq2seq(source, Path(tmp) / "model.onnx")
-            return _build_from_merged(
-                merged, output, search, num_beams, generation_config, overwrite, preprocessor
-            )
-    if not source.is_file():
-        raise InvalidMergedModelError(
-            f"{source} is neither an export folder nor a merged model file"
+
+def _check_arguments(
+    search: str, num_beams: int, generation_config: Mapping[str, Any] | None
+) -> None:
+    if search not in SEARCHES:
+        raise InvalidArgumentError(
+            f"search must be one of {', '.join(SEARCHES)}, got {search!r}", argument="search"
         )
-    output = Path(output) if output is not None else source.parent / DEFAULT_OUTPUT_NAME
-    preprocessor = _preprocessor_config(source.parent) if audio else None
-    return _build_from_merged(
-        source, output, search, num_beams, generation_config, overwrite, preprocessor
-    )
+    if search == "beam" and num_beams < 2:
+        raise InvalidArgumentError(
+            f"beam search needs num_beams >= 2, got {num_beams}", argument="num_beams"
+        )
+    fixed = sorted(_FIXED & set(generation_config or {}))
+    if fixed:
+        raise GenerationError(
+            f"{fixed} cannot be set here: the search and num_beams are arguments of "
+            "build_generator, and max_new_tokens is an input of the generator",
+            argument="generation_config",
+        )
 
 
 def _preprocessor_config(folder: Path) -> dict[str, Any]:
@@ -115,21 +150,55 @@ def _preprocessor_config(folder: Path) -> dict[str, Any]:
         raise InvalidMergedModelError(f"{path} is not JSON: {e}") from e
 
 
+@dataclass(frozen=True)
+class _Request:
+    """The generator asked for: its search and the settings that replace the model's."""
+
+    search: str
+    num_beams: int
+    overrides: dict[str, Any]
+    preprocessor: dict[str, Any] | None  # None: token ids in, not audio
+
+    @property
+    def beams(self) -> int:
+        return self.num_beams if self.search == "beam" else 1
+
+
 def _build_from_merged(
-    merged: Path,
-    output: Path,
-    search_kind: str,
-    num_beams: int,
-    generation_config: Mapping[str, Any] | None,
-    overwrite: bool,
-    preprocessor: dict[str, Any] | None = None,
-) -> Path:
-    if output.exists() and not overwrite:
-        raise RefusedOutputError(f"{output} exists; pass overwrite=True to replace it")
-    if output.exists() and output.resolve() == merged.resolve():
-        raise RefusedOutputError(f"the output {output} is the input; choose another output path")
+    merged: Path, output: Path, request: _Request, external_data: bool | None
+) -> GeneratorResult:
     model, data_files = model_io.load_model(merged)
     tolerated = check.unknown_operators([model])
+    info = _contract_with_past(model, merged)
+    settings, prompt = _settings(info, request)
+    spec = None
+    if request.preprocessor is not None:
+        spec = _audio_spec(info, request.preprocessor, merged)
+    if info.one_decoder:
+        _assemble_one_decoder(model, info, settings, request.beams, prompt)
+    else:
+        _assemble(model, info, settings, request.beams, prompt)
+    if spec is not None:
+        _prepend_audio(model, spec)
+    # The cached steps' empty encoder presents are no longer returned: drop what made them.
+    ir.passes.common.RemoveUnusedNodesPass()(model)
+    _describe(model, request, prompt, spec)
+    model_io.save_model_atomically(
+        model,
+        output,
+        external_data=external_data,
+        validate=lambda p: check.check_written_model(
+            p, what="generator model", tolerated=tolerated, sources=[merged]
+        ),
+        protected=frozenset({merged.resolve(), *data_files}),
+    )
+    logger.info("wrote the %s generator %s from %s", request.search, output, merged)
+    written = model_io.file_bytes(output, model_io.data_files_of(output))
+    return GeneratorResult(output, request.search, request.beams, spec is not None, written)
+
+
+def _contract_with_past(model: ir.Model, merged: Path) -> contract.ContractInfo:
+    """The merged model's contract; refused when it has no decoder with past."""
     graph = model.graph
     info = contract.read_contract(
         dict(model.metadata_props),
@@ -141,53 +210,46 @@ def _build_from_merged(
             f"{merged} was merged without past key/values; the generator needs a decoder with "
             "past: export with --task text2text-generation-with-past and merge again"
         )
-    beams = num_beams if search_kind == "beam" else 1
-    overrides = dict(generation_config or {})
+    return info
+
+
+def _settings(
+    info: contract.ContractInfo, request: _Request
+) -> tuple[GenerationSettings, list[int] | None]:
+    """The generation settings the graph bakes in, and Whisper's decoder prompt."""
+    overrides = dict(request.overrides)
     given = set(overrides)
-    fixed = {"num_beams", "do_sample", "num_return_sequences", "max_new_tokens", "max_length"}
-    if fixed & set(overrides):
-        raise GenerationError(
-            f"{sorted(fixed & set(overrides))} cannot be set here: the search and num_beams are "
-            "arguments of build_generator, and max_new_tokens is an input of the generator"
-        )
     model_generation = dict(info.generation_config)
     prompt = None
     if info.config.get("model_type") == "whisper":
         prompt = _whisper_prompt(model_generation, overrides)
-    overrides.update(num_beams=beams, do_sample=False, num_return_sequences=1)
+    overrides.update(num_beams=request.beams, do_sample=False, num_return_sequences=1)
     given = set(overrides) & given
     prompt_length = len(prompt) if prompt else 1
     settings = resolve_settings(info.config, model_generation, overrides, prompt_length)
     processors.check_supported(settings, given)
-    spec = None
-    if preprocessor is not None:
-        spec = _audio_spec(info, preprocessor, merged)
-    if info.one_decoder:
-        _assemble_one_decoder(model, info, settings, beams, prompt)
-    else:
-        _assemble(model, info, settings, beams, prompt)
-    if spec is not None:
-        _prepend_audio(model, spec)
-    # The cached steps' empty encoder presents are no longer returned: drop what made them.
-    ir.passes.common.RemoveUnusedNodesPass()(model)
+    return settings, prompt
+
+
+def _describe(
+    model: ir.Model,
+    request: _Request,
+    prompt: list[int] | None,
+    spec: audio_front.FeatureSpec | None,
+) -> None:
+    """The generator's metadata: what it computes, in place of the merged model's layout."""
     model.metadata_props.pop(contract.META_FORMAT_VERSION, None)
     model.metadata_props.pop(contract.META_LAYOUT, None)
-    description = {"version": GENERATOR_VERSION, "search": search_kind, "num_beams": beams}
+    description: dict[str, Any] = {
+        "version": GENERATOR_VERSION,
+        "search": request.search,
+        "num_beams": request.beams,
+    }
     if prompt:
         description["decoder_prompt"] = prompt
     model.metadata_props[META_GENERATOR] = json.dumps(description, sort_keys=True)
     if spec is not None:
         model.metadata_props[audio_front.META_FEATURES] = json.dumps(spec.as_dict(), sort_keys=True)
-    model_io.save_model_atomically(
-        model,
-        output,
-        validate=lambda p: check.check_written_model(
-            p, what="generator model", tolerated=tolerated, sources=[merged]
-        ),
-        protected=frozenset({merged.resolve(), *data_files}),
-    )
-    logger.info("wrote the %s generator %s from %s", search_kind, output, merged)
-    return output
 
 
 def _whisper_prompt(generation: dict[str, Any], overrides: dict[str, Any]) -> list[int]:

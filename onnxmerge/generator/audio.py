@@ -29,9 +29,8 @@ import onnx_ir as ir
 from onnxmerge import check, contract, model_io
 from onnxmerge.errors import (
     AudioInputError,
+    InvalidArgumentError,
     InvalidMergedModelError,
-    OnnxMergeError,
-    RefusedOutputError,
 )
 from onnxmerge.generator._ops import Names, Ops
 
@@ -327,12 +326,14 @@ def build_features(
         overwrite: replace an existing output file.
     """
     output = Path(output)
-    if output.exists() and not overwrite:
-        raise RefusedOutputError(f"{output} exists; pass overwrite=True to replace it")
-    if spec is None:
-        if source is None:
-            raise OnnxMergeError("give a Whisper source or a FeatureSpec")
-        spec = spec_for_source(Path(source))
+    if source is None:
+        if spec is None:
+            raise InvalidArgumentError("give a Whisper source or a FeatureSpec", argument="source")
+        model_io.check_output(output, [], overwrite=overwrite)
+    else:
+        source = Path(source)
+        model_io.check_output(output, [source] if source.is_file() else [], overwrite=overwrite)
+        spec = spec or spec_for_source(source)
     model = features_model(spec)
     # Checked, not run: run_once's sample inputs are an encoder's and a decoder's.
     model_io.save_model_atomically(

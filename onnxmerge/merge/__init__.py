@@ -1,5 +1,7 @@
 """The merge stage: loading an export, judging each file's role, splicing the files into one
-model, the checkpoint analysis and the orchestration that runs them with the rewrite passes.
+model, the checkpoint analysis and the orchestration that runs them with the rewrite passes;
+and the one way every writer gets a merged model from what it is given (``resolve_source``,
+``merged_model``).
 
 The orchestrator is imported when one of its names is first asked for, so that a module that only
 loads files (``merge._load``) does not pull in the rest of the stage.
@@ -19,6 +21,7 @@ if TYPE_CHECKING:
         merge_seq2seq_with_report,
         rewrite_steps,
     )
+    from onnxmerge.merge._resolve import Source, merged_model, resolve_source
     from onnxmerge.merge._roles import Role
 
 __all__ = [
@@ -31,6 +34,9 @@ __all__ = [
     "merge_seq2seq",
     "merge_seq2seq_with_report",
     "rewrite_steps",
+    "Source",
+    "merged_model",
+    "resolve_source",
 ]
 
 
@@ -47,6 +53,10 @@ def __getattr__(name: str):
         from onnxmerge.merge._every_dtype import merge_every_dtype
 
         return merge_every_dtype
+    if name in ("Source", "merged_model", "resolve_source"):
+        from onnxmerge.merge import _resolve as resolve
+
+        return getattr(resolve, name)
     if name in __all__:
         from onnxmerge.merge import _orchestrate as orchestrate
 

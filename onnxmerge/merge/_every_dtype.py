@@ -8,7 +8,7 @@ from pathlib import Path
 from onnxmerge import model_io
 from onnxmerge.errors import ExportFolderError
 from onnxmerge.export_layout import output_name, resolve
-from onnxmerge.merge._orchestrate import MergeResult, merge_seq2seq_with_report
+from onnxmerge.merge._orchestrate import MergeResult, merge_seq2seq
 
 __all__ = ["merge_every_dtype"]
 
@@ -42,14 +42,14 @@ def merge_every_dtype(
             step = progress or (lambda _name: None)
             step(f"merging {dtype}")
             results.append(
-                merge_seq2seq_with_report(
+                merge_seq2seq(
                     resolve(source, dtype),
                     output,
                     overwrite=overwrite,
                     external_data=external_data,
                     force=force,
                     progress=progress,
-                )
+                ).report
             )
             if not existed:
                 written.append(output)

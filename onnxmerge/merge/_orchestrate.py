@@ -9,9 +9,11 @@ import dataclasses
 import json
 import logging
 import os
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import onnx_ir as ir
 
@@ -19,6 +21,7 @@ from onnxmerge import check, contract, export_layout, model_io, passes
 from onnxmerge.errors import (
     ExportFolderError,
     IncompatibleModelsError,
+    InvalidArgumentError,
 )
 from onnxmerge.merge import _compat as compat
 from onnxmerge.merge import _first_step
@@ -33,8 +36,9 @@ from onnxmerge.passes.base import NoMatch
 logger = logging.getLogger(__name__)
 
 DEFAULT_OUTPUT_NAME = "model.onnx"
-# ``format``: 4 is the one-decoder form whose cross-attention cache may hold one row per input, 3
-# the one-decoder form; 1 and 2 name the two-decoder form (version 1, and 2 once quantized).
+# ``format_version``: 4 is the one-decoder form whose cross-attention cache may hold one row per
+# input, 3 the one-decoder form; 1 and 2 name the two-decoder form (version 1, and 2 once
+# quantized).
 FORMATS = (1, 2, 3, 4)
 
 
@@ -82,51 +86,34 @@ class MergeResult:
 
     @property
     def constants_lifted(self) -> int:
+        """Constant nodes turned into initializers, so that they could be shared."""
         return self.rewrites.get("constants_lifted", 0)
 
     @property
     def input_bytes(self) -> int:
+        """Bytes of every file the merge read."""
         return sum(f.bytes for f in self.inputs)
 
     @property
     def bytes_saved(self) -> int:
+        """Bytes on disk the merged file saves against the files it was made from."""
         return self.input_bytes - self.output_bytes
 
     @property
     def transposed(self) -> tuple[dedup.SharedTensor, ...]:
+        """The shared tensors found as a transposed copy (a tied LM head stored apart)."""
         return tuple(s for s in self.shared if s.transposed)
 
     @property
     def checkpoint_ratio(self) -> float | None:
+        """The merged file's bytes over the PyTorch checkpoint's, where one was found."""
         return self.output_bytes / self.checkpoint_bytes if self.checkpoint_bytes else None
 
 
+_UNSET: Any = object()
+
+
 def merge_seq2seq(
-    export_dir: str | os.PathLike,
-    output: str | os.PathLike | None = None,
-    *,
-    overwrite: bool = False,
-    external_data: bool | None = None,
-    force: bool = False,
-    format: int | None = None,
-    dtype: str | None = None,
-) -> Path:
-    """Merge an optimum seq2seq export folder into one ONNX model; return its path.
-
-    See :func:`merge_seq2seq_with_report` for the arguments.
-    """
-    return merge_seq2seq_with_report(
-        export_dir,
-        output,
-        overwrite=overwrite,
-        external_data=external_data,
-        force=force,
-        format=format,
-        dtype=dtype,
-    ).path
-
-
-def merge_seq2seq_with_report(
     export_dir: str | os.PathLike | export_layout.ExportLayout,
     output: str | os.PathLike | None = None,
     *,
@@ -134,10 +121,11 @@ def merge_seq2seq_with_report(
     external_data: bool | None = None,
     force: bool = False,
     progress: Callable[[str], None] | None = None,
-    format: int | None = None,
+    format_version: int | None = None,
     dtype: str | None = None,
-) -> MergeResult:
-    """Merge an optimum seq2seq export folder into one ONNX model and report the numbers.
+    format: Any = _UNSET,
+) -> model_io.WrittenPath[MergeResult]:
+    """Merge an optimum seq2seq export folder into one ONNX model; return its path.
 
     Args:
         export_dir: the folder ``optimum-cli export onnx`` wrote, or a Hub repository laid out for
@@ -150,106 +138,230 @@ def merge_seq2seq_with_report(
             ``False`` never (a model past 2 GB is then refused).
         force: merge even when the compatibility checks find the files do not belong together.
         progress: called with the name of each step as it starts (for progress displays).
-        format: ``3``, one decoder for every step; ``2`` (or ``1``), the two decoders under an
-            ``If`` of versions 1 and 2. ``None`` writes 3 where it holds for these files (the
-            merge proves it on sample inputs) and 2 otherwise; ``MergeResult.format_reason``
-            says why.
+        format_version: ``3``, one decoder for every step; ``4``, that with the cross-attention
+            rows once per input; ``2`` (or ``1``), the two decoders under an ``If``. ``None``
+            writes 4 or 3 where it holds for these files (the merge proves it on sample inputs)
+            and 2 otherwise; ``MergeResult.format_reason`` says why.
         dtype: which files of a folder holding several dtypes (transformers.js's names and
             suffixes: ``"fp32"``, ``"q8"`` for ``_quantized``, ``"fp16"``, ...); fp32 by default.
+        format: deprecated spelling of ``format_version``.
+
+    Returns:
+        The written file's path (a :class:`pathlib.Path`); its ``report`` is the
+        :class:`MergeResult`.
 
     Raises:
+        InvalidArgumentError: ``format_version`` is not one of :data:`FORMATS`.
         OnnxMergeError: or one of its subclasses, with what is wrong and what to do. Nothing is
             written and the inputs are never modified.
     """
-    if format is not None and format not in FORMATS:
-        raise ExportFolderError(
-            f"format must be one of {', '.join(map(str, FORMATS))} (or None), got {format!r}"
-        )
-    if isinstance(export_dir, export_layout.ExportLayout):
-        layout = export_dir
-    else:
-        layout = export_layout.resolve(export_dir, dtype)
-    export_dir = layout.source
-    if output is None:
-        output = export_dir / export_layout.output_name(layout.dtype)
-    output = Path(output)
-    step = progress or (lambda _: None)
-    step("loading")
-    chosen, models, data_files = load_export(layout.model_dir, output, files=layout.files)
-    files_read = [f for p in chosen.values() for f in (p, *data_files[p])]
-    model_io.check_output(output, files_read, overwrite=overwrite)
+    format_version = _format_version(format_version, format)
+    layout = (
+        export_dir
+        if isinstance(export_dir, export_layout.ExportLayout)
+        else export_layout.resolve(export_dir, dtype)
+    )
+    output = Path(output) if output is not None else _default_output(layout)
+    # Before any model is read; checked again with the data files once they are known. A file
+    # at the output's own path is the previous merge, which the loader leaves out (or refuses).
+    earlier = output.resolve()
+    inputs = [f for f in layout.files if f.resolve() != earlier]
+    model_io.check_output(output, inputs, overwrite=overwrite)
+    job = _Job(layout, output, overwrite, external_data, force, progress or (lambda _: None))
+    result = _merge(job, format_version)
+    return model_io.WrittenPath.of(result.path, result)
 
+
+def merge_seq2seq_with_report(
+    export_dir: str | os.PathLike | export_layout.ExportLayout,
+    output: str | os.PathLike | None = None,
+    **options: Any,
+) -> MergeResult:
+    """Deprecated: ``merge_seq2seq(...).report``, which this returns.
+
+    Takes :func:`merge_seq2seq`'s arguments.
+    """
+    warnings.warn(
+        "merge_seq2seq_with_report is deprecated; merge_seq2seq returns the path, whose "
+        "`report` is the MergeResult",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return merge_seq2seq(export_dir, output, **options).report
+
+
+def _format_version(format_version: int | None, format: Any) -> int | None:
+    """The version asked for, under its name or the deprecated ``format``; refused if unknown."""
+    if format is not _UNSET:
+        if format_version is not None:
+            raise InvalidArgumentError(
+                "format is the deprecated name of format_version: pass format_version only",
+                argument="format",
+            )
+        warnings.warn(
+            "merge_seq2seq(format=...) is deprecated; pass format_version=...",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        format_version = format
+    if format_version is not None and format_version not in FORMATS:
+        raise InvalidArgumentError(
+            f"format_version must be one of {', '.join(map(str, FORMATS))} (or None), got "
+            f"{format_version!r}",
+            argument="format_version",
+        )
+    return format_version
+
+
+def _default_output(layout: export_layout.ExportLayout) -> Path:
+    return layout.source / export_layout.output_name(layout.dtype)
+
+
+@dataclass(frozen=True)
+class _Job:
+    """What one merge writes, and how."""
+
+    layout: export_layout.ExportLayout
+    output: Path
+    overwrite: bool
+    external_data: bool | None
+    force: bool
+    step: Callable[[str], None]
+
+
+@dataclass
+class _Loaded:
+    """The export's files, loaded and judged: what the analysis reads."""
+
+    chosen: dict[Role, Path]
+    models: dict[Path, ir.Model]
+    data_files: dict[Path, set[Path]]
+    files_read: list[Path]
+    parts: list[Part]
+
+
+@dataclass
+class _Analysis:
+    """What the merge learnt of the files before rewriting them."""
+
+    cross: CrossAttention | None
+    format_reason: str
+    origins: dict
+    tolerated: frozenset[tuple[str, str]]
+    separate_dims: dims.SeparateSymbolicDims
+
+
+def _merge(job: _Job, format_version: int | None) -> MergeResult:
+    """Load, analyse, rewrite, validate, save: the merge in the order its data flows."""
+    job.step("loading")
+    loaded = _load(job)
+    analysis = _analyse(loaded, format_version)
+    job.step("splicing")
+    model = splice.splice(loaded.parts, loaded.models, analysis.cross)
+    job.step("deduplicating")
+    rewrites, shared, format_reason = _rewrite(model, analysis, format_version, job.layout.source)
+    _validate(model, job, loaded, analysis, shared)
+    job.step("saving and checking")
+    verdict = _save_checked(
+        model,
+        job.output,
+        loaded.chosen,
+        analysis.tolerated,
+        prove=analysis.cross is not None,
+        external_data=job.external_data,
+        protected=frozenset(f.resolve() for f in loaded.files_read),
+    )
+    if verdict is not None and not verdict.holds:
+        return _as_two_decoders(job, format_version, verdict)
+    if verdict is not None:
+        format_reason += f"; a prompt is fed one token per step ({verdict.reason})"
+    result = _report(model, job, loaded, len(analysis.origins), rewrites, shared, format_reason)
+    logger.info(
+        "merged %d files (%d bytes) into %s (%d bytes); %d tensors shared, %d transposed",
+        len(result.inputs),
+        result.input_bytes,
+        job.output,
+        result.output_bytes,
+        len(result.shared),
+        len(result.transposed),
+    )
+    return result
+
+
+def _load(job: _Job) -> _Loaded:
+    chosen, models, data_files = load_export(
+        job.layout.model_dir, job.output, files=job.layout.files
+    )
+    files_read = [f for p in chosen.values() for f in (p, *data_files[p])]
+    model_io.check_output(job.output, files_read, overwrite=job.overwrite)
     parts = [
         part
         for role in (Role.ENCODER, Role.MERGED_DECODER, Role.DECODER, Role.DECODER_WITH_PAST)
         if role in chosen
         for part in parts_of_file(models[chosen[role]], role, chosen[role])
     ]
-    cross, format_reason = _one_decoder_part(parts, format)
-    origins = compat.origins(parts)
-    tensors_in = len(origins)
-    # Operators the checker does not know, which the merged model may hold too.
-    tolerated = check.unknown_operators(models.values())
-    step("splicing")
-    # Made before the splice, which moves the parts' nodes into one graph.
-    separate_dims = dims.SeparateSymbolicDims(dim_sources(parts))
-    model = splice.splice(parts, models, cross)
-    step("deduplicating")
-    rewrites = passes.run(model, (separate_dims, *rewrite_steps(cross is not None)))
+    return _Loaded(chosen, models, data_files, files_read, parts)
+
+
+def _analyse(loaded: _Loaded, format_version: int | None) -> _Analysis:
+    cross, format_reason = _one_decoder_part(loaded.parts, format_version)
+    return _Analysis(
+        cross=cross,
+        format_reason=format_reason,
+        origins=compat.origins(loaded.parts),
+        # Operators the checker does not know, which the merged model may hold too.
+        tolerated=check.unknown_operators(loaded.models.values()),
+        # Made before the splice, which moves the parts' nodes into one graph.
+        separate_dims=dims.SeparateSymbolicDims(dim_sources(loaded.parts)),
+    )
+
+
+def _rewrite(
+    model: ir.Model, analysis: _Analysis, format_version: int | None, source: Path
+) -> tuple[tuple[passes.StepResult, ...], tuple[dedup.SharedTensor, ...], str]:
+    """Run the rewrite passes; their results, the tensors stored once and the format's reason."""
+    cross, format_reason = analysis.cross, analysis.format_reason
+    rewrites = passes.run(model, (analysis.separate_dims, *rewrite_steps(cross is not None)))
     shared = passes.records(rewrites)
-    if cross is not None and format != 3:
+    if cross is not None and format_version != 3:
         rewrites += passes.run(model, (per_input.CrossAttentionPerInput(),))
-        format_reason = _per_input(model, rewrites[-1], format, export_dir, format_reason)
-    configs = _configs(layout, files_read)
+        format_reason = _per_input(model, rewrites[-1], format_version, source, format_reason)
+    return rewrites, shared, format_reason
+
+
+def _validate(
+    model: ir.Model,
+    job: _Job,
+    loaded: _Loaded,
+    analysis: _Analysis,
+    shared: tuple[dedup.SharedTensor, ...],
+) -> None:
+    """Judge that the files come from one checkpoint; record the configs the merge read."""
+    configs = _configs(job.layout, loaded.files_read)
     config = configs[contract.META_CONFIG]
-    _judge(
-        compat.checkpoint_problems(
-            parts, origins, list(shared), json.loads(config) if config else None
-        ),
-        force,
+    problems = compat.checkpoint_problems(
+        loaded.parts,
+        analysis.origins,
+        list(shared),
+        json.loads(config) if config else None,
     )
+    _judge(problems, job.force)
     model.metadata_props.update({key: text for key, text in configs.items() if text is not None})
-    step("saving and checking")
-    verdict = _save_checked(
-        model,
-        output,
-        chosen,
-        tolerated,
-        prove=cross is not None,
-        external_data=external_data,
-        protected=frozenset(f.resolve() for f in files_read),
+
+
+def _as_two_decoders(
+    job: _Job, format_version: int | None, verdict: _first_step.Verdict
+) -> MergeResult:
+    """Merge again as format 2 where version 3's first step is not proven (unless asked for)."""
+    if format_version in (3, 4):
+        raise IncompatibleModelsError(
+            f"{job.layout.source} cannot be merged as format {format_version}: {verdict.reason}; "
+            "merge with format 2 (--format 2)"
+        )
+    logger.info("writing format 2: %s", verdict.reason)
+    return _merge(job, 2)._replace_reason(
+        f"the first step of version 3 is not proven: {verdict.reason}"
     )
-    if verdict is not None and not verdict.holds:
-        if format in (3, 4):
-            raise IncompatibleModelsError(
-                f"{export_dir} cannot be merged as format {format}: {verdict.reason}; merge with "
-                "format 2 (--format 2)"
-            )
-        logger.info("writing format 2: %s", verdict.reason)
-        return merge_seq2seq_with_report(
-            layout,
-            output,
-            overwrite=overwrite,
-            external_data=external_data,
-            force=force,
-            progress=progress,
-            format=2,
-        )._replace_reason(f"the first step of version 3 is not proven: {verdict.reason}")
-    if verdict is not None:
-        format_reason += f"; a prompt is fed one token per step ({verdict.reason})"
-    result = _report(
-        model, output, layout, chosen, data_files, tensors_in, shared, rewrites, format_reason
-    )
-    logger.info(
-        "merged %d files (%d bytes) into %s (%d bytes); %d tensors shared, %d transposed",
-        len(result.inputs),
-        result.input_bytes,
-        output,
-        result.output_bytes,
-        len(result.shared),
-        len(result.transposed),
-    )
-    return result
 
 
 def _configs(layout: export_layout.ExportLayout, files_read: list[Path]) -> dict[str, str | None]:
@@ -274,19 +386,18 @@ def _judge(problems: list[str], force: bool) -> None:
 
 def _report(
     model: ir.Model,
-    output: Path,
-    layout: export_layout.ExportLayout,
-    chosen: dict[Role, Path],
-    data_files: dict[Path, set[Path]],
+    job: _Job,
+    loaded: _Loaded,
     tensors_in: int,
-    shared: tuple[dedup.SharedTensor, ...],
     rewrites: tuple[passes.StepResult, ...],
+    shared: tuple[dedup.SharedTensor, ...],
     format_reason: str,
 ) -> MergeResult:
     """The numbers of a merge whose file is written."""
+    layout, output = job.layout, job.output
     inputs = tuple(
-        InputFile(path, role.value, model_io.file_bytes(path, data_files[path]))
-        for role, path in chosen.items()
+        InputFile(path, role.value, model_io.file_bytes(path, loaded.data_files[path]))
+        for role, path in loaded.chosen.items()
     )
     checkpoint = find_checkpoint(layout.config_dir)
     return MergeResult(
@@ -348,12 +459,14 @@ def _save_checked(
     return None
 
 
-def _one_decoder_part(parts: list[Part], format: int | None) -> tuple[CrossAttention | None, str]:
+def _one_decoder_part(
+    parts: list[Part], format_version: int | None
+) -> tuple[CrossAttention | None, str]:
     """The decoder's cross-attention part where version 3 is to be written, and why (not)."""
     by_role = {p.role: p for p in parts}
     decoder, with_past = by_role.get(Role.DECODER), by_role.get(Role.DECODER_WITH_PAST)
-    if format in (1, 2):
-        return None, f"format {format} was asked for"
+    if format_version in (1, 2):
+        return None, f"format {format_version} was asked for"
     if with_past is None or decoder is None:
         return None, "exported without past: one decoder is the whole model"
     names = [n for n in decoder.outputs if contract.is_encoder_present(n)]
@@ -375,24 +488,28 @@ def _one_decoder_part(parts: list[Part], format: int | None) -> tuple[CrossAtten
         else NoMatch(f"{decoder.source.name} returns no cross-attention keys and values")
     )
     if isinstance(found, NoMatch):
-        if format in (3, 4):
+        if format_version in (3, 4):
             raise IncompatibleModelsError(
-                f"the export cannot be merged as format {format}: {found.reason}; merge with "
-                "format 2 (--format 2)"
+                f"the export cannot be merged as format {format_version}: {found.reason}; merge "
+                "with format 2 (--format 2)"
             )
         return None, f"format 2, since {found.reason}"
     return found, "one decoder for every step"
 
 
 def _per_input(
-    model: ir.Model, result: passes.StepResult, format: int | None, export_dir: Path, reason: str
+    model: ir.Model,
+    result: passes.StepResult,
+    format_version: int | None,
+    export_dir: Path,
+    reason: str,
 ) -> str:
     """Version 4 where every cross-attention product reads one row per input; the reason."""
     if result.count:
         contract.record_format(model.metadata_props, cross_attention_per_input=True)
         return f"{reason}, its cross-attention keys and values once per input"
     why = result.records[0] if result.records else "nothing to rewrite"
-    if format == 4:
+    if format_version == 4:
         raise IncompatibleModelsError(
             f"{export_dir} cannot be merged as format 4: {why}; merge with format 3 (--format 3)"
         )

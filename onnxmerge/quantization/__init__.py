@@ -9,19 +9,22 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
-import tempfile
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import onnx_ir as ir
 
 from onnxmerge import check, contract, inspection, model_io, passes
 from onnxmerge.contract import ACTIVATION_SCALES, PRECISIONS, WEIGHT_PRECISIONS
 from onnxmerge.errors import (
+    InvalidArgumentError,
     InvalidMergedModelError,
     QuantizationError,
 )
+from onnxmerge.merge import Source, merged_model, resolve_source
 from onnxmerge.passes import dedup
 from onnxmerge.quantization import _rewrite
 from onnxmerge.quantization._codes import INT8_PEAK
@@ -30,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 # transformers.js's file name suffixes for each precision.
 SUFFIXES = {"int8": "_int8", "uint8": "_uint8", "fp16": "_fp16", "int4": "_q4"}
+DEFAULT_WEIGHTS = "int8"
 
 
 @dataclass(frozen=True)
@@ -49,48 +53,28 @@ def default_output(source: Path, weights: str) -> Path:
 
 
 def quantize(
-    source: str | os.PathLike,
+    source: str | os.PathLike | Source,
     output: str | os.PathLike | None = None,
     *,
-    weights: str = "int8",
+    weights: str = DEFAULT_WEIGHTS,
     encoder: str | None = None,
     activation_scale: str = "tensor",
     overwrite: bool = False,
     external_data: bool | None = None,
-) -> Path:
+    progress: Callable[[str], None] | None = None,
+    dtype: str | None = None,
+) -> model_io.WrittenPath[QuantizeResult]:
     """Write a copy of a merged model with its weights stored in ``weights``; return its path.
 
-    See :func:`quantize_with_report` for the arguments.
-    """
-    return quantize_with_report(
-        source,
-        output,
-        weights=weights,
-        encoder=encoder,
-        activation_scale=activation_scale,
-        overwrite=overwrite,
-        external_data=external_data,
-    ).path
-
-
-def quantize_with_report(
-    source: str | os.PathLike,
-    output: str | os.PathLike | None = None,
-    *,
-    weights: str = "int8",
-    encoder: str | None = None,
-    activation_scale: str = "tensor",
-    overwrite: bool = False,
-    external_data: bool | None = None,
-) -> QuantizeResult:
-    """Quantize a merged model (or an export folder, merged first) and report the numbers.
-
     Args:
-        source: a file written by :func:`onnxmerge.merge_seq2seq`, or an export folder.
+        source: a file written by :func:`onnxmerge.merge_seq2seq`, or an export folder or Hub
+            repository (merged first, unless it holds the merge of its files already).
         output: the file to write; by default beside ``source`` with transformers.js's suffix
             (``model_int8.onnx``, ``model_uint8.onnx``, ``model_fp16.onnx``, ``model_q4.onnx``).
         weights: ``"int8"``, ``"uint8"``, ``"fp16"`` or ``"int4"``: the precision of every large
             weight (embedding, LM head, decoders; the encoder too unless ``encoder`` differs).
+            The same values as every writer's ``weights``; where quantizing is optional, ``None``
+            there keeps the weights as they are.
         encoder: the precision of the weights only the encoder reads: one of ``weights``' values
             or ``"fp32"``; by default ``weights`` (measured to keep quality: docs/quantization.md).
         activation_scale: how the products of int8 and uint8 weights quantize their input:
@@ -102,41 +86,62 @@ def quantize_with_report(
             onnxruntime maps instead of parsing and copying: faster to load, and untouched
             embedding rows stay out of memory (docs/runtime.md); ``False`` one file; ``None``
             (default) as the source file is stored, and always past 2 GB.
+        progress: called with the name of each step as it starts.
+        dtype: which files of a folder with several dtypes (transformers.js's names).
+
+    Returns:
+        The written file's path; its ``report`` is the :class:`QuantizeResult`.
 
     Raises:
+        InvalidArgumentError: ``weights``, ``encoder`` or ``activation_scale`` is not a choice.
         OnnxMergeError: or a subclass, saying what is wrong; nothing is written and the source is
             never modified.
     """
-    source = Path(source)
+    options = _options(weights, encoder, activation_scale, external_data)
+    found = resolve_source(source, dtype)
+    output = Path(output) if output is not None else default_output(found.path, weights)
+    model_io.check_output(output, found.files(), overwrite=overwrite)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    step = progress or (lambda _name: None)
+    with merged_model(found, work_dir=output.parent, progress=step) as merged:
+        step(f"storing the weights as {weights}")
+        result = _quantize_file(merged, output, options)
+    return model_io.WrittenPath.of(result.path, result)
+
+
+def quantize_with_report(
+    source: str | os.PathLike | Source, output: str | os.PathLike | None = None, **options: Any
+) -> QuantizeResult:
+    """Deprecated: ``quantize(...).report``, which this returns.
+
+    Takes :func:`quantize`'s arguments.
+    """
+    warnings.warn(
+        "quantize_with_report is deprecated; quantize returns the path, whose `report` is the "
+        "QuantizeResult",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return quantize(source, output, **options).report
+
+
+def check_weights(
+    weights: str | None, *, argument: str = "weights", required: bool = False
+) -> None:
+    """Refuse a precision onnxmerge does not write; ``None`` (the weights stay as they are) is
+    refused only where a precision is ``required``.
+
+    Raises:
+        InvalidArgumentError: naming ``argument``.
+    """
+    if weights is None and not required:
+        return
     if weights not in WEIGHT_PRECISIONS:
-        raise QuantizationError(
-            f"weights={weights!r} is not a precision onnxmerge writes; choose one of "
-            f"{', '.join(WEIGHT_PRECISIONS)}"
+        raise InvalidArgumentError(
+            f"{argument}={weights!r} is not a precision onnxmerge writes; choose one of "
+            f"{', '.join(WEIGHT_PRECISIONS)}",
+            argument=argument,
         )
-    # By default the encoder gets the weights' precision: on the demo model every precision kept
-    # >= 99% of the fp32 translations with a quantized encoder (docs/quantization.md).
-    encoder = encoder or weights
-    if encoder not in PRECISIONS:
-        raise QuantizationError(
-            f"encoder={encoder!r} is not a precision; choose one of {', '.join(PRECISIONS)}"
-        )
-    if activation_scale not in ACTIVATION_SCALES:
-        raise QuantizationError(
-            f"activation_scale={activation_scale!r} is not a choice; choose one of "
-            f"{', '.join(ACTIVATION_SCALES)}"
-        )
-    if activation_scale != "tensor" and not {weights, encoder} & _rewrite.INTEGER_MATMUL:
-        raise QuantizationError(
-            f"activation_scale={activation_scale!r} applies to the products of int8 and uint8 "
-            f"weights; these weights are {weights} (encoder {encoder}), whose products read float "
-            "inputs"
-        )
-    output = Path(output) if output is not None else default_output(source, weights)
-    model_io.check_output(output, _files_read(source), overwrite=overwrite)
-    options = _Options(weights, encoder, activation_scale, external_data)
-    if source.is_dir():
-        return _quantize_export(source, output, options)
-    return _quantize_file(source, output, options)
 
 
 @dataclass(frozen=True)
@@ -147,73 +152,44 @@ class _Options:
     external_data: bool | None
 
 
-def _files_read(source: Path) -> list[Path]:
-    """The model and its data files, or those of every model in the export folder."""
-    if source.is_dir():
-        from onnxmerge.export_layout import resolve
-
-        models = list(resolve(source).files)
-    else:
-        models = [source]
-    return [f for m in models if m.is_file() for f in (m, *model_io.data_files_of(m))]
-
-
-def _quantize_export(folder: Path, output: Path, options: _Options) -> QuantizeResult:
-    from onnxmerge.merge import merge_seq2seq
-
-    output.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=".onnxmerge-quantize.", dir=output.parent))
-    try:
-        merged = merge_seq2seq(folder, work / "model.onnx")
-        return _quantize_file(merged, output, options)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+def _options(
+    weights: str, encoder: str | None, activation_scale: str, external_data: bool | None
+) -> _Options:
+    """The arguments checked, before anything is read."""
+    check_weights(weights, required=True)
+    # By default the encoder gets the weights' precision: on the demo model every precision kept
+    # >= 99% of the fp32 translations with a quantized encoder (docs/quantization.md).
+    encoder = encoder or weights
+    if encoder not in PRECISIONS:
+        raise InvalidArgumentError(
+            f"encoder={encoder!r} is not a precision; choose one of {', '.join(PRECISIONS)}",
+            argument="encoder",
+        )
+    if activation_scale not in ACTIVATION_SCALES:
+        raise InvalidArgumentError(
+            f"activation_scale={activation_scale!r} is not a choice; choose one of "
+            f"{', '.join(ACTIVATION_SCALES)}",
+            argument="activation_scale",
+        )
+    if activation_scale != "tensor" and not {weights, encoder} & _rewrite.INTEGER_MATMUL:
+        raise InvalidArgumentError(
+            f"activation_scale={activation_scale!r} applies to the products of int8 and uint8 "
+            f"weights; these weights are {weights} (encoder {encoder}), whose products read float "
+            "inputs",
+            argument="activation_scale",
+        )
+    return _Options(weights, encoder, activation_scale, external_data)
 
 
 def _quantize_file(source: Path, output: Path, options: _Options) -> QuantizeResult:
-    weights, encoder, external_data = options.weights, options.encoder, options.external_data
-    model, data_files = model_io.load_model(source)
+    model, data_files = _load_float_merged(source)
     tolerated = check.unknown_operators([model])
+    external_data = options.external_data
     if external_data is None and data_files:
         external_data = True
-    meta = model.metadata_props
-    if not contract.is_merged(meta):
-        raise InvalidMergedModelError(
-            f"{source} was not written by onnxmerge; merge its export folder first "
-            "(onnxmerge.merge_seq2seq, or pass the folder to quantize)"
-        )
-    if contract.META_PRECISION in meta:
-        raise QuantizationError(
-            f"{source} is already quantized ({meta[contract.META_PRECISION]}); quantize the "
-            "float32 file it came from"
-        )
-    if weights == "int4" or encoder == "int4":
-        _rewrite.raise_opset_for_int4(model)
-    encoder_nodes = inspection.encoder_nodes(model)
-
-    def precision_of(weight: ir.Value) -> str:
-        readers = [node for node, _ in weight.uses()]
-        if readers and all(node in encoder_nodes for node in readers):
-            return encoder
-        return weights
-
     before = model_io.tensor_bytes(model)
-    quantized, *_ = passes.run(
-        model,
-        (
-            _rewrite.QuantizeWeights(precision_of, options.activation_scale),
-            # Equal scales or zero points (e.g. of two zero-initialized layers) are stored once.
-            dedup.DeduplicateInitializers(),
-            dedup.RemoveUnusedInitializers(),
-        ),
-    )
-    done = quantized.records
-    precision = {"encoder": encoder, "decoder": weights}
-    contract.record_format(meta, quantized=True)  # version 2 for the two-decoder form
-    meta[contract.META_PRECISION] = json.dumps(precision, sort_keys=True)
-    if {weights, encoder} & _rewrite.INTEGER_MATMUL:
-        meta[contract.META_ACTIVATION_SCALE] = options.activation_scale
-    inputs_read = frozenset(f.resolve() for f in (source, *data_files))
+    done = _store_quantized(model, options)
+    precision = _record_precision(model, options)
     model_io.save_model_atomically(
         model,
         output,
@@ -221,7 +197,7 @@ def _quantize_file(source: Path, output: Path, options: _Options) -> QuantizeRes
         validate=lambda path: check.check_written_model(
             path, what="quantized model", tolerated=tolerated, sources=[source]
         ),
-        protected=inputs_read,
+        protected=frozenset(f.resolve() for f in (source, *data_files)),
     )
     result = QuantizeResult(
         path=output,
@@ -241,4 +217,65 @@ def _quantize_file(source: Path, output: Path, options: _Options) -> QuantizeRes
     return result
 
 
-__all__ = ["INT8_PEAK", "quantize", "quantize_with_report", "QuantizeResult", "default_output"]
+def _load_float_merged(source: Path) -> tuple[ir.Model, set[Path]]:
+    """A merged model onnxmerge wrote, its weights not yet quantized."""
+    model, data_files = model_io.load_model(source)
+    meta = model.metadata_props
+    if not contract.is_merged(meta):
+        raise InvalidMergedModelError(
+            f"{source} was not written by onnxmerge; merge its export folder first "
+            "(onnxmerge.merge_seq2seq, or pass the folder to quantize)"
+        )
+    if contract.META_PRECISION in meta:
+        raise QuantizationError(
+            f"{source} is already quantized ({meta[contract.META_PRECISION]}); quantize the "
+            "float32 file it came from"
+        )
+    return model, data_files
+
+
+def _store_quantized(model: ir.Model, options: _Options) -> tuple[_rewrite.QuantizedWeight, ...]:
+    """Rewrite the weights quantized, each precision where its readers are; what was stored."""
+    weights, encoder = options.weights, options.encoder
+    if weights == "int4" or encoder == "int4":
+        _rewrite.raise_opset_for_int4(model)
+    encoder_nodes = inspection.encoder_nodes(model)
+
+    def precision_of(weight: ir.Value) -> str:
+        readers = [node for node, _ in weight.uses()]
+        if readers and all(node in encoder_nodes for node in readers):
+            return encoder
+        return weights
+
+    quantized, *_ = passes.run(
+        model,
+        (
+            _rewrite.QuantizeWeights(precision_of, options.activation_scale),
+            # Equal scales or zero points (e.g. of two zero-initialized layers) are stored once.
+            dedup.DeduplicateInitializers(),
+            dedup.RemoveUnusedInitializers(),
+        ),
+    )
+    return quantized.records
+
+
+def _record_precision(model: ir.Model, options: _Options) -> dict[str, str]:
+    """Write what the quantizer did into the metadata; the precision of each part."""
+    meta = model.metadata_props
+    precision = {"encoder": options.encoder, "decoder": options.weights}
+    contract.record_format(meta, quantized=True)  # version 2 for the two-decoder form
+    meta[contract.META_PRECISION] = json.dumps(precision, sort_keys=True)
+    if {options.weights, options.encoder} & _rewrite.INTEGER_MATMUL:
+        meta[contract.META_ACTIVATION_SCALE] = options.activation_scale
+    return precision
+
+
+__all__ = [
+    "DEFAULT_WEIGHTS",
+    "INT8_PEAK",
+    "QuantizeResult",
+    "check_weights",
+    "default_output",
+    "quantize",
+    "quantize_with_report",
+]

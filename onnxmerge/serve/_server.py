@@ -39,6 +39,7 @@ class Server(uvicorn.Server):
             self._drain_until = time.monotonic() + self.drain_s
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        """Start draining on the first signal; a second one exits at once."""
         if self._drain_until is not None:  # a second signal: no more waiting
             self.should_exit = True
             self.force_exit = True
@@ -47,6 +48,7 @@ class Server(uvicorn.Server):
         self.drain()
 
     async def on_tick(self, counter: int) -> bool:
+        """uvicorn's periodic check: exit once draining is done or its time is up."""
         if await super().on_tick(counter):
             return True
         if self.state.load_error is not None:

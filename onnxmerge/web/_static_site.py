@@ -13,13 +13,21 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
 import onnx
 
-from onnxmerge import contract
-from onnxmerge.errors import InvalidMergedModelError, OnnxMergeError, RefusedOutputError
+from onnxmerge import contract, model_io
+from onnxmerge.errors import (
+    ExportFolderError,
+    InvalidArgumentError,
+    InvalidMergedModelError,
+    RefusedOutputError,
+)
+from onnxmerge.merge import Source, resolve_source
+from onnxmerge.quantization import check_weights
 
 MODEL_FILE = "generator.onnx"
 SETTINGS_FILE = "site.json"
@@ -48,6 +56,15 @@ MAX_MODEL_BYTES = 2**31 - 1
 _GENERATOR_KEY = "onnxmerge.generator"
 
 
+@dataclass(frozen=True)
+class SiteResult:
+    """What :func:`build_site` wrote: the folder and each file's bytes."""
+
+    path: Path
+    files: dict[str, int]
+    audio: bool
+
+
 def build_site(
     source: str | os.PathLike,
     output: str | os.PathLike,
@@ -60,7 +77,7 @@ def build_site(
     overwrite: bool = False,
     progress: Callable[[str], None] | None = None,
     dtype: str | None = None,
-) -> Path:
+) -> model_io.WrittenPath[SiteResult]:
     """Write a static site that translates in the browser with one model file; return its folder.
 
     Args:
@@ -81,52 +98,73 @@ def build_site(
         dtype: which files of a folder with several dtypes (transformers.js's names), fp32 by
             default.
 
-    Raises:
-        OnnxMergeError: or a subclass, saying what is wrong; nothing is written then.
-    """
-    source, output = Path(source), Path(output)
-    step = progress or (lambda _name: None)
-    if not source.exists():
-        raise InvalidMergedModelError(f"{source} does not exist: give an export folder or a model")
-    layout = None
-    if source.is_dir():
-        from onnxmerge.export_layout import resolve
+    Returns:
+        The site folder's path; its ``report`` is the :class:`SiteResult`.
 
-        layout = resolve(source, dtype)
-    default_tokenizer = layout.config_dir if layout else source.parent
-    tokenizer_dir = Path(tokenizer) if tokenizer else default_tokenizer
-    audio = _is_whisper(layout.config_dir if layout else source)
-    prompt = {k: v for k, v in (("language", language), ("task", task)) if v is not None}
-    if prompt and not audio:
-        raise OnnxMergeError("--language and --task apply to Whisper models only")
+    Raises:
+        OnnxMergeError: or a subclass (``InvalidArgumentError`` for a bad argument), saying what
+            is wrong; nothing is written then.
+    """
+    check_weights(weights)
+    found, output = resolve_source(source, dtype), Path(output)
+    tokenizer_dir = Path(tokenizer) if tokenizer else found.config_dir
+    audio, prompt = _audio_prompt(found, language, task)
     # Whisper's page shows token ids when there is no tokenizer (the test zoo's tiny model).
     tokenizer_files = _tokenizer_files(tokenizer_dir, required=not audio or tokenizer is not None)
-    _check_output(output, overwrite, inputs=(source, tokenizer_dir))
-    output.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}-", dir=output.parent))
+    model_io.check_output(output, (found.path, tokenizer_dir), overwrite=overwrite, folder=True)
+    step = progress or (lambda _name: None)
+    staging = _staging_beside(output)
     try:
-        staging.chmod(0o755)  # mkdtemp's 0700 would hide the site from a server's user
-        model = staging / MODEL_FILE
-        _write_generator(layout or source, model, weights, staging, step, audio, prompt)
+        _write_generator(found, staging / MODEL_FILE, weights, step, audio, prompt)
         step("writing the page")
-        settings = _audio_page_settings(model) if audio else _page_settings(model)
-        settings["examples"] = list(examples)
-        if audio:
-            settings["tokenizer"] = bool(tokenizer_files)
-        (staging / SETTINGS_FILE).write_text(json.dumps(settings, indent=2) + "\n", "utf-8")
-        for name, path in tokenizer_files.items():
-            if path is None:
-                (staging / name).write_text("{}\n", "utf-8")
-            else:
-                shutil.copyfile(path, staging / name)
-        assets = resources.files("onnxmerge.web") / "assets"
-        for name, asset in (AUDIO_ASSETS if audio else ASSETS).items():
-            (staging / name).write_bytes((assets / asset).read_bytes())
+        _write_page(staging, audio, examples, tokenizer_files)
+        files = {p.name: p.stat().st_size for p in sorted(staging.iterdir())}
         _publish(staging, output)
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
-    return output
+    return model_io.WrittenPath.of(output, SiteResult(output, files, audio))
+
+
+def _staging_beside(output: Path) -> Path:
+    """A new folder beside ``output`` where the site is written before it is renamed."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}-", dir=output.parent))
+    staging.chmod(0o755)  # mkdtemp's 0700 would hide the site from a server's user
+    return staging
+
+
+def _audio_prompt(
+    found: Source, language: str | None, task: str | None
+) -> tuple[bool, dict[str, str]]:
+    """Whether the page is the audio one, and the Whisper prompt's keywords given."""
+    audio = _is_whisper(found.config_dir if found.layout else found.path)
+    prompt = {k: v for k, v in (("language", language), ("task", task)) if v is not None}
+    if prompt and not audio:
+        raise InvalidArgumentError(
+            "--language and --task apply to Whisper models only", argument="language"
+        )
+    return audio, prompt
+
+
+def _write_page(
+    staging: Path, audio: bool, examples: Sequence[str], tokenizer_files: dict[str, Path | None]
+) -> None:
+    """The page's settings, the tokenizer and the page's own files, beside the model."""
+    model = staging / MODEL_FILE
+    settings = _audio_page_settings(model) if audio else _page_settings(model)
+    settings["examples"] = list(examples)
+    if audio:
+        settings["tokenizer"] = bool(tokenizer_files)
+    (staging / SETTINGS_FILE).write_text(json.dumps(settings, indent=2) + "\n", "utf-8")
+    for name, path in tokenizer_files.items():
+        if path is None:
+            (staging / name).write_text("{}\n", "utf-8")
+        else:
+            shutil.copyfile(path, staging / name)
+    assets = resources.files("onnxmerge.web") / "assets"
+    for name, asset in (AUDIO_ASSETS if audio else ASSETS).items():
+        (staging / name).write_bytes((assets / asset).read_bytes())
 
 
 def _is_whisper(source: Path) -> bool:
@@ -149,34 +187,13 @@ def _tokenizer_files(folder: Path, required: bool = True) -> dict[str, Path | No
     if not found.is_file() and not required:
         return {}
     if not found.is_file():
-        raise OnnxMergeError(
+        raise ExportFolderError(
             f"no {TOKENIZER_FILE} in {folder}: the page tokenizes with it. Save the model's fast "
             "tokenizer there (AutoTokenizer.from_pretrained(...).save_pretrained(folder)) or pass "
             "the folder that holds it (--tokenizer)"
         )
     config = folder / TOKENIZER_CONFIG_FILE
     return {TOKENIZER_FILE: found, TOKENIZER_CONFIG_FILE: config if config.is_file() else None}
-
-
-def _inside(path: Path, folder: Path) -> bool:
-    path, folder = path.resolve(), folder.resolve()
-    return path == folder or folder in path.parents
-
-
-def _check_output(output: Path, overwrite: bool, inputs: Sequence[Path]) -> None:
-    for path in inputs:
-        if _inside(path, output):
-            raise RefusedOutputError(
-                f"the site folder {output} holds the input {path}; writing the site would replace "
-                "it: choose another output folder"
-            )
-    if output.exists() and not output.is_dir():
-        raise RefusedOutputError(f"{output} exists and is not a folder; choose another output")
-    if output.is_dir() and any(output.iterdir()) and not overwrite:
-        raise RefusedOutputError(
-            f"{output} exists and is not empty; pass --overwrite (overwrite=True) to replace it, "
-            "or choose another folder"
-        )
 
 
 def _publish(staging: Path, output: Path) -> None:
@@ -205,92 +222,74 @@ def _metadata(path: Path) -> dict[str, str]:
 
 
 def _write_generator(
-    source,
+    found: Source,
     model: Path,
     weights: str | None,
-    staging: Path,
     step: Callable[[str], None],
     audio: bool = False,
     prompt: dict[str, str] | None = None,
 ) -> None:
-    from onnxmerge.export_layout import ExportLayout
+    """The generator the page runs, at ``model``: copied, or built from the merged model."""
     from onnxmerge.generator import build_generator
-    from onnxmerge.generator.audio import META_FEATURES, PREPROCESSOR_CONFIG
+    from onnxmerge.generator.audio import PREPROCESSOR_CONFIG
 
-    if isinstance(source, ExportLayout):
-        source, layout = source.source, source
-    else:
-        layout = None
-    if source.is_file() and _GENERATOR_KEY in _metadata(source):
-        if prompt:
-            raise OnnxMergeError(
-                f"{source} is a generator model, whose prompt is fixed: build the site from the "
-                "merged model or the export folder to choose the language or task"
-            )
-        if audio and META_FEATURES not in _metadata(source):
-            raise OnnxMergeError(
-                f"{source} is a Whisper generator that reads input_features; the page feeds it "
-                "audio: build the site from the merged model or the export folder, or build the "
-                "generator with --audio"
-            )
-        if weights is not None:
-            raise OnnxMergeError(
-                f"{source} is a generator model; to quantize, build the site from the merged "
-                "model or the export folder"
-            )
-        if any(source.parent.glob(f"{source.name}_data")) or any(
-            source.parent.glob(f"{source.name}.data")
-        ):
-            raise OnnxMergeError(f"{source} keeps its weights in external data; {_TOO_LARGE}")
-        shutil.copyfile(source, model)
+    if found.layout is None and _GENERATOR_KEY in _metadata(found.path):
+        _copy_generator(found.path, model, weights, audio, prompt)
         return
-    with tempfile.TemporaryDirectory(prefix="work-", dir=staging) as tmp:
-        merged = source
-        if layout is not None:
-            merged = _merged_model(layout, Path(tmp), step)
-        if weights is not None:
-            merged = _quantize(merged, Path(tmp), weights, step)
-        # build_generator reads the preprocessor config beside the model it is given.
-        config_dir = source if source.is_dir() else source.parent
-        if layout is not None:
-            config_dir = layout.config_dir
-        if audio and (config_dir / PREPROCESSOR_CONFIG).is_file() and merged != source:
-            shutil.copyfile(config_dir / PREPROCESSOR_CONFIG, merged.parent / PREPROCESSOR_CONFIG)
-        step("building the decoding loop")
-        build_generator(merged, model, audio=audio, generation_config=prompt or None)
-    if any(p.name != MODEL_FILE for p in staging.iterdir()):
-        raise OnnxMergeError(
-            f"the generator of {source} was written with external data; {_TOO_LARGE}"
+    generation_config = prompt or None
+    if weights is None:
+        build_generator(
+            found, model, audio=audio, generation_config=generation_config, progress=step
+        )
+    else:
+        from onnxmerge.quantization import quantize
+
+        with tempfile.TemporaryDirectory(prefix="work-", dir=model.parent) as work:
+            quantized = quantize(
+                found, Path(work) / f"model_{weights}.onnx", weights=weights, progress=step
+            )
+            # build_generator reads the preprocessor config beside the model it is given.
+            preprocessor = found.config_dir / PREPROCESSOR_CONFIG
+            if audio and preprocessor.is_file():
+                shutil.copyfile(preprocessor, Path(work) / PREPROCESSOR_CONFIG)
+            step("building the decoding loop")
+            build_generator(quantized, model, audio=audio, generation_config=generation_config)
+    if any(p.name != MODEL_FILE for p in model.parent.iterdir()):
+        raise RefusedOutputError(
+            f"the generator of {found.path} was written with external data; {_TOO_LARGE}"
         )
 
 
-def _merged_model(layout, work: Path, step: Callable[[str], None]) -> Path:
-    """The folder's own merged model (``onnxmerge merge`` wrote it) when it is the merge of the
-    files there now; else a fresh merge in ``work``, leaving the folder's file alone."""
-    import dataclasses
+def _copy_generator(
+    source: Path, model: Path, weights: str | None, audio: bool, prompt: dict[str, str] | None
+) -> None:
+    """A generator model given as the source, as it is, where the page can run it."""
+    from onnxmerge.generator.audio import META_FEATURES
 
-    from onnxmerge import export_layout
-    from onnxmerge.merge import merge_seq2seq
-
-    earlier = [
-        folder / export_layout.output_name(layout.dtype)
-        for folder in dict.fromkeys((layout.source, layout.model_dir, layout.config_dir))
-    ]
-    for path in earlier:
-        if path.is_file():
-            recorded = _metadata(path).get(contract.META_SOURCES)
-            if export_layout.is_merge_of(recorded, layout):
-                step(f"using {path}, the merge of these files")
-                return path
-    stale = tuple(p for p in earlier if p.is_file())
-    step(
-        f"merging the export folder (in a temporary folder: {stale[0].name} there is not the "
-        "merge of these files)"
-        if stale
-        else "merging the export folder"
-    )
-    layout = dataclasses.replace(layout, files=tuple(p for p in layout.files if p not in stale))
-    return merge_seq2seq(layout, work / "model.onnx")
+    if prompt:
+        raise InvalidArgumentError(
+            f"{source} is a generator model, whose prompt is fixed: build the site from the "
+            "merged model or the export folder to choose the language or task",
+            argument="language",
+        )
+    if audio and META_FEATURES not in _metadata(source):
+        raise InvalidArgumentError(
+            f"{source} is a Whisper generator that reads input_features; the page feeds it "
+            "audio: build the site from the merged model or the export folder, or build the "
+            "generator with --audio",
+            argument="source",
+        )
+    if weights is not None:
+        raise InvalidArgumentError(
+            f"{source} is a generator model; to quantize, build the site from the merged "
+            "model or the export folder",
+            argument="weights",
+        )
+    if any(source.parent.glob(f"{source.name}_data")) or any(
+        source.parent.glob(f"{source.name}.data")
+    ):
+        raise RefusedOutputError(f"{source} keeps its weights in external data; {_TOO_LARGE}")
+    shutil.copyfile(source, model)
 
 
 _TOO_LARGE = (
@@ -299,17 +298,10 @@ _TOO_LARGE = (
 )
 
 
-def _quantize(merged: Path, work: Path, weights: str, step: Callable[[str], None]) -> Path:
-    from onnxmerge.quantization import quantize
-
-    step(f"quantizing the weights to {weights}")
-    return Path(quantize(merged, work / f"model_{weights}.onnx", weights=weights))
-
-
 def _servable_metadata(model: Path) -> tuple[dict[str, str], dict, dict]:
     """A generator small enough for the page: its metadata, config and generation config."""
     if model.stat().st_size > MAX_MODEL_BYTES:
-        raise OnnxMergeError(f"{model.name} is {model.stat().st_size} bytes; {_TOO_LARGE}")
+        raise RefusedOutputError(f"{model.name} is {model.stat().st_size} bytes; {_TOO_LARGE}")
     metadata = _metadata(model)
     try:
         config = json.loads(metadata.get(contract.META_CONFIG, "{}"))
@@ -329,9 +321,10 @@ def _page_settings(model: Path) -> dict:
     except ValueError as e:
         raise InvalidMergedModelError(f"the onnxmerge metadata of {model} is not JSON: {e}") from e
     if not set(encoder_inputs) <= TEXT_INPUTS or "input_ids" not in encoder_inputs:
-        raise OnnxMergeError(
+        raise InvalidArgumentError(
             f"the model's encoder reads {encoder_inputs}; the page feeds text only "
-            f"({', '.join(sorted(TEXT_INPUTS))})"
+            f"({', '.join(sorted(TEXT_INPUTS))})",
+            argument="source",
         )
     # The defaults Seq2SeqModel.generate uses, so the page generates the same tokens.
     settings = resolve_settings(config, generation_config, {}, 1)

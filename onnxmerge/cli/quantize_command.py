@@ -55,9 +55,9 @@ def run(args: argparse.Namespace) -> int:
 
 def quantize_file(source: str | Path, output: str | None, args: argparse.Namespace) -> Any:
     """``source`` quantized as the options say; the quantization's report."""
-    from onnxmerge.quantization import quantize_with_report
+    from onnxmerge.quantization import quantize
 
-    return quantize_with_report(
+    return quantize(
         source,
         output,
         weights=args.weights,
@@ -65,7 +65,7 @@ def quantize_file(source: str | Path, output: str | None, args: argparse.Namespa
         activation_scale=args.activation_scale,
         overwrite=args.overwrite,
         external_data=True if args.external_data else None,
-    )
+    ).report
 
 
 def summary_of(result: Any) -> str:

@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from onnxmerge.cli import quantize
+from onnxmerge.cli import quantize_command
 from onnxmerge.cli._shared import (
     ExitCode,
     Progress,
@@ -65,7 +65,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     whisper_prompt_arguments(p)
     p.set_defaults(check=check)
-    quantize.precision_arguments(p, required=False)
+    quantize_command.precision_arguments(p, required=False)
 
 
 def check(args: argparse.Namespace) -> str | None:
@@ -89,7 +89,7 @@ def check(args: argparse.Namespace) -> str | None:
 def run(args: argparse.Namespace) -> int:
     from onnxmerge import model_io
     from onnxmerge.export_layout import EVERY_DTYPE, output_name
-    from onnxmerge.merge import merge_seq2seq_with_report
+    from onnxmerge.merge import merge_seq2seq
 
     if args.dtype == EVERY_DTYPE:
         return _merge_every_dtype(args)
@@ -100,22 +100,22 @@ def run(args: argparse.Namespace) -> int:
 
         model_io.check_output(output.parent / DEFAULT_OUTPUT_NAME, [], overwrite=args.overwrite)
     with Progress(quiet=args.json) as progress:
-        result = merge_seq2seq_with_report(
+        result = merge_seq2seq(
             args.dir,
             args.output,
             overwrite=args.overwrite,
             external_data=True if args.external_data else None,
             force=args.force,
             progress=progress,
-            format=args.format,
+            format_version=args.format,
             dtype=args.dtype,
-        )
+        ).report
         data, summary = result_json(result), summary_of(result)
         if args.weights:
             progress(f"storing the weights as {args.weights}")
-            result = quantize.quantize_file(result.path, None, args)
+            result = quantize_command.quantize_file(result.path, None, args)
             data["quantized"] = jsonable(result)
-            summary += "\n" + quantize.summary_of(result)  # the generator runs on this file
+            summary += "\n" + quantize_command.summary_of(result)  # the generator runs on this file
         if args.generation:
             progress(f"building the {args.generation} decoding loop")
             data["generator"], said = _build_generator(args, result.path, new_output)

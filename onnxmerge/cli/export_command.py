@@ -8,7 +8,7 @@ import shutil
 import warnings
 from pathlib import Path
 
-from onnxmerge.cli import merge
+from onnxmerge.cli import merge_command
 from onnxmerge.cli._shared import ExitCode, Progress, emit, need
 
 HELP = "export a local model folder (or hub id) with optimum, then merge"
@@ -22,7 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from onnxmerge.merge import merge_seq2seq_with_report
+    from onnxmerge.merge import merge_seq2seq
 
     output = Path(args.output) if args.output else Path(Path(args.model).name + "-onnx")
     if not args.overwrite:
@@ -31,9 +31,9 @@ def run(args: argparse.Namespace) -> int:
         progress(f"exporting {args.model} with optimum")
         export_with_optimum(args.model, output, args.task)
         copy_tokenizer(Path(args.model), output)
-        result = merge_seq2seq_with_report(output, overwrite=True, progress=progress)
-        result = merge.with_checkpoint(result, Path(args.model))
-    emit(args, merge.result_json(result), lambda: merge.summary_of(result))
+        result = merge_seq2seq(output, overwrite=True, progress=progress).report
+        result = merge_command.with_checkpoint(result, Path(args.model))
+    emit(args, merge_command.result_json(result), lambda: merge_command.summary_of(result))
     return ExitCode.OK
 
 

@@ -1,5 +1,0 @@
-import sys
-
-from onnxmerge.cli import main
-
-sys.exit(main())

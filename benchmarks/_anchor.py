@@ -303,3 +303,24 @@ def refuse(out: Path, results: dict[str, Any], reason: str) -> int:
     _common.write_results(target, {**results, "refused": reason})
     print(f"refused to write {out}: {reason}\n(results kept in {target})", file=sys.stderr)
     return 3
+
+
+def sentence(results: dict[str, Any]) -> str:
+    """What docs/benchmarks.md says of a run's checks: each group's anchor time against its
+    plain reference, and the machine's use by other processes."""
+    checks = results.get("reference_checks")
+    if checks is None:
+        return (
+            " This run predates the reference check: CTranslate2 was not timed beside its plain "
+            "one-liner, and the machine's quiet was not measured."
+        )
+    parts = [
+        f"{name} {c['anchor_s']:.4f} s against {c['reference_s']:.4f} s ({c['ratio']:.2f}x)"
+        for name, c in checks.items()
+    ]
+    use = results["machine_use"]
+    return (
+        " CTranslate2's greedy batch-1 time in the benchmark's processes against its plain "
+        f"one-liner in clean processes beside them: {'; '.join(parts)}; other processes used "
+        f"{use['other_cores']:.2f} cores on average during the run."
+    )

@@ -411,7 +411,7 @@ def partial_path(out: Path) -> Path:
 def probed_group(precision: str, batching: str, threads: int) -> str:
     """The check a corpus worker's probe belongs to: its precision and its threads per
     translator (the probe runs with that many)."""
-    return f"{precision}, {threads // parse_setting(batching)[2]} threads"
+    return f"{precision}, intra_threads={threads // parse_setting(batching)[2]}"
 
 
 def _run_side(sides: dict[str, tuple], case: str, side: str, batching: str | None = None) -> dict:
@@ -634,6 +634,7 @@ def markdown(data: dict) -> list[str]:
         "for that input alone; *agreement* the share of positions where both sides agree (the "
         "last, a forced eos on our side, left out). Load average of this run: "
         f"{_load_averages(data['environment'])}; processor: {_processor(data['environment'])}."
+        + _anchor.sentence(data)
         + _shared_note(data["environment"]),
         "",
         "| precision | search | CTranslate2 tokens/s (batching) | onnxmerge tokens/s (batching) "

@@ -143,7 +143,8 @@ def markdown(data: dict) -> list[str]:
         "outputs more than a real corpus would. *Rows kept*: ours with ended rows run to the "
         "batch's end, as transformers runs them. Tokens/s counts tokens without eos on every "
         "side; *same* is the share of outputs equal on both sides. Load average of this run: "
-        f"{_load_averages(data['environment'])}; processor: {_processor(data['environment'])}.",
+        f"{_load_averages(data['environment'])}; processor: {_processor(data['environment'])}."
+        + _anchor.sentence(data),
         "",
         "| precision | search | output tokens: mean / median / max | CTranslate2 tokens/s "
         "| onnxmerge tokens/s | ratio | rows kept tokens/s | dropping / keeping "

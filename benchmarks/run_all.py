@@ -26,6 +26,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks import _anchor  # noqa: E402
+
 OUT = REPO_ROOT / "benchmarks" / "out"
 DOCS = REPO_ROOT / "docs"
 
@@ -256,7 +261,8 @@ def _ctranslate2_section(data: dict) -> list[str]:
         "onnxruntime on an oversubscribed machine: from a loaded machine, the float32 "
         "ratios are lower than on a quiet one and are not a result. Load average of this "
         f"run: {_load_averages(data['environment'])}; processor: "
-        f"{_processor(data['environment'])}. `load_s` is import and load together, "
+        f"{_processor(data['environment'])}.{_anchor.sentence(data)} "
+        "`load_s` is import and load together, "
         "`import_s` the import alone (onnxruntime and numpy on our side), "
         "`load_without_import_s` the rest; `rss_after_load_mb` is the whole process, "
         "`rss_added_by_load_mb` what opening the model adds to the import. The range is the "
@@ -436,6 +442,16 @@ def render(out: Path, docs: Path) -> Path:
         "weights;",
         "each side runs in a fresh process, on the same inputs, in the same run. Ratios are",
         "onnxmerge / optimum: below 1 is better.",
+        "",
+        "Where a benchmark times CTranslate2, each of its CTranslate2 processes is checked in the "
+        "same run against CTranslate2's documented one-liner "
+        "(`Translator(path, intra_threads=N).translate_batch(...)`) in a fresh process with a "
+        "clean environment and every processor allowed; a run whose CTranslate2 side differs "
+        "from it by more than 15% plus the run's own spread, or during which other processes "
+        "used more than 0.15 cores on average, writes no figures "
+        "(`benchmarks/_anchor.py`). `python benchmarks/run_all.py --check README.md` reruns "
+        "shorter versions of those benchmarks and prints each README ratio beside what this "
+        "machine measures.",
         "",
     ]
     merge = _load(out, "merge")

@@ -27,7 +27,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -76,9 +76,8 @@ print(json.dumps({"times": times, "affinity": sorted(os.sched_getaffinity(0)),
 """
 
 
-def threading_environment(environ: dict[str, str] | None = None) -> dict[str, str]:
+def threading_environment(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
     """The variables of ``environ`` (this process's by default) that change threading."""
-    environ = os.environ if environ is None else environ
     return {k: v for k, v in sorted(environ.items()) if k.startswith(THREADING_PREFIXES)}
 
 

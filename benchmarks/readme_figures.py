@@ -163,8 +163,12 @@ def measured_figure(figure: Figure, results: dict[str, Any] | None) -> float | N
 
 
 def load_results(folder: Path, benchmark: str) -> dict[str, Any] | None:
-    """A benchmark's complete results in ``folder``, or None (not run, or refused)."""
+    """A benchmark's results in ``folder``: those it wrote, else those of a run it refused
+    (with their ``refused`` reason), else None."""
     import json
 
-    path = folder / f"{benchmark}.json"
-    return json.loads(path.read_text(encoding="utf-8")) if path.exists() else None
+    for name in (f"{benchmark}.json", f"{benchmark}.refused.json"):
+        path = folder / name
+        if path.exists():
+            return json.loads(path.read_text(encoding="utf-8"))
+    return None

@@ -151,12 +151,15 @@ def check_table(readme: Path, measured: Path) -> tuple[list[str], bool]:
     ]
     agree = bool(figures)
     for figure in figures:
-        value = readme_figures.measured_figure(figure, results[figure.table.benchmark])
+        found = results[figure.table.benchmark]
+        value = readme_figures.measured_figure(figure, found)
         if value is None or figure.readme is None:
             verdict, shown = "not measured", "-"
         else:
             close = abs(value / figure.readme - 1) <= WITHIN
             verdict, shown = ("yes" if close else "**no**"), f"{value:.2f}×"
+            if found and "refused" in found:  # shown, but a figure from it proves nothing
+                verdict += " (refused run)"
         agree = agree and verdict == "yes"
         readme_value = "-" if figure.readme is None else f"{figure.readme:.2f}×"
         lines.append(f"| {figure.name} | {readme_value} | {shown} | {verdict} |")

@@ -242,6 +242,13 @@ def test_check_sets_each_readme_figure_beside_the_measured_one(tmp_path, capsys)
         in table
     )
     assert len(table) == 2 + 30 + 8
+    # a refused run's figures are shown as such, and never agree
+    refused = {"precisions": precisions, "refused": "the machine was not quiet"}
+    (measured / "ctranslate2.json").unlink()
+    (measured / "ctranslate2.refused.json").write_text(json.dumps(refused))
+    assert run_all.main(["--check", str(readme), "--measured", str(measured)]) == 1
+    table = capsys.readouterr().out.splitlines()
+    assert "| ctranslate2: greedy time, float32 | 0.57× | 0.60× | yes (refused run) |" in table
 
 
 def test_check_agrees_with_the_results_the_readme_was_written_from(capsys):

@@ -28,7 +28,8 @@ openvino``, ``int8 openvino``), each also against onnxruntime on the same file
 
 Each round runs, beside each CTranslate2 process, CTranslate2's documented one-liner in a clean
 process (``benchmarks/_anchor.py``); where the benchmark's CTranslate2 side disagrees with it by
-more than the machine's spread allows, nothing is written to ``--out`` and the run exits 3.
+more than the machine's spread allows, or other processes used the machine during the run,
+nothing is written to ``--out`` and the run exits 3. Times are each side's best.
 
 Usage: python benchmarks/bench_ctranslate2.py [--quick] [--out benchmarks/out/ctranslate2.json]
     [--repeats 5] [--rounds 3] [--threads 2]

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks import _anchor
 from onnxmerge._ort import processor
 from tests import exports
 from tests.exports import export_onnx, staging
@@ -166,7 +167,7 @@ def package_versions() -> dict[str, str]:
 
 
 # Instruction sets that decide which int8 and float kernels both runtimes pick.
-_CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8")
+_CPU_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_bf16", "amx_int8")
 
 
 def cpu_description() -> dict[str, Any]:
@@ -179,13 +180,16 @@ def cpu_description() -> dict[str, Any]:
 
 def environment(load_at_start: tuple[float, ...], **versions: str | None) -> dict[str, Any]:
     """Where a run measured: Python, cores, processor, the load average at its start (given) and
-    now, then ``versions`` (package name to version)."""
+    now, the processors this process may run on, the environment variables that change
+    threading (the workers inherit both), then ``versions`` (package name to version)."""
     return {
         "python": platform.python_version(),
         "cpu_count": os.cpu_count(),
         "cpu": cpu_description(),
         "load_average_at_start": load_at_start,
         "load_average_at_end": os.getloadavg(),
+        "affinity": _anchor.affinity(),
+        "threading_environment": _anchor.threading_environment(),
         **versions,
     }
 

@@ -56,10 +56,12 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks import _common  # noqa: E402
+from benchmarks import _anchor, _common  # noqa: E402
 from benchmarks.bench_ctranslate2 import (  # noqa: E402
+    anchor_probe,
     convert_ctranslate2,
     quantize_ours,
+    reference_run,
     token_name,
 )
 
@@ -366,11 +368,9 @@ def side_worker(
     """A worker: the corpus with ``batching`` (``translate``'s options), or without it the
     sampled inputs alone."""
     parallel = parse_setting(batching)[2] if batching else 1
+    # CTranslate2 as its users run it: OpenMP's default wait policy (its threads spin while they
+    # wait, which on a busy machine slows it several times: MachineUse refuses such a run).
     env = dict(os.environ, OMP_NUM_THREADS=str(threads // parallel))
-    if side == "ctranslate2":
-        # OpenMP's threads sleep rather than spin while they wait: on a shared machine
-        # CTranslate2's float32 greedy ran 4x faster so (40 against 10 tokens/s).
-        env["OMP_WAIT_POLICY"] = "PASSIVE"
     argv = [sys.executable, __file__, "--worker", side, "--path", str(path)]
     argv += ["--config", json.dumps(config), "--inputs", str(count), "--threads", str(threads)]
     argv += ["--session-cache", str(cache)] if cache else []
@@ -379,7 +379,42 @@ def side_worker(
     result = subprocess.run(
         argv, check=True, capture_output=True, text=True, env=env, cwd=REPO_ROOT
     )
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    measured = json.loads(result.stdout.strip().splitlines()[-1])
+    if "anchor_probe" in measured:  # the same work at once in a plain process
+        measured["reference"] = reference_run(path, config, PROBE_REPEATS, threads // parallel)
+    return measured
+
+
+# Timed calls of the anchor's reference work in each CTranslate2 corpus worker and beside it.
+PROBE_REPEATS = 5
+
+
+def anchor_checks(ct2_results: dict[str, list[dict]]) -> dict:
+    """The reference check of each group of CTranslate2 workers (by name) that ran the probe:
+    their probes against the reference processes run beside them."""
+    checks = {}
+    for name, results in ct2_results.items():
+        probed = [r for r in results if "anchor_probe" in r]
+        if probed:
+            checks[name] = {
+                **_anchor.check(
+                    [r["anchor_probe"] for r in probed], [r["reference"]["times"] for r in probed]
+                ),
+                "reference_affinity": probed[0]["reference"]["affinity"],
+            }
+    return checks
+
+
+def partial_path(out: Path) -> Path:
+    """Where a run keeps what it has measured so far: beside ``out``, which keeps the last
+    complete run's figures until this one passes its checks."""
+    return out.with_name(out.stem + ".partial.json")
+
+
+def probed_group(precision: str, batching: str, threads: int) -> str:
+    """The check a corpus worker's probe belongs to: its precision and its threads per
+    translator (the probe runs with that many)."""
+    return f"{precision}, intra_threads={threads // parse_setting(batching)[2]}"
 
 
 def _run_side(sides: dict[str, tuple], case: str, side: str, batching: str | None = None) -> dict:
@@ -602,6 +637,7 @@ def markdown(data: dict) -> list[str]:
         "for that input alone; *agreement* the share of positions where both sides agree (the "
         "last, a forced eos on our side, left out). Load average of this run: "
         f"{_load_averages(data['environment'])}; processor: {_processor(data['environment'])}."
+        + _anchor.sentence(data)
         + _shared_note(data["environment"]),
         "",
         "| precision | search | CTranslate2 tokens/s (batching) | onnxmerge tokens/s (batching) "
@@ -686,12 +722,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batching", help=argparse.SUPPRESS)
     parser.add_argument("--new-tokens", type=int, nargs=2, default=FORCED, help=argparse.SUPPRESS)
     parser.add_argument("--keep-rows", action="store_true", help=argparse.SUPPRESS)
+    _anchor.add_argument(parser)
     args = parser.parse_args(argv)
     if args.worker:
         config = json.loads(args.config)
         given = (args.worker, args.path, config, args.inputs, args.threads, args.session_cache)
         if args.batching:
             result = translate(*given, args.case, args.batching, args.new_tokens, args.keep_rows)
+            if args.worker == "ctranslate2":  # after the corpus, whose peak memory it left
+                threads = args.threads // parse_setting(args.batching)[2]
+                result["anchor_probe"] = anchor_probe(args.path, config, PROBE_REPEATS, threads)
         else:
             result = alone(*given, args.case)
         print(json.dumps(result))
@@ -700,6 +740,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.inputs = min(args.inputs, 48)
     load_at_start = os.getloadavg()
+    machine = _anchor.MachineUse()
     started = time.perf_counter()
     export, config = _common.marian_export(args.quick, args.cache_dir)
     import onnxmerge
@@ -720,6 +761,7 @@ def main(argv: list[str] | None = None) -> int:
             onnxmerge.Seq2SeqModel(path, session_cache=caches[precision])
         ct2 = convert_ctranslate2(export.pytorch_dir, scratch, config)
         precisions = {}
+        probed: dict[str, list[dict]] = {}
         widened: dict[str, dict[str, list[str]]] = {"float32": {}, "int8": {}}
         for precision in ("float32", "int8"):
             sides = {
@@ -736,6 +778,9 @@ def main(argv: list[str] | None = None) -> int:
                         tried[side][name] = run(side, name)
                 if not args.quick:  # the quick run checks the pipeline, not the grid
                     widened[precision][case] = widen(tried, run, list(sides), args.inputs)
+                for name, result in tried["ctranslate2"].items():
+                    group = probed_group(precision, name, args.threads)
+                    probed.setdefault(group, []).append(result)
                 for side in sides:
                     cases[side][case] = best_of(tried[side], run(side))
             theirs = side_results(cases["ctranslate2"])
@@ -745,7 +790,7 @@ def main(argv: list[str] | None = None) -> int:
                 "ours": _without_tokens(mine),
                 "ctranslate2": _without_tokens(theirs),
             }
-            _common.write_results(args.out, {"partial": True, "precisions": precisions})
+            _common.write_results(partial_path(args.out), {"precisions": precisions})
         sides = {
             "int8": ("ours", ours["int8"], config, args.inputs, args.threads, caches["int8"]),
             ROW: ("ours", ours[ROW], config, args.inputs, args.threads, caches[ROW]),
@@ -775,7 +820,7 @@ def main(argv: list[str] | None = None) -> int:
             "ours": "Seq2SeqModel(threads=threads - x + 1).generate_many(max_batch_size, "
             "batch_type, parallel_batches=x) through a session cache written beforehand",
             "ctranslate2": "Translator(inter_threads=x, intra_threads=threads / x)"
-            ".translate_batch(max_batch_size, batch_type), OMP_WAIT_POLICY=PASSIVE",
+            ".translate_batch(max_batch_size, batch_type), OpenMP's default wait policy",
             "peak_rss": "VmHWM of the process translating the corpus, one per side, precision, "
             "case and setting; the larger of the two cases' fastest settings",
         },
@@ -790,7 +835,9 @@ def main(argv: list[str] | None = None) -> int:
             load_at_start, onnxruntime=onnxruntime.__version__, ctranslate2=ctranslate2.__version__
         ),
     }
-    _common.write_results(args.out, results)
+    status = _anchor.finish(args.out, results, anchor_checks(probed), machine, args.anchor_check)
+    if status:
+        return status
     for case, c in results["float32_ceiling"]["cases"].items():
         shares = {side: f"{share:.0%}" for side, share in c["shares"].items()}
         print(

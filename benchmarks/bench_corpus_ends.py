@@ -36,9 +36,12 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks import _common  # noqa: E402
+from benchmarks import _anchor, _common  # noqa: E402
 from benchmarks.bench_corpus import (  # noqa: E402
     CASES,
+    anchor_checks,
+    partial_path,
+    probed_group,
     setting_name,
     side_worker,
     widen,
@@ -140,7 +143,8 @@ def markdown(data: dict) -> list[str]:
         "outputs more than a real corpus would. *Rows kept*: ours with ended rows run to the "
         "batch's end, as transformers runs them. Tokens/s counts tokens without eos on every "
         "side; *same* is the share of outputs equal on both sides. Load average of this run: "
-        f"{_load_averages(data['environment'])}; processor: {_processor(data['environment'])}.",
+        f"{_load_averages(data['environment'])}; processor: {_processor(data['environment'])}."
+        + _anchor.sentence(data),
         "",
         "| precision | search | output tokens: mean / median / max | CTranslate2 tokens/s "
         "| onnxmerge tokens/s | ratio | rows kept tokens/s | dropping / keeping "
@@ -169,11 +173,13 @@ def main(argv: list[str] | None = None) -> int:
     # The workers are bench_corpus.py's: the options they share.
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--cache-dir", type=Path, default=_common.DEFAULT_CACHE_DIR)
+    _anchor.add_argument(parser)
     args = parser.parse_args(argv)
     settings = QUICK_SETTINGS if args.quick else SETTINGS
     if args.quick:
         args.inputs = min(args.inputs, 48)
     load_at_start = os.getloadavg()
+    machine = _anchor.MachineUse()
     started = time.perf_counter()
     factory = _common.tiny_marian_ends_config if args.quick else _common.opus_mt_ends_config
     export = _common.export_cached(factory, "tied", args.cache_dir)
@@ -193,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
             onnxmerge.Seq2SeqModel(path, session_cache=caches[precision])
         ct2 = convert_ctranslate2(export.pytorch_dir, scratch, config)
         precisions: dict[str, dict] = {}
+        probed: dict[str, list[dict]] = {}
         widened: dict[str, dict[str, list[str]]] = {"float32": {}, "int8": {}}
         for precision in ("float32", "int8"):
             precisions[precision] = {}
@@ -210,8 +217,11 @@ def main(argv: list[str] | None = None) -> int:
                     widened[precision][case] = widen(
                         tried, run, ("ctranslate2", "ours"), args.inputs
                     )
+                for name, result in tried["ctranslate2"].items():
+                    group = probed_group(precision, name, args.threads)
+                    probed.setdefault(group, []).append(result)
                 precisions[precision][case] = summarize(tried)
-            _common.write_results(args.out, {"partial": True, "precisions": precisions})
+            _common.write_results(partial_path(args.out), {"precisions": precisions})
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     import ctranslate2
@@ -238,7 +248,9 @@ def main(argv: list[str] | None = None) -> int:
             load_at_start, onnxruntime=onnxruntime.__version__, ctranslate2=ctranslate2.__version__
         ),
     }
-    _common.write_results(args.out, results)
+    status = _anchor.finish(args.out, results, anchor_checks(probed), machine, args.anchor_check)
+    if status:
+        return status
     for precision, cases in precisions.items():
         for case, c in cases.items():
             print(

@@ -61,9 +61,15 @@ def _optimum_rows(generate: dict[str, Any] | None) -> list[str]:
     ]
 
 
+def _anchor_checked(results: dict[str, Any] | None) -> bool:
+    """Whether a run's CTranslate2 side passed every reference check (``benchmarks/_anchor.py``)
+    and the run was not refused."""
+    checks = (results or {}).get("reference_checks") or {}
+    return bool(checks) and "refused" not in results and all(c["agrees"] for c in checks.values())
+
+
 def _ctranslate2_rows(ct2: dict[str, Any] | None) -> list[str]:
-    check = (ct2 or {}).get("reference_check") or {}
-    if not ct2 or not check.get("passed"):
+    if not ct2 or not _anchor_checked(ct2):
         return [
             "| against CTranslate2 | not published: no run here whose CTranslate2 side passed "
             "its reference check | | `bench_ctranslate2.py` |"
@@ -72,7 +78,7 @@ def _ctranslate2_rows(ct2: dict[str, Any] | None) -> list[str]:
     for precision in ("float32", "int8"):
         ratios = ct2["precisions"][precision]["ratios"]
         rows.append(
-            f"| {precision} greedy time, batch 1 | **{ratios['greedy_time']:.2f}×** "
+            f"| {precision} greedy time, batch 1 | **{ratios['greedy_b1']:.2f}×** "
             f"CTranslate2's, same precision | | `bench_ctranslate2.py` |"
         )
     return rows

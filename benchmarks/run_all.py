@@ -3,6 +3,11 @@
     python benchmarks/run_all.py            # the full runs (the two corpus runs alone: 65 min)
     python benchmarks/run_all.py --quick    # tiny models, to check the pipeline (the test suite)
     python benchmarks/run_all.py --render   # only re-render docs from benchmarks/out/*.json
+    python benchmarks/run_all.py --check docs/performance.md   # published ratios beside ours
+
+Benchmarks that time CTranslate2 check it against its plain one-liner in the same run and check
+that nothing else used the machine (``benchmarks/_anchor.py``); a run that fails either writes
+no figures (its old JSON stays) and run_all exits 3 after the rest.
 
 Each benchmark runs in its own process and writes JSON under the output folder; rendering reads
 only those files, so the docs always show numbers that one command produced.
@@ -21,6 +26,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks import _anchor  # noqa: E402
+
 OUT = REPO_ROOT / "benchmarks" / "out"
 DOCS = REPO_ROOT / "docs"
 
@@ -52,27 +62,108 @@ def _benchmarks(out: Path, quick: bool) -> dict[str, list[str]]:
     }
 
 
-def run(out: Path, quick: bool, only: list[str] | None, jobs: int = 1) -> None:
+# Benchmarks that time CTranslate2 and check it against its reference (``_anchor``).
+ANCHORED = ("ctranslate2", "corpus", "corpus_ends")
+# Exit status of a benchmark that refused to write figures (``_anchor.refuse``).
+REFUSED = 3
+
+
+def _check_benchmarks(out: Path, quick: bool) -> dict[str, list[str]]:
+    """The shorter runs behind ``--check``: CTranslate2's README layouts only (two rounds of
+    three repeats), and each corpus of 200 inputs."""
+    q = ["--quick"] if quick else []
+    return {
+        "ctranslate2": [
+            "bench_ctranslate2.py",
+            *q,
+            "--rounds",
+            "2",
+            "--repeats",
+            "3",
+            "--readme-only",
+            "--out",
+            str(out / "ctranslate2.json"),
+        ],
+        "corpus": ["bench_corpus.py", *q, "--inputs", "200", "--out", str(out / "corpus.json")],
+        "corpus_ends": [
+            "bench_corpus_ends.py",
+            *q,
+            "--inputs",
+            "200",
+            "--out",
+            str(out / "corpus_ends.json"),
+        ],
+    }
+
+
+def run(
+    out: Path,
+    quick: bool,
+    only: list[str] | None,
+    jobs: int = 1,
+    benchmarks: dict[str, list[str]] | None = None,
+) -> list[str]:
+    """Run the chosen benchmarks (``_benchmarks`` unless given); the names of those that
+    refused to write figures."""
     out.mkdir(parents=True, exist_ok=True)
 
-    def one(name: str, argv: list[str]) -> None:
+    def one(name: str, argv: list[str]) -> bool:
         started = time.perf_counter()
         print(f"== {name}: {' '.join(argv)}", flush=True)
-        subprocess.run(
-            [sys.executable, str(REPO_ROOT / "benchmarks" / argv[0]), *argv[1:]],
-            check=True,
-            cwd=REPO_ROOT,
+        done = subprocess.run(
+            [sys.executable, str(REPO_ROOT / "benchmarks" / argv[0]), *argv[1:]], cwd=REPO_ROOT
         )
+        if done.returncode not in (0, REFUSED):
+            raise subprocess.CalledProcessError(done.returncode, argv)
         print(f"== {name}: {time.perf_counter() - started:.0f} s", flush=True)
+        return done.returncode == REFUSED
 
     chosen = {
         name: argv
-        for name, argv in _benchmarks(out, quick).items()
+        for name, argv in (benchmarks or _benchmarks(out, quick)).items()
         if not ((only and name not in only) or (not only and name in ("large", "profile")))
     }
+    if jobs > 1:  # sharing the machine on purpose: record the anchor checks, refuse nothing
+        for name in ANCHORED:
+            if name in chosen:
+                chosen[name] = [*chosen[name], "--anchor-check", "record"]
     # More than one at a time only to check the pipeline: measured runs need the machine alone.
     with ThreadPoolExecutor(jobs) as pool:
-        list(pool.map(one, chosen, chosen.values()))
+        refused = list(pool.map(one, chosen, chosen.values()))
+    return [name for name, no in zip(chosen, refused, strict=True) if no]
+
+
+WITHIN = 0.15  # how far a measured ratio may be from the README's, relatively
+
+
+def check_table(readme: Path, measured: Path) -> tuple[list[str], bool]:
+    """Each README figure against the same field in ``measured`` (a folder of results): the
+    lines of a markdown table, and whether every figure was measured within ``WITHIN``."""
+    from benchmarks import readme_figures
+
+    figures = readme_figures.readme_figures(readme.read_text(encoding="utf-8"))
+    results = {
+        b: readme_figures.load_results(measured, b) for b in {f.table.benchmark for f in figures}
+    }
+    lines = [
+        f"| figure | {readme.name} | measured | within {WITHIN:.0%} |",
+        "|---|---:|---:|---|",
+    ]
+    agree = bool(figures)
+    for figure in figures:
+        found = results[figure.table.benchmark]
+        value = readme_figures.measured_figure(figure, found)
+        if value is None or figure.readme is None:
+            verdict, shown = "not measured", "-"
+        else:
+            close = abs(value / figure.readme - 1) <= WITHIN
+            verdict, shown = ("yes" if close else "**no**"), f"{value:.2f}×"
+            if found and "refused" in found:  # shown, but a figure from it proves nothing
+                verdict += " (refused run)"
+        agree = agree and verdict == "yes"
+        readme_value = "-" if figure.readme is None else f"{figure.readme:.2f}×"
+        lines.append(f"| {figure.name} | {readme_value} | {shown} | {verdict} |")
+    return lines, agree
 
 
 def _load(out: Path, name: str) -> dict | None:
@@ -173,7 +264,8 @@ def _ctranslate2_section(data: dict) -> list[str]:
         "onnxruntime on an oversubscribed machine: from a loaded machine, the float32 "
         "ratios are lower than on a quiet one and are not a result. Load average of this "
         f"run: {_load_averages(data['environment'])}; processor: "
-        f"{_processor(data['environment'])}. `load_s` is import and load together, "
+        f"{_processor(data['environment'])}.{_anchor.sentence(data)} "
+        "`load_s` is import and load together, "
         "`import_s` the import alone (onnxruntime and numpy on our side), "
         "`load_without_import_s` the rest; `rss_after_load_mb` is the whole process, "
         "`rss_added_by_load_mb` what opening the model adds to the import. The range is the "
@@ -354,6 +446,16 @@ def render(out: Path, docs: Path) -> Path:
         "each side runs in a fresh process, on the same inputs, in the same run. Ratios are",
         "onnxmerge / optimum: below 1 is better.",
         "",
+        "Where a benchmark times CTranslate2, each of its CTranslate2 processes is checked in the "
+        "same run against CTranslate2's documented one-liner "
+        "(`Translator(path, intra_threads=N).translate_batch(...)`) in a fresh process with a "
+        "clean environment and every processor allowed; a run whose CTranslate2 side differs "
+        "from it by more than 15% plus the run's own spread, or during which other processes "
+        "used more than 0.15 cores on average, writes no figures "
+        "(`benchmarks/_anchor.py`). `python benchmarks/run_all.py --check docs/performance.md` "
+        "reruns shorter versions of those benchmarks and prints each published ratio beside "
+        "what this machine measures.",
+        "",
     ]
     merge = _load(out, "merge")
     if merge:
@@ -516,13 +618,48 @@ def main(argv: list[str] | None = None) -> int:
         help="benchmarks run at a time (with --quick; figures need 1)",
     )
     parser.add_argument("--docs", type=Path, default=DOCS, help="folder for benchmarks.md")
+    parser.add_argument(
+        "--check",
+        type=Path,
+        metavar="README",
+        help="rerun the benchmarks behind README's ratios against CTranslate2 (shorter runs; "
+        "tiny models with --quick) into a scratch folder, and print each figure beside what "
+        "this machine measures; exits 1 where one differs by more than 15%%",
+    )
+    parser.add_argument(
+        "--measured",
+        type=Path,
+        help="with --check: compare with the results in this folder instead of running",
+    )
     args = parser.parse_args(argv)
     if str(REPO_ROOT) not in sys.path:
         sys.path.insert(0, str(REPO_ROOT))
+    if args.check:
+        return _check(args)
+    refused = []
     if not args.render:
-        run(args.out, args.quick, args.only, args.jobs if args.quick else 1)
+        refused = run(args.out, args.quick, args.only, args.jobs if args.quick else 1)
     print(f"wrote {render(args.out, args.docs)}")
+    if refused:
+        print(f"refused to write figures (their JSON is as it was): {', '.join(refused)}")
+        return REFUSED
     return 0
+
+
+def _check(args: argparse.Namespace) -> int:
+    """``--check``: the README's figures beside this machine's (run now unless ``--measured``)."""
+    import tempfile
+
+    measured = args.measured
+    if measured is None:
+        measured = Path(tempfile.mkdtemp(prefix="readme-check-"))
+        only = [n for n in (args.only or ANCHORED) if n in ANCHORED]
+        refused = run(measured, args.quick, only, 1, _check_benchmarks(measured, args.quick))
+        for name in refused:
+            print(f"{name} refused to measure (see {measured}/{name}.refused.json)")
+    lines, agree = check_table(args.check, measured)
+    print("\n".join(lines))
+    return 0 if agree else 1
 
 
 if __name__ == "__main__":

@@ -102,6 +102,15 @@ def test_run_all_quick_writes_results_and_docs(tmp_path):
         ):
             tokens = variants[plain]["ours"]["cases"][case]["tokens"]
             assert variants[other]["ours"]["cases"][case]["tokens"] == tokens
+    # CTranslate2 beside its plain one-liner, recorded (not refused: the run shares the machine)
+    assert ctranslate2["anchor_check"]["mode"] == "record"
+    for precision in ("float32", "int8"):
+        check = ctranslate2["reference_checks"][precision]
+        assert check["anchor_s"] > 0 and check["reference_s"] > 0
+        clean = {"HOME", "LANG", "LC_ALL", "PATH", "TMPDIR"}
+        assert set(check["reference_runs"][0]["environment"]) <= clean
+    assert "affinity" in ctranslate2["environment"]
+    assert "other_cores" in ctranslate2["machine_use"]
     for variant in variants.values():  # one round in the quick run: each range is its ratio
         for measure, (low, high) in variant["ratio_ranges"].items():
             assert low == pytest.approx(variant["ratios"][measure]) == high
@@ -123,6 +132,13 @@ def test_run_all_quick_writes_results_and_docs(tmp_path):
         assert row["tokens_per_s"] > 0 and row["per_batch_tokens_per_s"] > 0
     # one scale per row: int8 rows get the tokens they get alone, as float32 ones do
     assert corpus["row_scales"]["cases"]["greedy"]["same_as_alone"] == 1.0
+    # each CTranslate2 corpus worker's probe, beside a plain reference, by threads per translator
+    assert set(corpus["reference_checks"]) == {
+        f"{p}, intra_threads={n}" for p in ("float32", "int8") for n in (1, 2)
+    }
+    assert corpus["anchor_check"]["mode"] == "record"
+    ends = json.loads((tmp_path / "out" / "corpus_ends.json").read_text())
+    assert set(ends["reference_checks"]) == {"float32, intra_threads=1", "int8, intra_threads=1"}
     assert "## A corpus against CTranslate2" in page
     threads = json.loads((tmp_path / "out" / "threads.json").read_text())
     assert all(row["same_tokens_as_serial"] for row in threads["throughput"])

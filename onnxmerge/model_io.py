@@ -217,13 +217,8 @@ def load_model(path: Path) -> tuple[ir.Model, set[Path]]:
     Returns the model and the external data files it reads.
     """
     path = Path(path)
-    try:
-        # Large weights stay in the file, memory-mapped on demand, never parsed into memory.
-        proto = _wire.load_skeleton(path)
-    except FileNotFoundError:
-        raise ModelNotFoundError(f"{path} does not exist") from None
-    except Exception as e:  # protobuf raises several unrelated types on a corrupt file
-        raise WireFormatError(f"{path} is not a readable ONNX model: {e}") from e
+    # Large weights stay in the file, memory-mapped on demand, never parsed into memory.
+    proto = _skeleton(path)
     _refuse_sparse(proto.graph, path)
     locations = check_external_data(proto, path)
     try:
@@ -239,13 +234,17 @@ def load_model(path: Path) -> tuple[ir.Model, set[Path]]:
 
 def read_metadata(path: Path) -> dict[str, str]:
     """A model file's metadata, its weights left unread."""
+    return {entry.key: entry.value for entry in _skeleton(path).metadata_props}
+
+
+def _skeleton(path: Path) -> onnx.ModelProto:
+    """The model without its large weights' bytes, which stay in the file (``_wire``)."""
     try:
-        proto = _wire.load_skeleton(path)
+        return _wire.load_skeleton(path)
     except FileNotFoundError:
         raise ModelNotFoundError(f"{path} does not exist") from None
     except Exception as e:  # protobuf raises several unrelated types on a corrupt file
         raise WireFormatError(f"{path} is not a readable ONNX model: {e}") from e
-    return {entry.key: entry.value for entry in proto.metadata_props}
 
 
 def _refuse_sparse(graph: onnx.GraphProto, path: Path) -> None:

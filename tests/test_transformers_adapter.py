@@ -1,0 +1,237 @@
+"""onnxmerge.transformers: transformers' generate() and pipeline() over a merged file give the
+ids of PyTorch's generate() and of Seq2SeqModel.generate()."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.export
+
+pytest.importorskip("onnxruntime")
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+ARCHS = ("marian", "bart", "t5", "m2m100", "whisper")
+_models: dict = {}
+
+
+@pytest.fixture(scope="module")
+def merged(tiny_export, tmp_path_factory):
+    """``merged(arch)`` -> (adapter model, Seq2SeqModel, PyTorch model, export), built once."""
+    import onnxmerge
+    from onnxmerge.testing import zoo
+    from onnxmerge.transformers import MergedModelForSeq2SeqLM, MergedModelForSpeechSeq2Seq
+
+    def get(arch: str):
+        if arch not in _models:
+            export = tiny_export(arch)
+            out = tmp_path_factory.mktemp(arch) / "model.onnx"
+            onnxmerge.merge_seq2seq(export.onnx_dir, out)
+            kind = MergedModelForSpeechSeq2Seq if arch == "whisper" else MergedModelForSeq2SeqLM
+            _models[arch] = (
+                kind.from_pretrained(out.parent, threads=1),
+                onnxmerge.Seq2SeqModel(out, threads=1),
+                zoo.load_pytorch(export),
+                export,
+            )
+        return _models[arch]
+
+    return get
+
+
+def _inputs(export, seed: int = 1) -> dict:
+    from onnxmerge.testing import zoo
+
+    inputs = zoo.sample_encoder_inputs(export, batch=2, seq=7, seed=seed)
+    return {name: torch.from_numpy(value) for name, value in inputs.items()}
+
+
+def _pytorch(pt_model, inputs, **settings):
+    # Whisper's own generate() strips the prompt and eos; the generic loop gives the layout
+    # every other model gets, which is what the adapter runs.
+    with torch.no_grad():
+        return transformers.GenerationMixin.generate(pt_model, **inputs, **settings)
+
+
+SEARCHES = {
+    "greedy": {},
+    "beam3": {"num_beams": 3},
+    "beam3-return2": {"num_beams": 3, "num_return_sequences": 2, "length_penalty": 0.6},
+    "ngram-penalty": {"no_repeat_ngram_size": 2, "repetition_penalty": 1.3, "max_new_tokens": 9},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("settings", SEARCHES.values(), ids=SEARCHES.keys())
+@pytest.mark.parametrize("arch", ARCHS)
+def test_ids_equal_pytorch_and_the_runtime(merged, arch, settings):
+    model, runtime, pt_model, export = merged(arch)
+    inputs = _inputs(export)
+    expected = _pytorch(pt_model, inputs, **settings)
+    ids = model.generate(**inputs, **settings)
+    torch.testing.assert_close(ids, expected, rtol=0, atol=0)
+    ours = runtime.generate(**{k: v.numpy() for k, v in inputs.items()}, **settings)
+    np.testing.assert_array_equal(ids.numpy(), ours)
+
+
+class _BanToken(transformers.LogitsProcessor):
+    """A user's processor: forbids one token everywhere."""
+
+    def __init__(self, token: int):
+        self.token = token
+
+    def __call__(self, input_ids, scores):
+        scores[:, self.token] = -float("inf")
+        return scores
+
+
+@pytest.mark.parametrize("arch", ("marian", "t5"))
+@pytest.mark.parametrize("num_beams", [1, 3])
+def test_a_users_logits_processor_is_applied(merged, arch, num_beams):
+    model, _, pt_model, export = merged(arch)
+    inputs = _inputs(export, seed=2)
+    plain = model.generate(**inputs, num_beams=num_beams)
+    banned = int(plain[0, 1])  # the first token generated: banning it changes the output
+    settings = {"num_beams": num_beams}
+    processors = transformers.LogitsProcessorList([_BanToken(banned)])
+    expected = _pytorch(pt_model, inputs, logits_processor=processors, **settings)
+    ids = model.generate(**inputs, logits_processor=processors, **settings)
+    torch.testing.assert_close(ids, expected, rtol=0, atol=0)
+    assert not (ids[:, 1:] == banned).any()
+    assert not torch.equal(ids[:, : plain.shape[1]], plain[:, : ids.shape[1]])
+
+
+@pytest.mark.parametrize("arch", ("marian", "bart"))
+@pytest.mark.parametrize("num_beams", [1, 3])
+def test_scores_and_dict_output_match_pytorch(merged, arch, num_beams):
+    model, _, pt_model, export = merged(arch)
+    inputs = _inputs(export, seed=3)
+    settings = {"num_beams": num_beams, "output_scores": True, "return_dict_in_generate": True}
+    expected = _pytorch(pt_model, inputs, **settings)
+    out = model.generate(**inputs, **settings)
+    torch.testing.assert_close(out.sequences, expected.sequences, rtol=0, atol=0)
+    assert len(out.scores) == len(expected.scores)
+    for ours, theirs in zip(out.scores, expected.scores, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+    if num_beams > 1:
+        torch.testing.assert_close(out.sequences_scores, expected.sequences_scores)
+
+
+def test_sampling_with_a_seed_matches_pytorch(merged):
+    model, _, pt_model, export = merged("marian")
+    inputs = _inputs(export, seed=4)
+    settings = {"do_sample": True, "top_k": 5, "num_return_sequences": 2}
+    torch.manual_seed(0)
+    expected = _pytorch(pt_model, inputs, **settings)
+    torch.manual_seed(0)
+    ids = model.generate(**inputs, **settings)
+    torch.testing.assert_close(ids, expected, rtol=0, atol=0)
+
+
+class _Collect(transformers.generation.BaseStreamer):
+    def __init__(self):
+        self.pieces: list[list[int]] = []
+        self.ended = False
+
+    def put(self, value):
+        self.pieces.append(value.reshape(-1).tolist())
+
+    def end(self):
+        self.ended = True
+
+
+def test_a_streamer_gets_each_token_as_it_comes(merged):
+    model, _, pt_model, export = merged("marian")
+    inputs = {name: value[:1] for name, value in _inputs(export, seed=5).items()}
+    streamer = _Collect()
+    ids = model.generate(**inputs, streamer=streamer, max_new_tokens=8)
+    assert streamer.ended
+    assert [token for piece in streamer.pieces for token in piece] == ids[0].tolist()
+    assert all(len(piece) == 1 for piece in streamer.pieces[1:])  # one step, one token
+    torch.testing.assert_close(ids, _pytorch(pt_model, inputs, max_new_tokens=8), rtol=0, atol=0)
+
+
+def test_the_config_comes_from_the_file(merged):
+    model, runtime, _, _ = merged("m2m100")
+    assert model.config.model_type == runtime.model_type == "m2m_100"
+    assert model.config.is_encoder_decoder
+    assert model.generation_config.decoder_start_token_id == (
+        runtime.resolve_settings().decoder_start_token_id
+    )
+    assert model.can_generate()
+
+
+def test_the_cache_moves_rows_through_the_runtime_cache(merged):
+    from onnxmerge.transformers import MergedCache
+
+    model, runtime, _, export = merged("bart")
+    inputs = _inputs(export, seed=6)
+    out = model(decoder_input_ids=torch.full((2, 1), 2), **inputs)
+    cache = out.past_key_values
+    assert isinstance(cache, MergedCache) and isinstance(cache, transformers.Cache)
+    assert (cache.get_seq_length(), len(cache), cache.is_compileable) == (
+        1,
+        runtime.num_layers,
+        False,
+    )
+    first = cache.merged.decoder[0]
+    cache.reorder_cache(torch.tensor([1, 0]))
+    np.testing.assert_array_equal(cache.merged.decoder[0], first[[1, 0]])
+    cache.batch_repeat_interleave(2)
+    assert cache.merged.rows == 4
+    step = model(decoder_input_ids=torch.full((4, 1), 5), past_key_values=cache)
+    assert step.past_key_values.get_seq_length() == 2
+    step.past_key_values.crop(1)
+    assert step.past_key_values.get_seq_length() == 1
+
+
+def test_a_path_without_a_merged_model_is_refused(tmp_path):
+    from onnxmerge.errors import InvalidArgumentError
+    from onnxmerge.transformers import MergedModelForSeq2SeqLM
+
+    with pytest.raises(InvalidArgumentError, match="no merged model there") as raised:
+        MergedModelForSeq2SeqLM.from_pretrained(tmp_path)
+    assert raised.value.argument == "pretrained_model_name_or_path"
+
+
+def test_encoder_outputs_of_another_model_are_refused(merged):
+    from onnxmerge.errors import InvalidArgumentError
+
+    model, _, _, export = merged("marian")
+    other = transformers.modeling_outputs.BaseModelOutput(last_hidden_state=torch.zeros(2, 7, 8))
+    with pytest.raises(InvalidArgumentError, match="get_encoder"):
+        model(decoder_input_ids=torch.zeros(2, 1, dtype=torch.long), encoder_outputs=other)
+
+
+# ---------------------------------------------------------------------------------------------
+# the trained demo model, through pipeline()
+
+
+@pytest.fixture(scope="module")
+def demo(demo_export, tmp_path_factory):
+    import shutil
+
+    import onnxmerge
+
+    folder = tmp_path_factory.mktemp("demo")
+    for name in demo_export.iterdir():
+        if name.suffix != ".onnx" and name.is_file():
+            shutil.copy(name, folder / name.name)
+    onnxmerge.merge_seq2seq(demo_export, folder / "model.onnx")
+    return folder
+
+
+@pytest.mark.parametrize("settings", [{}, {"num_beams": 4}], ids=["greedy", "beam4"])
+def test_translation_pipeline_gives_the_runtimes_text(demo, settings):
+    from onnxmerge import Seq2SeqModel
+    from onnxmerge.demo import DEMO_SENTENCES
+    from onnxmerge.transformers import MergedModelForSeq2SeqLM
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(demo)
+    model = MergedModelForSeq2SeqLM.from_pretrained(demo)
+    translator = transformers.pipeline("translation", model=model, tokenizer=tokenizer)
+    sources = list(DEMO_SENTENCES)[:4]
+    texts = [found["translation_text"] for found in translator(sources, **settings)]
+    assert texts == Seq2SeqModel(demo / "model.onnx").translate(sources, tokenizer, **settings)
+    assert all(texts)

@@ -129,6 +129,46 @@ def test_sampling_with_a_seed_matches_pytorch(merged):
     torch.testing.assert_close(ids, expected, rtol=0, atol=0)
 
 
+class _StopAtFive(transformers.StoppingCriteria):
+    """A user's stopping criterion: every row stops at five tokens."""
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.full((input_ids.shape[0],), input_ids.shape[1] >= 5, dtype=torch.bool)
+
+
+# Options our own runtime does not have; through the adapter they give PyTorch's ids.
+BEYOND_THE_RUNTIME = {
+    "stopping-criteria": {"stopping_criteria": transformers.StoppingCriteriaList([_StopAtFive()])},
+    "sequence-bias": {"sequence_bias": {(5,): -10.0, (7, 8): 4.0}},
+    "typical-min-p": {"do_sample": True, "typical_p": 0.9, "min_p": 0.05},
+    "beam-sample": {"do_sample": True, "num_beams": 3},
+    "no-cache-beam": {"use_cache": False, "num_beams": 2},
+    "watermark": {
+        "do_sample": True,
+        "watermarking_config": transformers.WatermarkingConfig(greenlist_ratio=0.5),
+    },
+}
+
+
+@pytest.mark.parametrize("settings", BEYOND_THE_RUNTIME.values(), ids=BEYOND_THE_RUNTIME.keys())
+def test_options_beyond_the_runtime_match_pytorch(merged, settings):
+    model, _, pt_model, export = merged("marian")
+    inputs = _inputs(export, seed=7)
+    torch.manual_seed(0)
+    expected = _pytorch(pt_model, inputs, **settings)
+    torch.manual_seed(0)
+    ids = model.generate(**inputs, **settings)
+    torch.testing.assert_close(ids, expected, rtol=0, atol=0)
+
+
+def test_prompt_lookup_decoding_feeds_several_tokens_and_crops_the_cache(merged):
+    model, _, pt_model, export = merged("bart")
+    inputs = {name: value[:1] for name, value in _inputs(export, seed=8).items()}
+    settings = {"prompt_lookup_num_tokens": 3, "max_new_tokens": 15}
+    expected = _pytorch(pt_model, inputs, **settings)
+    torch.testing.assert_close(model.generate(**inputs, **settings), expected, rtol=0, atol=0)
+
+
 class _Collect(transformers.generation.BaseStreamer):
     def __init__(self):
         self.pieces: list[list[int]] = []
@@ -184,6 +224,9 @@ def test_the_cache_moves_rows_through_the_runtime_cache(merged):
     assert step.past_key_values.get_seq_length() == 2
     step.past_key_values.crop(1)
     assert step.past_key_values.get_seq_length() == 1
+    legacy = step.past_key_values.to_legacy_cache()
+    assert len(legacy) == runtime.num_layers and len(legacy[0]) == 4
+    np.testing.assert_array_equal(legacy[0][0].numpy(), step.past_key_values.merged.decoder[0])
 
 
 def test_a_path_without_a_merged_model_is_refused(tmp_path):

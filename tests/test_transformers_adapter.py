@@ -278,3 +278,83 @@ def test_translation_pipeline_gives_the_runtimes_text(demo, settings):
     texts = [found["translation_text"] for found in translator(sources, **settings)]
     assert texts == Seq2SeqModel(demo / "model.onnx").translate(sources, tokenizer, **settings)
     assert all(texts)
+
+
+# ---------------------------------------------------------------------------------------------
+# speech, through pipeline("automatic-speech-recognition")
+
+
+def _tiny_whisper_tokenizer(folder):
+    """A Whisper tokenizer over the tiny model's 128 ids: its special tokens where the tiny
+    config puts them, single characters after; ``<|notimestamps|>`` last, so that no id the
+    model can produce reads as a timestamp."""
+    import json
+
+    from onnxmerge.testing import zoo
+
+    specials = ["<|bos|>", "<|pad|>", "<|endoftext|>", "<|startoftranscript|>"]
+    ends = ["<|startofprev|>", "<|notimestamps|>"]
+    vocab = specials + [chr(c) for c in range(33, 127)] + ["Ġ"]
+    vocab += [f"{a}{b}" for a in "abcdefghij" for b in "abcdefghij"]
+    vocab = vocab[: zoo.VOCAB - len(ends)] + ends
+    (folder / "vocab.json").write_text(json.dumps({token: i for i, token in enumerate(vocab)}))
+    (folder / "merges.txt").write_text("#version: 0.2\n")
+    return transformers.WhisperTokenizer(
+        folder / "vocab.json",
+        folder / "merges.txt",
+        unk_token="<|endoftext|>",
+        bos_token="<|bos|>",
+        eos_token="<|endoftext|>",
+        pad_token="<|pad|>",
+        additional_special_tokens=["<|startoftranscript|>", *ends],
+    )
+
+
+def test_speech_recognition_pipeline_gives_pytorchs_tokens(merged, tmp_path):
+    from onnxmerge.testing import zoo
+
+    model, runtime, pt_model, _ = merged("whisper")
+    tokenizer = _tiny_whisper_tokenizer(tmp_path)
+    # One second of audio makes the tiny model's frames: 16000 samples / 250 = 64.
+    features = transformers.WhisperFeatureExtractor(
+        feature_size=zoo.WHISPER_MEL_BINS, hop_length=250, chunk_length=1
+    )
+    assert features.nb_max_frames == 2 * zoo.WHISPER_SOURCE_POSITIONS
+    seen = []
+    generate = model.generate
+
+    def recorded(**kwargs):
+        seen.append(kwargs)
+        return generate(**kwargs)
+
+    model.generate = recorded
+    try:
+        asr = transformers.pipeline(
+            "automatic-speech-recognition",
+            model=model,
+            tokenizer=tokenizer,
+            feature_extractor=features,
+        )
+        audio = np.random.default_rng(9).uniform(-0.5, 0.5, 16000).astype(np.float32)
+        text = asr(audio, generate_kwargs={"max_new_tokens": 8})["text"]
+    finally:
+        del model.generate
+    given = seen[0]["input_features"]
+    expected = _pytorch(pt_model, {"input_features": given}, max_new_tokens=8)
+    np.testing.assert_array_equal(
+        runtime.generate(input_features=given.numpy(), max_new_tokens=8), expected.numpy()
+    )
+    assert text == tokenizer.decode(expected[0], skip_special_tokens=True)
+    assert text
+
+
+@pytest.mark.parametrize("num_beams", [1, 2])
+def test_a_whisper_decoder_prompt_is_continued(merged, num_beams):
+    model, runtime, pt_model, export = merged("whisper")
+    inputs = _inputs(export, seed=10)
+    prompt = torch.tensor([[3, 50, 51], [3, 52, 53]])
+    settings = {"decoder_input_ids": prompt, "num_beams": num_beams, "max_new_tokens": 6}
+    expected = _pytorch(pt_model, inputs, **settings)
+    ids = model.generate(**inputs, **settings)
+    torch.testing.assert_close(ids, expected, rtol=0, atol=0)
+    torch.testing.assert_close(ids[:, :3], prompt, rtol=0, atol=0)

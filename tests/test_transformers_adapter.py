@@ -75,6 +75,32 @@ def test_ids_equal_pytorch_and_the_runtime(merged, arch, settings):
     np.testing.assert_array_equal(ids.numpy(), ours)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("variant", "merge_format"),
+    [("no-past", None), ("default", 2)],
+    ids=["no-past", "format-2"],
+)
+def test_other_layouts_give_pytorchs_ids(tiny_export, tmp_path, variant, merge_format):
+    """Default merges are format 4 (cross-attention keys once per input); a format 2 file and
+    one without past (the decoder reruns on the prefix) go through the same cache."""
+    import onnxmerge
+    from onnxmerge.testing import zoo
+    from onnxmerge.transformers import MergedModelForSeq2SeqLM
+
+    export = tiny_export("marian", variant)
+    onnxmerge.merge_seq2seq(export.onnx_dir, tmp_path / "model.onnx", format=merge_format)
+    model = MergedModelForSeq2SeqLM.from_pretrained(tmp_path / "model.onnx", threads=1)
+    pt_model = zoo.load_pytorch(export)
+    inputs = _inputs(export, seed=11)
+    start = torch.full((2, 1), model.generation_config.decoder_start_token_id)
+    cache = model(decoder_input_ids=start, **inputs).past_key_values.merged
+    assert (cache.tokens is not None, cache.per_input) == (variant == "no-past", False)
+    for settings in ({}, {"num_beams": 3, "num_return_sequences": 2}):
+        expected = _pytorch(pt_model, inputs, **settings)
+        torch.testing.assert_close(model.generate(**inputs, **settings), expected, rtol=0, atol=0)
+
+
 class _BanToken(transformers.LogitsProcessor):
     """A user's processor: forbids one token everywhere."""
 
@@ -227,6 +253,13 @@ def test_the_cache_moves_rows_through_the_runtime_cache(merged):
     legacy = step.past_key_values.to_legacy_cache()
     assert len(legacy) == runtime.num_layers and len(legacy[0]) == 4
     np.testing.assert_array_equal(legacy[0][0].numpy(), step.past_key_values.merged.decoder[0])
+
+
+def test_saving_is_refused_rather_than_writing_no_weights(merged, tmp_path):
+    model, _, _, _ = merged("marian")
+    with pytest.raises(NotImplementedError, match="copying its file"):
+        model.save_pretrained(tmp_path)
+    assert not any(tmp_path.iterdir())
 
 
 def test_a_path_without_a_merged_model_is_refused(tmp_path):

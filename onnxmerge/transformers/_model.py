@@ -152,6 +152,14 @@ class _MergedModel(transformers.PreTrainedModel, transformers.GenerationMixin): 
     def dtype(self) -> torch.dtype:
         return torch.float32
 
+    def save_pretrained(self, *args: Any, **kwargs: Any) -> None:
+        """Refused: the model is the merged file, which a copy saves whole; transformers' saving
+        would write a config and no weights."""
+        raise NotImplementedError(
+            f"a merged model is saved by copying its file, {self.merged.path}, with the "
+            "tokenizer's files beside it"
+        )
+
     def get_encoder(self) -> torch.nn.Module:
         return self.encoder
 

@@ -12,6 +12,8 @@ import re
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
 
+from onnxmerge.errors import InvalidArgumentError
+
 # The format versions (docs/format.md). Only this module turns them into facts (FormatFacts) and
 # back: readers ask format_of() or ContractInfo, writers record_format().
 FORMAT_VERSION = "1"
@@ -89,7 +91,7 @@ def past_name_of(present: str) -> str:
     """The past input that the next step feeds ``present`` (a ``present.*`` output) back into."""
     parsed = parse_cache_name(present)
     if parsed is None:
-        raise ValueError(f"{present!r} is not a past/present name")
+        raise InvalidArgumentError(f"{present!r} is not a past/present name", argument="present")
     return past_name(*parsed[1:])
 
 
@@ -97,7 +99,7 @@ def present_name_of(past: str) -> str:
     """The present output that a step computes from ``past`` (a ``past_key_values.*`` input)."""
     parsed = parse_cache_name(past)
     if parsed is None:
-        raise ValueError(f"{past!r} is not a past/present name")
+        raise InvalidArgumentError(f"{past!r} is not a past/present name", argument="past")
     return present_name(*parsed[1:])
 
 
@@ -150,7 +152,10 @@ class FormatFacts:
 
     def __post_init__(self) -> None:
         if self.cross_attention_per_input and not self.one_decoder:
-            raise ValueError("cross-attention rows per input exist in the one-decoder form only")
+            raise InvalidArgumentError(
+                "cross-attention rows per input exist in the one-decoder form only",
+                argument="cross_attention_per_input",
+            )
 
     @property
     def version(self) -> str:

@@ -56,10 +56,14 @@ def test_converters_give_every_number_its_own_words() -> None:
 
 @pytest.mark.parametrize("bad", [-1, LARGEST_NUMBER + 1])
 def test_converters_refuse_numbers_out_of_range(bad: int) -> None:
-    with pytest.raises(ValueError, match="outside"):
+    from onnxmerge.errors import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError, match="outside"):
         french_number(bad)
     with pytest.raises(ValueError, match="outside"):
         english_number(bad)
+    with pytest.raises(InvalidArgumentError, match="expected an int"):
+        english_number(2.0)  # type: ignore[arg-type]
 
 
 def test_held_out_split_keeps_the_building_blocks_in_training() -> None:

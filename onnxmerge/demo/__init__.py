@@ -15,6 +15,8 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+from onnxmerge.errors import InvalidArgumentError
+
 __all__ = [
     "DEMO_MODEL_DIR",
     "DEMO_SENTENCES",
@@ -67,9 +69,11 @@ def is_held_out(n: int) -> bool:
 
 def _check_range(n: int) -> None:
     if isinstance(n, bool) or not isinstance(n, int):
-        raise TypeError(f"expected an int, got {type(n).__name__}")
+        raise InvalidArgumentError(f"expected an int, got {type(n).__name__}", argument="n")
     if not 0 <= n <= LARGEST_NUMBER:
-        raise ValueError(f"{n} is outside 0..{LARGEST_NUMBER}, the range the demo covers")
+        raise InvalidArgumentError(
+            f"{n} is outside 0..{LARGEST_NUMBER}, the range the demo covers", argument="n"
+        )
 
 
 def _french_below_100(n: int) -> str:

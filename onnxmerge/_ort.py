@@ -64,16 +64,71 @@ def open_session(
     options: Any | None = None,
     providers: Sequence[Any] | None = None,
 ) -> Any:
-    """An ``onnxruntime.InferenceSession`` on a model file or its bytes; CPU unless told."""
+    """An ``onnxruntime.InferenceSession`` on a model file or its bytes; CPU unless told.
+
+    A file that holds its large weights inline is opened through its skeleton
+    (:func:`mapped_skeleton`), so that onnxruntime maps those weights from inside the file
+    instead of parsing them; ``options`` then has
+    ``session.model_external_initializers_file_folder_path`` set to the file's folder (where the
+    same options open a file in another folder, onnxruntime logs that it overwrites it). A
+    session that saves its optimized graph (``optimized_model_filepath``) opens by path:
+    onnxruntime resolves the data file it saves against that folder, not the saved model's.
+    """
     import onnxruntime as ort
 
+    options = options if options is not None else session_options()
     if not isinstance(source, bytes):
         source = os.fspath(source)
+        skeleton = None if options.optimized_model_filepath else mapped_skeleton(source)
+        if skeleton is not None:
+            _set_config(options, _FOLDER_KEY, os.path.dirname(os.path.abspath(source)))
+            source = skeleton
     return ort.InferenceSession(
         source,
-        sess_options=options if options is not None else session_options(),
+        sess_options=options,
         providers=list(providers) if providers else ["CPUExecutionProvider"],
     )
+
+
+# Where onnxruntime resolves the external references of a model given as bytes.
+_FOLDER_KEY = "session.model_external_initializers_file_folder_path"
+
+
+def mapped_skeleton(path: str | os.PathLike) -> bytes | None:
+    """The bytes of ``path``'s skeleton (``_wire.load_skeleton``): the model with each large
+    ``raw_data`` of its main graph replaced by a reference into the file itself, which
+    onnxruntime maps as it maps an external data file.
+
+    None where the file is better opened by path: the skeleton cannot be built (a framing the
+    wire reader refuses, a file that cannot be read), or it refers to no weight in the file (a
+    model whose weights are in a data file already, are small, are stored as typed fields or
+    lie only in subgraphs, which the skeleton leaves inline): onnxruntime then parses the same
+    bytes either way.
+    """
+    from onnxmerge._wire import load_skeleton
+
+    name = os.path.basename(path)
+    try:
+        skeleton = load_skeleton(path)
+    except Exception as error:  # WireFormatError, protobuf's DecodeError, OSError
+        logger.debug("%s opened by path: no skeleton (%s)", path, error)
+        return None
+    if not any(
+        entry.key == "location" and entry.value == name
+        for tensor in skeleton.graph.initializer
+        for entry in tensor.external_data
+    ):
+        return None
+    return skeleton.SerializeToString()
+
+
+def _set_config(options: Any, key: str, value: str) -> None:
+    try:
+        if options.get_session_config_entry(key) == value:
+            return
+    except RuntimeError:  # not set
+        pass
+    options.add_session_config_entry(key, value)
 
 
 def bind_output_into(binding: Any, name: str, array: np.ndarray) -> None:

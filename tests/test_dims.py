@@ -94,3 +94,25 @@ def test_an_untouched_export_keeps_every_name(tiny_export):
     ]
     separate = dims.SeparateSymbolicDims(parts.dim_sources(found))
     assert separate(splice.splice(found, models)).count == 0
+
+
+def test_the_if_branches_declare_no_dim_names(tiny_export, tmp_path):
+    """Regression: tract binds names inside a branch apart from the outer graph's and refused
+    the step's sizes there; the graph's own inputs and outputs keep their names."""
+    import onnx
+
+    from onnxmerge import merge_seq2seq
+
+    model = onnx.load(merge_seq2seq(tiny_export("marian").onnx_dir, tmp_path / "model.onnx"))
+    (if_node,) = [n for n in model.graph.node if n.op_type == "If"]
+    declared = [
+        value for branch in if_node.attribute for value in [*branch.g.output, *branch.g.value_info]
+    ]
+    assert declared
+    assert not [
+        (v.name, d.dim_param) for v in declared for d in v.type.tensor_type.shape.dim if d.dim_param
+    ]
+    named = {
+        d.dim_param for v in model.graph.input for d in v.type.tensor_type.shape.dim if d.dim_param
+    }
+    assert {"batch_size", "encoder_sequence_length"} <= named

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import mmap
+import os
 import sys
 from pathlib import Path
 
@@ -30,6 +31,12 @@ Anonymous:             0 kB
 Anonymous:             0 kB
 7f0000010000-7f0000014000 rw-p 00000000 00:00 0
 Anonymous:            16 kB
+7f000001c000-7f0000020000 rw-p 00004000 fe:00 16 /models/a/model.onnx
+Anonymous:             0 kB
+7f0000020000-7f0000024000 rw-p 00000000 fe:00 17 /models/a/other.onnx
+Anonymous:             0 kB
+7f0000024000-7f0000028000 rw-p 00000000 fe:00 18 /models/b/model.onnx
+Anonymous:             0 kB
 """
 
 
@@ -40,6 +47,7 @@ def test_only_unwritten_mappings_of_the_model_data_are_chosen(tmp_path):
     assert clean_file_mappings(chosen, str(smaps)) == [
         (0x7F0000000000, 0x7F0000004000),
         (0x7F0000018000, 0x7F000001C000),
+        (0x7F000001C000, 0x7F0000020000),  # the model file itself, opened through its skeleton
     ]
 
 
@@ -94,6 +102,54 @@ def test_gathered_pages_drop_only_the_pages_of_their_tensors(tmp_path):
     # would zero: the region is forgotten, not dropped.
     gathered.drop()
     assert gathered.regions == []
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and madvise are Linux's")
+def test_gathered_pages_of_the_model_file_itself(tmp_path):
+    """A one-file model opened through its skeleton: onnxruntime maps the weights from the model
+    file, whose pages are dropped as a data file's are, while its mapping is the file's."""
+    from onnxmerge.runtime._memory import GatheredPages
+
+    model = tmp_path / "model.onnx"
+    content = bytes(range(256)) * (8 * PAGE // 256)
+    model.write_bytes(content)
+    with model.open("rb") as f:
+        view = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    try:
+        start = next(s for s, _ in clean_file_mappings(is_data_file_of(model)))
+        gathered = GatheredPages(model, [(model, PAGE, 2 * PAGE)])
+        assert gathered.regions == [(start + PAGE, start + 3 * PAGE)]
+        assert bytes(view) == content
+        gathered.drop()
+        assert resident_bytes(start) == (8 - 2) * PAGE
+        assert bytes(view) == content
+    finally:
+        view.close()
+    gathered.drop()  # the mapping is gone: forgotten, never dropped
+    assert gathered.regions == []
+
+
+def test_mapped_files_count_as_changed_only_when_written_in_place(tmp_path):
+    from onnxmerge.runtime._memory import changed_files, mapped_file_states
+
+    written, replaced = tmp_path / "model.onnx", tmp_path / "model.onnx_data"
+    written.write_bytes(b"a" * 10)
+    replaced.write_bytes(b"b" * 10)
+    maps = tmp_path / "maps"
+    maps.write_text(
+        "".join(
+            f"7f000000{i}000-7f000000{i + 1}000 r--p 00000000 fe:00 1{i} {path.resolve()}\n"
+            for i, path in enumerate((written, replaced, tmp_path / "other.onnx"))
+        )
+    )
+    states = mapped_file_states(written, str(maps))
+    assert sorted(states) == [str(written.resolve()), str(replaced.resolve())]
+    assert changed_files(states) == []
+    with written.open("r+b") as f:
+        f.write(b"c" * 20)
+    (tmp_path / "new").write_bytes(b"d" * 30)
+    os.replace(tmp_path / "new", replaced)  # a new file under the name: the old one is mapped
+    assert changed_files(states) == [str(written.resolve())]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and madvise are Linux's")

@@ -200,10 +200,11 @@ def test_merged_model_step_by_step(files, request, runtime, precision, arch):
     version = rt.read_merged(path).format_version
     cell = _expect(request, runtime, f"model.onnx {precision}", arch, version)
     if cell != rt.RUNS:
+        # Witnessed on any of the inputs: LongT5 runs in tract on one input, not on the batch.
         with pytest.raises(Exception):  # noqa: B017 - each runtime raises its own class
-            rt.greedy_steps(
-                rt.open_runner(runtime, path), rt.read_merged(path), files.inputs(arch)[0], 2
-            )
+            runner, merged = rt.open_runner(runtime, path), rt.read_merged(path)
+            for inputs in files.inputs(arch):
+                rt.greedy_steps(runner, merged, inputs, 2)
         return
     _check_steps(files, runtime, arch, precision)
 

@@ -103,6 +103,21 @@ def _branch(name: str, nodes: list[ir.Node], outputs: list[ir.Value]) -> ir.Grap
     return ir.Graph([], final, nodes=nodes, name=name)
 
 
+def _unname_dims(branch: ir.Graph) -> None:
+    """Declare the branch's own values without dim names (their ranks and fixed sizes stay).
+
+    A dim name means one size in the whole model, but a strict runtime binds the names it meets
+    inside a branch apart from the outer graph's: tract then found ``batch_size`` unbound, or
+    bound to another size, inside the ``If`` (docs/runtimes.md). The outer graph's inputs and
+    outputs keep their names. Only format 3's ``If``: tract does not load the two-decoder form,
+    whose first decoder later passes still simplify by its names."""
+    for node in branch:
+        for value in node.outputs:
+            dims = list(value.shape) if value.shape is not None else []
+            if any(isinstance(d, ir.SymbolicDim) for d in dims):
+                value.shape = ir.Shape([None if isinstance(d, ir.SymbolicDim) else d for d in dims])
+
+
 def _empty_like(name: str, value: ir.Value) -> list[ir.Node]:
     """Nodes making a tensor with no elements, keeping ``value``'s fixed dims so runtimes see no
     mismatch; the last node's output is the tensor.
@@ -441,13 +456,17 @@ def _cross_attention_if(
     past inputs on the others. The cached nodes read its outputs instead of those inputs."""
     computed = [decoder.outputs[n] for n in cross_names]
     passed = [main_inputs[contract.past_name(*_layer_part_kind(n))] for n in cross_names]
+    outputs = [_input_like(n, v) for n, v in zip(cross_names, computed, strict=True)]
+    branches = _branch("with_past", [], passed), _branch("no_past", first_step_nodes, computed)
+    for branch in branches:
+        _unname_dims(branch)
     if_node = passes_base.node(
         "If",
         [main_inputs[contract.USE_CACHE_BRANCH]],
-        [_input_like(n, v) for n, v in zip(cross_names, computed, strict=True)],
+        outputs,
         name="use_cache_branch",
-        then_branch=_branch("with_past", [], passed),
-        else_branch=_branch("no_past", first_step_nodes, computed),
+        then_branch=branches[0],
+        else_branch=branches[1],
     )
     cached_set = set(cached_nodes)
     for past, branch_output in zip(passed, if_node.outputs, strict=True):

@@ -59,26 +59,69 @@ def _clean_mappings(
 
 
 def is_data_file_of(model: Path) -> Callable[[Path], bool]:
-    """Whether a path is one of ``model``'s external data files by the names writers give them
-    (``model.onnx_data``, ``model.onnx.data``, ``model.0.onnx_data``), without parsing the model."""
-    folder, prefix = model.resolve().parent, f"{model.stem}."
+    """Whether a path is one of the files that hold ``model``'s weights, without parsing the
+    model: the model file itself (opened through its skeleton, ``_ort.open_session``,
+    onnxruntime maps the weights from inside it) and its external data files by the names
+    writers give them (``model.onnx_data``, ``model.onnx.data``, ``model.0.onnx_data``)."""
+    model = model.resolve()
+    folder, prefix = model.parent, f"{model.stem}."
 
     def chosen(path: Path) -> bool:
-        return path.parent == folder and path.name.startswith(prefix) and path.name != model.name
+        return path.parent == folder and (path.name.startswith(prefix) or path == model)
 
     return chosen
 
 
 def release_mapped_weights(model: Path) -> int:
-    """Drop this process's resident pages of ``model``'s external data; returns the bytes.
+    """Drop this process's resident pages of ``model``'s weights mapped from its files (the
+    model file and its external data); returns the bytes.
 
-    onnxruntime maps a model's external data file instead of reading it. Pre-packing then reads
-    every weight once, which leaves the whole file resident in the process although the packed
-    copies are what runs: only the embedding rows a step gathers are read again. Dropping clean
-    pages costs nothing: they stay in the page cache, and a later read maps them back.
+    onnxruntime maps such weights instead of reading them. Pre-packing then reads every weight
+    once, which leaves them all resident in the process although the packed copies are what
+    runs: only the embedding rows a step gathers are read again. Dropping clean pages costs
+    nothing: they stay in the page cache, and a later read maps them back.
     """
     regions = clean_file_mappings(is_data_file_of(model))
     return _drop(regions)
+
+
+def mapped_file_states(model: Path, maps: str = "/proc/self/maps") -> dict[str, tuple[int, ...]]:
+    """Device, inode, size and modification time of each of ``model``'s files (``is_data_file_of``)
+    this process maps. A mapping reads the file as it is now: a file rewritten in place
+    changes the weights under a session (``changed_files``)."""
+    chosen = is_data_file_of(model)
+    try:
+        lines = Path(maps).read_text().splitlines()
+    except OSError:
+        return {}
+    states = {}
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5] not in states and chosen(Path(fields[5])):
+            with contextlib.suppress(OSError):
+                states[fields[5]] = _state(fields[5])
+    return states
+
+
+def changed_files(states: dict[str, tuple[int, ...]]) -> list[str]:
+    """The files of ``states`` (``mapped_file_states``) written since: the same file (device
+    and inode) with another size or modification time. A path that names another file now
+    (replaced by a rename, as onnxmerge's writers replace files, or deleted) is not: the
+    mappings still read the file they mapped, which nothing can change any more."""
+    changed = []
+    for path, (device, inode, *written) in states.items():
+        try:
+            now = _state(path)
+        except OSError:
+            continue
+        if now[:2] == (device, inode) and list(now[2:]) != written:
+            changed.append(path)
+    return changed
+
+
+def _state(path: str) -> tuple[int, ...]:
+    found = os.stat(path)
+    return found.st_dev, found.st_ino, found.st_size, found.st_mtime_ns
 
 
 def _drop(regions: Sequence[tuple[int, int]]) -> int:

@@ -32,7 +32,12 @@ from onnxmerge.runtime._graph_reads import (
     presents_follow_layers,
 )
 from onnxmerge.runtime._greedy_head import FLAG, HIDDEN, GreedyHead
-from onnxmerge.runtime._memory import GatheredPages, release_mapped_weights
+from onnxmerge.runtime._memory import (
+    GatheredPages,
+    changed_files,
+    mapped_file_states,
+    release_mapped_weights,
+)
 from onnxmerge.runtime._session_cache import open_with_cache
 
 logger = logging.getLogger(__name__)
@@ -269,6 +274,7 @@ class MergedSession:
         self.session, self.opened, self.wrote_cache_entry = session, opened, wrote_cache_entry
         release_free_heap()
         release_mapped_weights(self.opened)
+        self._mapped_files = mapped_file_states(self.opened)
         self._read_contract()
         self._true = np.ones(1, dtype=np.bool_)
         self._false = np.zeros(1, dtype=np.bool_)
@@ -451,6 +457,13 @@ class MergedSession:
         input. onnxruntime writes such an output into the input's own buffer, which it then skips
         copying: format 3's cross-attention keys and values, every cached step. ``into`` gives
         outputs arrays of their shape to be written into (only with ``passed_through``)."""
+        if self._mapped_files and (changed := changed_files(self._mapped_files)):
+            # Mapped weights are read from the file as it is now: refuse a half-changed model.
+            raise GenerationError(
+                f"{changed[0]} was written to since the model was opened, and the session reads "
+                "weights from it: open the model again (writers that replace the file by a "
+                "rename, as onnxmerge's do, leave an open model as it was)"
+            )
         try:
             return self._run_once(output_names, feeds, passed_through, into)
         finally:

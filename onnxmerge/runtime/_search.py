@@ -11,8 +11,9 @@ are the search's to write over.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Generator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import numpy as np
 
@@ -21,6 +22,20 @@ from onnxmerge.runtime.processors import ProcessorList, log_softmax, softmax
 from onnxmerge.settings import GenerationSettings
 
 _NEG = np.float32(-1.0e9)
+
+_Result = TypeVar("_Result")
+
+# What the step generators yield: output rows and each one's new ids ([rows, n]).
+NewIds = tuple[np.ndarray, np.ndarray]
+
+
+def run_to_end(steps: Generator[object, None, _Result]) -> _Result:
+    """The value a step generator returns, its yields ignored."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as end:
+            return end.value
 
 
 class TokenPicker(Protocol):
@@ -78,7 +93,28 @@ def greedy_or_sample(
     *,
     accelerations: Accelerations | None = None,
 ) -> np.ndarray:
+    """transformers' ``_sample``: one token per row per step until eos or max_length; see
+    ``greedy_or_sample_steps``."""
+    return run_to_end(
+        greedy_or_sample_steps(
+            runner, prompt, settings, processors, rng, accelerations=accelerations
+        )
+    )
+
+
+def greedy_or_sample_steps(
+    runner: GreedyRunner,
+    prompt: np.ndarray,
+    settings: GenerationSettings,
+    processors: ProcessorList,
+    rng: np.random.Generator | None = None,
+    *,
+    accelerations: Accelerations | None = None,
+) -> Generator[NewIds, None, np.ndarray]:
     """transformers' ``_sample``: one token per row per step until eos or max_length.
+
+    Yields, after each step and before the next runs, the rows still running at that step and
+    their new ids (``[rows, 1]``); returns the sequences.
 
     ``accelerations`` (default: off): with ``drop_finished``, rows that ended leave the runner
     (``runner.keep``), as CTranslate2 drops them, rather than run on to the batch's end on
@@ -116,10 +152,12 @@ def greedy_or_sample(
         if live.size < rows:  # dropped rows are padded as transformers pads finished ones
             sequences[:, cur_len] = fill
         sequences[live, cur_len] = tokens
+        running = np.flatnonzero(unfinished)
         cur_len += 1
         unfinished[live] &= ~_finished_by_eos(tokens, eos)
         if cur_len >= settings.max_length:
             unfinished[:] = False
+        yield running, sequences[running, cur_len - 1 : cur_len]
         if not unfinished.any():
             break
         del logits, scores  # [rows, vocab] each: gone before the next step allocates its own
@@ -286,7 +324,27 @@ def beam_search(
     *,
     accelerations: Accelerations | None = None,
 ) -> np.ndarray:
+    """transformers' vectorised ``_beam_search``; see ``beam_search_steps``."""
+    return run_to_end(
+        beam_search_steps(runner, prompt, settings, processors, rng, accelerations=accelerations)
+    )
+
+
+def beam_search_steps(
+    runner: StepRunner,
+    prompt: np.ndarray,
+    settings: GenerationSettings,
+    processors: ProcessorList,
+    rng: np.random.Generator | None = None,
+    *,
+    accelerations: Accelerations | None = None,
+) -> Generator[NewIds, None, np.ndarray]:
     """transformers' vectorised ``_beam_search`` (and beam sampling when ``do_sample``).
+
+    Yields each input's returned hypotheses once they are final (an input that settles early
+    under ``drop_finished`` at that step, the others when the search ends): their output rows
+    and generated ids, one ``NewIds`` per row (hypotheses differ in length); returns the
+    sequences.
 
     ``prompt`` holds one row per input; the runner's rows are expanded to beams after the first
     step, so the encoder and the prompt run once per input. ``accelerations`` (default: off):
@@ -326,6 +384,7 @@ def beam_search(
         if settled is not None and settled.any():
             kept = np.flatnonzero(~settled)
             results.store(inputs[settled], beams, settled)
+            yield from _final_rows(results, inputs[settled], settings.num_return_sequences)
             runner.keep(rows[kept].reshape(-1))
             beams, inputs = beams.of_inputs(kept), inputs[kept]
             cfg = dataclasses.replace(
@@ -335,7 +394,20 @@ def beam_search(
             runner.reorder(rows.reshape(-1), within_batch=True)
         logits = runner.advance(beams.running_sequences[:, :, cur_len - 1].reshape(-1))
     results.store(inputs, beams, np.ones(inputs.size, dtype=bool))
+    yield from _final_rows(results, inputs, settings.num_return_sequences)
     return _returned_sequences(results, settings.num_return_sequences)
+
+
+def _final_rows(
+    results: _Results, inputs: np.ndarray, returned: int
+) -> Generator[NewIds, None, None]:
+    """Each returned hypothesis of ``inputs`` (stored): its output row and generated ids."""
+    prompt_len = results.sequences.shape[2] - results.beam_indices.shape[2]
+    for i in inputs:
+        for k in range(returned):
+            generated = int((results.beam_indices[i, k] != -1).sum())
+            ids = results.sequences[i, k, prompt_len : prompt_len + generated]
+            yield np.asarray([i * returned + k]), ids[None].copy()
 
 
 def _settled(cfg: _BeamConfig, beams: _Beams) -> np.ndarray:

@@ -106,3 +106,103 @@ def test_a_bad_setting_is_refused_when_the_first_id_is_asked_for(merged_model):
     stream = model.stream(**inputs, num_beams=0)
     with pytest.raises(GenerationError):
         next(stream)
+
+
+@pytest.fixture(scope="module")
+def demo_model(demo_export, tmp_path_factory):
+    import shutil
+
+    from onnxmerge import Seq2SeqModel, merge_seq2seq
+
+    folder = shutil.copytree(demo_export, tmp_path_factory.mktemp("demo") / "export")
+    return Seq2SeqModel(merge_seq2seq(folder))
+
+
+@pytest.mark.parametrize("search", ["greedy", "sampling", "beam3"])
+@pytest.mark.parametrize("number", [7, 243, 1871, 9999])
+def test_streamed_text_joined_is_translate_s(demo_model, search, number):
+    from onnxmerge.demo import french_number
+    from onnxmerge.runtime import TextGenerator
+
+    settings = {k: v for k, v in SEARCHES[search].items() if k != "max_new_tokens"}
+    generator = TextGenerator(demo_model)
+    text = french_number(number)
+    pieces = list(generator.stream_tokens(text, **settings))
+    assert "".join(piece for _, piece in pieces) == demo_model.translate(text, **settings)
+    ids = [token for token, _ in pieces]
+    assert None not in ids  # every search here ends on eos
+    encoded = generator.tokenizer([text], return_tensors="np")
+    generated = demo_model.generate(encoded["input_ids"], **settings)[0, 1:]
+    assert ids == generated[: len(ids)].tolist()
+
+
+def test_the_first_text_piece_comes_after_one_step(demo_model, monkeypatch):
+    from onnxmerge.demo import french_number
+    from onnxmerge.runtime import TextGenerator
+
+    counter = CountingSession(demo_model, monkeypatch)
+    stream = TextGenerator(demo_model).stream(french_number(9871))
+    next(stream)
+    assert counter.steps == 1
+    stream.close()
+    assert counter.steps == 1
+
+
+def test_text_stream_takes_one_text_and_one_sequence(demo_model):
+    from onnxmerge.errors import GenerationError
+    from onnxmerge.runtime import TextGenerator
+
+    generator = TextGenerator(demo_model)
+    with pytest.raises(GenerationError, match="one text"):
+        next(generator.stream(["un", "deux"]))  # type: ignore[arg-type]
+    with pytest.raises(GenerationError, match="num_return_sequences"):
+        next(generator.stream("un", num_beams=2, num_return_sequences=2))
+
+
+def _subword_tokenizer(kind: str):
+    """A small tokenizer of a real kind, trained here: byte-level BPE (GPT-2, BART) or
+    SentencePiece-like unigram with a metaspace (Marian, T5)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    corpus = [
+        "Le café coûte trois euros, n'est-ce pas ?",
+        "東京は日本の首都です。 Ünïcödé — “quotes” and emoji 🙂 too.",
+        "Hello, world. It's a test; don't panic!\nNew line here.",
+    ] * 20
+    if kind == "bytes":
+        tokenizer = Tokenizer(models.BPE())
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tokenizer.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=300,
+            special_tokens=["<pad>", "</s>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        )
+    else:
+        tokenizer = Tokenizer(models.Unigram())
+        tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+        tokenizer.decoder = decoders.Metaspace()
+        trainer = trainers.UnigramTrainer(vocab_size=120, special_tokens=["<pad>", "</s>"])
+    tokenizer.train_from_iterator(corpus, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="</s>")
+
+
+@pytest.mark.parametrize("kind", ["bytes", "metaspace"])
+def test_text_pieces_joined_are_the_decoded_sequence(kind):
+    from onnxmerge.runtime import TextPieces
+
+    tokenizer = _subword_tokenizer(kind)
+    rng = np.random.default_rng(0)
+    sentences = [
+        "Le café coûte trois euros, n'est-ce pas ?",
+        "東京は日本の首都です。 🙂 Hello, world.\nNew line here.",
+    ]
+    sequences = [tokenizer(s)["input_ids"] for s in sentences]
+    sequences += [rng.integers(0, len(tokenizer), 40).tolist() for _ in range(20)]
+    for ids in sequences:
+        pieces = TextPieces(tokenizer)
+        given = [pieces.push([i]) for i in ids]
+        given.append(pieces.end())
+        assert "".join(given) == tokenizer.decode(ids, skip_special_tokens=True)
+        assert not any(p.endswith("\ufffd") for p in given[:-1])

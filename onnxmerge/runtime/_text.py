@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Generator, Iterable, Iterator, Sequence
+from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -131,13 +131,24 @@ class TextGenerator:
             yield piece
 
     def stream_tokens(
-        self, text: str, **generate_kwargs: Any
+        self, text: str | Mapping[str, np.ndarray], **generate_kwargs: Any
     ) -> Generator[tuple[int | None, str], None, None]:
         """``stream()``, each piece with the id it comes with: greedy search and sampling give
         an id per step as the step ends; beam search gives the final hypothesis' ids at once
         (``Seq2SeqModel.stream``). A last ``(None, text)`` comes only where the search ended
-        without eos or max_length (then the text held back comes with no id)."""
-        if not isinstance(text, str):
+        without eos or max_length (then the text held back comes with no id). ``text`` may
+        also be the encoder inputs of one example, already tokenized (``[1, length]`` arrays).
+        """
+        if isinstance(text, Mapping):
+            inputs = dict(text)
+        elif isinstance(text, str):
+            encoded = self.tokenizer([text])
+            inputs = {
+                name: np.asarray(encoded[name], dtype=np.int64)
+                for name in self.model.encoder_input_names
+                if name in encoded
+            }
+        else:
             raise GenerationError(
                 f"stream() takes one text, got {type(text).__name__}", argument="text"
             )
@@ -148,12 +159,6 @@ class TextGenerator:
                 "stream() gives one sequence: leave num_return_sequences at 1",
                 argument="num_return_sequences",
             )
-        encoded = self.tokenizer([text])
-        inputs = {
-            name: np.asarray(encoded[name], dtype=np.int64)
-            for name in self.model.encoder_input_names
-            if name in encoded
-        }
         last = set(settings.eos_token_id or ())
         longest = settings.max_length - 1  # new ids: the prompt is the decoder start token
         pieces = TextPieces(self.tokenizer)

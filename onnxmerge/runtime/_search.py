@@ -93,8 +93,13 @@ def greedy_or_sample(
     *,
     accelerations: Accelerations | None = None,
 ) -> np.ndarray:
-    """transformers' ``_sample``: one token per row per step until eos or max_length; see
-    ``greedy_or_sample_steps``."""
+    """transformers' ``_sample``: one token per row per step until eos or max_length.
+
+    ``accelerations`` (default: off): with ``drop_finished``, rows that ended leave the runner
+    (``runner.keep``), as CTranslate2 drops them, rather than run on to the batch's end on
+    padding as in transformers; their tokens are the same. Only greedy search drops them
+    (sampling draws for every row), and only where the processors keep no state by row.
+    """
     return run_to_end(
         greedy_or_sample_steps(
             runner, prompt, settings, processors, rng, accelerations=accelerations
@@ -111,16 +116,8 @@ def greedy_or_sample_steps(
     *,
     accelerations: Accelerations | None = None,
 ) -> Generator[NewIds, None, np.ndarray]:
-    """transformers' ``_sample``: one token per row per step until eos or max_length.
-
-    Yields, after each step and before the next runs, the rows still running at that step and
-    their new ids (``[rows, 1]``); returns the sequences.
-
-    ``accelerations`` (default: off): with ``drop_finished``, rows that ended leave the runner
-    (``runner.keep``), as CTranslate2 drops them, rather than run on to the batch's end on
-    padding as in transformers; their tokens are the same. Only greedy search drops them
-    (sampling draws for every row), and only where the processors keep no state by row.
-    """
+    """``greedy_or_sample``, yielding after each step, before the next runs, the rows still
+    running at that step and their new ids (``[rows, 1]``); returns the sequences."""
     eos = None if settings.eos_token_id is None else np.asarray(settings.eos_token_id, np.int64)
     # What finished rows take: pad (which resolve_settings sets where eos is set), else eos; no
     # row finishes without eos.
@@ -135,18 +132,8 @@ def greedy_or_sample_steps(
     unfinished = np.ones(rows, dtype=bool)
     logits: np.ndarray | TokenPicker = runner.start()
     while True:
-        scores = None
         prefix = sequences[:, :cur_len] if live.size == rows else sequences[live, :cur_len]
-        if not isinstance(logits, np.ndarray):  # a greedy head's bounds: greedy search only
-            tokens = logits.argmax(processors, prefix)
-        else:
-            # In place where it may be: the runner's own array, which nothing reads after this.
-            scores = logits.astype(np.float32, copy=not logits.flags.writeable)
-            scores = processors(prefix, scores)
-            if settings.do_sample:
-                tokens = sample_tokens(softmax(scores), rng or np.random.default_rng())
-            else:
-                tokens = np.argmax(scores, axis=1)
+        tokens = _next_tokens(logits, prefix, settings, processors, rng)
         if eos is not None:
             tokens = np.where(unfinished[live], tokens, fill)
         if live.size < rows:  # dropped rows are padded as transformers pads finished ones
@@ -160,13 +147,31 @@ def greedy_or_sample_steps(
         yield running, sequences[running, cur_len - 1 : cur_len]
         if not unfinished.any():
             break
-        del logits, scores  # [rows, vocab] each: gone before the next step allocates its own
+        del logits  # [rows, vocab]: gone before the next step allocates its own
         if drop and not unfinished[live].all():
             kept = np.flatnonzero(unfinished[live])
             runner.keep(kept)
             live, tokens = live[kept], tokens[kept]
         logits = runner.advance(tokens)
     return sequences[:, :cur_len]
+
+
+def _next_tokens(
+    logits: np.ndarray | TokenPicker,
+    prefix: np.ndarray,
+    settings: GenerationSettings,
+    processors: ProcessorList,
+    rng: np.random.Generator | None,
+) -> np.ndarray:
+    """Each row's next token, from its logits or a greedy head's bounds (greedy search only)."""
+    if not isinstance(logits, np.ndarray):
+        return logits.argmax(processors, prefix)
+    # In place where it may be: the runner's own array, which nothing reads after this.
+    scores = logits.astype(np.float32, copy=not logits.flags.writeable)
+    scores = processors(prefix, scores)
+    if settings.do_sample:
+        return sample_tokens(softmax(scores), rng or np.random.default_rng())
+    return np.argmax(scores, axis=1)
 
 
 def _gather(tensor: np.ndarray, indices: np.ndarray) -> np.ndarray:
@@ -324,7 +329,14 @@ def beam_search(
     *,
     accelerations: Accelerations | None = None,
 ) -> np.ndarray:
-    """transformers' vectorised ``_beam_search``; see ``beam_search_steps``."""
+    """transformers' vectorised ``_beam_search`` (and beam sampling when ``do_sample``).
+
+    ``prompt`` holds one row per input; the runner's rows are expanded to beams after the first
+    step, so the encoder and the prompt run once per input. ``accelerations`` (default: off):
+    with ``drop_finished``, an input whose finished hypotheses can no longer change leaves the
+    runner with its beams (``runner.keep``), as in ``greedy_or_sample``; with ``fast_topk``,
+    the top-k searches only the column groups that can hold it.
+    """
     return run_to_end(
         beam_search_steps(runner, prompt, settings, processors, rng, accelerations=accelerations)
     )
@@ -339,19 +351,9 @@ def beam_search_steps(
     *,
     accelerations: Accelerations | None = None,
 ) -> Generator[NewIds, None, np.ndarray]:
-    """transformers' vectorised ``_beam_search`` (and beam sampling when ``do_sample``).
-
-    Yields each input's returned hypotheses once they are final (an input that settles early
-    under ``drop_finished`` at that step, the others when the search ends): their output rows
-    and generated ids, one ``NewIds`` per row (hypotheses differ in length); returns the
-    sequences.
-
-    ``prompt`` holds one row per input; the runner's rows are expanded to beams after the first
-    step, so the encoder and the prompt run once per input. ``accelerations`` (default: off):
-    with ``drop_finished``, an input whose finished hypotheses can no longer change leaves the
-    runner with its beams (``runner.keep``), as in ``greedy_or_sample``; with ``fast_topk``,
-    the top-k searches only the column groups that can hold it.
-    """
+    """``beam_search``, yielding each input's returned hypotheses once final (an input that
+    settles under ``drop_finished`` at that step, the others at the end): output row and
+    generated ids, one row at a time (their lengths differ); returns the sequences."""
     accelerations = accelerations or Accelerations.off()
     cfg = _beam_config(settings, prompt.shape[0], prompt.shape[1])
     if accelerations.fast_topk:

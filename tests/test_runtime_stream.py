@@ -206,3 +206,19 @@ def test_text_pieces_joined_are_the_decoded_sequence(kind):
         given.append(pieces.end())
         assert "".join(given) == tokenizer.decode(ids, skip_special_tokens=True)
         assert not any(p.endswith("\ufffd") for p in given[:-1])
+
+
+@pytest.mark.parametrize("search", ["greedy", "beam3-return2"])
+def test_streamed_ids_are_generate_s_with_accelerations_off(merged_model, search):
+    from onnxmerge import Seq2SeqModel
+    from onnxmerge.runtime import Accelerations
+
+    model, export = merged_model("t5")
+    plain = Seq2SeqModel(model.path, accelerations=Accelerations.off())
+    inputs = zoo.sample_encoder_inputs(export, batch=3, seq=6, seed=9)
+    settings = SEARCHES[search]
+    expected = plain.generate(**inputs, **settings)
+    joined = _joined(list(plain.stream(**inputs, **settings)), expected.shape[0])
+    for row, ids in enumerate(joined):
+        assert ids == expected[row, 1 : 1 + len(ids)].tolist()
+    np.testing.assert_array_equal(expected, model.generate(**inputs, **settings))

@@ -204,6 +204,67 @@ def test_generate_gives_generates_tokens_for_text_ids_and_options(url, reference
     assert answer.json()["tokens"][0] == expected[0].tolist()
 
 
+def streamed(url: str, body: dict) -> tuple[str, list[Any]]:
+    """POST a streaming request; its content type and its events' data, parsed."""
+    answer = ask(url, "/v1/generate", {**body, "stream": True})
+    assert answer.status == 200, answer.body
+    events = answer.body.decode().split("\n\n")
+    assert events[-1] == ""  # every event ends with a blank line
+    data = [e.removeprefix("data: ") for e in events[:-1]]
+    assert all(e.startswith("data: ") for e in events[:-1])
+    assert data[-1] == "[DONE]"
+    return answer.headers["Content-Type"], [json.loads(d) for d in data[:-1]]
+
+
+@pytest.mark.parametrize(
+    "options", [{}, {"do_sample": True, "top_k": 20, "seed": 3}, {"num_beams": 3}]
+)
+@pytest.mark.parametrize("number", [7, 243, 9871])
+def test_a_stream_s_pieces_joined_are_the_answer_without_streaming(url, number, options):
+    body = {"text": french_number(number), **options}
+    whole = ask(url, "/v1/generate", body).json()
+    content_type, events = streamed(url, body)
+    assert content_type.startswith("text/event-stream")
+    assert "".join(e["text"] for e in events) == whole["text"] == english_number(number)
+    assert [e["token"] for e in events] == whole["tokens"][1 : 1 + len(events)]
+    assert len(events) == len(whole["tokens"]) - 1  # an event per new id: each ends on eos
+    by_ids = {"input_ids": [33, 29, 56, 2, 24, 0], **options}
+    _, events = streamed(url, by_ids)
+    tokens = ask(url, "/v1/generate", by_ids).json()["tokens"]
+    assert [e["token"] for e in events] == tokens[1 : 1 + len(events)]
+
+
+def test_a_client_that_leaves_a_stream_stops_its_steps(merged):
+    app = create_app({"fr-en": merged})
+    with serving_app(app) as served:
+        session = app.state.serve.batchers["fr-en"].served.model._session
+        steps = [0]
+        next_step = session.next_step
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            steps[0] += 1
+            return next_step(*args, **kwargs)
+
+        session.next_step = counted
+        host, port = served.removeprefix("http://").split(":")
+        body = {"text": french_number(9871), "stream": True, **SLOW, "num_beams": 1}
+        payload = json.dumps(body).encode()
+        with socket.create_connection((host, int(port)), timeout=10) as connection:
+            connection.sendall(
+                f"POST /v1/generate HTTP/1.1\r\nHost: {host}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n".encode()
+                + payload
+            )
+            received = b""
+            while received.count(b"data: ") < 3:
+                received += connection.recv(65536)
+        time.sleep(0.5)
+        after_leaving = steps[0]
+        time.sleep(0.5)
+        assert steps[0] == after_leaving < 20  # of the 60 the search would run
+        assert ask(served, "/v1/generate", {"text": "un"}).json()["text"] == "one"
+
+
 @pytest.mark.parametrize(
     ("path", "body", "status", "said"),
     [
@@ -221,7 +282,13 @@ def test_generate_gives_generates_tokens_for_text_ids_and_options(url, reference
         ("/v1/generate", b'{"input_ids": [5, true]}', 400, "list of integers"),
         ("/v1/generate", b'{"input_ids": [5, 9999]}', 400, "token ids from 0"),
         ("/v1/generate", b'{"text": "un", "model": "/tmp/model.onnx"}', 404, "no model named"),
-        ("/v1/generate", b'{"text": "un", "stream": true}', 400, "streaming"),
+        ("/v1/generate", b'{"text": "un", "stream": "yes"}', 400, "stream must be true or false"),
+        (
+            "/v1/generate",
+            b'{"text": "un", "stream": true, "num_beams": 2, "num_return_sequences": 2}',
+            400,
+            "one sequence",
+        ),
     ],
 )
 def test_bad_requests_get_a_json_error_naming_the_problem(url, merged, path, body, status, said):

@@ -9,7 +9,7 @@ from __future__ import annotations
 from onnxmerge.runtime._accelerations import Accelerations
 from onnxmerge.runtime._model import Seq2SeqModel
 from onnxmerge.runtime._session import Cache, StepOutput
-from onnxmerge.runtime._text import TextGenerator
+from onnxmerge.runtime._text import TextGenerator, TextPieces
 from onnxmerge.settings import GenerationSettings
 
 __all__ = [
@@ -19,4 +19,5 @@ __all__ = [
     "StepOutput",
     "GenerationSettings",
     "TextGenerator",
+    "TextPieces",
 ]

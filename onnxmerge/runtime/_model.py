@@ -7,6 +7,7 @@ import logging
 import os
 import threading
 from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -17,7 +18,14 @@ from onnxmerge.errors import GenerationError
 from onnxmerge.runtime import _corpus as corpus
 from onnxmerge.runtime._accelerations import Accelerations
 from onnxmerge.runtime._runners import GreedyHeadRunner, Runner
-from onnxmerge.runtime._search import GreedyRunner, beam_search, greedy_or_sample
+from onnxmerge.runtime._search import (
+    GreedyRunner,
+    NewIds,
+    beam_search,
+    beam_search_steps,
+    greedy_or_sample,
+    greedy_or_sample_steps,
+)
 from onnxmerge.runtime._session import Cache, MergedSession, StepOutput
 from onnxmerge.runtime.processors import build_processors
 from onnxmerge.settings import (
@@ -34,6 +42,21 @@ logger = logging.getLogger(__name__)
 # A batch of generate_many: its window's size (or 0), its inputs' places in the window, its
 # encoder inputs and each input's own ids.
 _Job = tuple[int, list[int], dict[str, np.ndarray], list[np.ndarray] | None]
+
+
+@dataclass(frozen=True)
+class _Search:
+    """A search ready to run: beam search or not, and the search loop's arguments."""
+
+    beams: bool
+    arguments: tuple[Any, ...]  # runner, prompt, settings, processors, rng
+    accelerations: Accelerations
+
+    def greedy_steps(self) -> Generator[NewIds, None, np.ndarray]:
+        return greedy_or_sample_steps(*self.arguments, accelerations=self.accelerations)
+
+    def beam_steps(self) -> Generator[NewIds, None, np.ndarray]:
+        return beam_search_steps(*self.arguments, accelerations=self.accelerations)
 
 
 class Seq2SeqModel:
@@ -318,6 +341,36 @@ class Seq2SeqModel:
         """
         return self._generate(encoder_inputs, decoder_input_ids, seed, keywords)
 
+    def stream(
+        self,
+        encoder_inputs: Mapping[str, np.ndarray] | np.ndarray | None = None,
+        /,
+        *,
+        decoder_input_ids: np.ndarray | None = None,
+        seed: int | None = None,
+        **keywords: Any,
+    ) -> Generator[dict[int, np.ndarray], None, None]:
+        """``generate()`` one step at a time: yields the new ids of each step as it ends.
+
+        Takes ``generate()``'s arguments. Each yield maps output rows (as ``generate()``
+        numbers them) to their new ids, a 1-D int64 array: in greedy search and sampling one
+        id per row still running, after every step, before the next runs; in beam search a
+        row's whole generated hypothesis once it is final (hypotheses change until then), the
+        rows of an input together. A row's ids joined are ``generate()``'s row after the
+        prompt, up to its padding. Nothing runs until the first id is asked for; leaving the
+        loop (``break``, ``close()``) runs no further step.
+
+        Raises:
+            GenerationError: invalid inputs or settings, when the first id is asked for.
+        """
+        search = self._search(encoder_inputs, decoder_input_ids, seed, keywords)
+        steps = search.beam_steps() if search.beams else search.greedy_steps()
+        try:
+            for rows, ids in steps:
+                yield {int(row): row_ids for row, row_ids in zip(rows, ids, strict=True)}
+        finally:
+            steps.close()  # at its last yield: no step runs after it
+
     def _generate(
         self,
         encoder_inputs: Mapping[str, np.ndarray] | np.ndarray | None,
@@ -330,6 +383,21 @@ class Seq2SeqModel:
         """``generate()``, ending between steps with ``corpus.Stopped`` once ``stop`` is set.
         ``encoder_rows``: each row's ``input_ids`` as the encoder-side processors see them (a
         padded batch's rows without the padding); by default the ``input_ids`` given."""
+        search = self._search(encoder_inputs, decoder_input_ids, seed, keywords, stop, encoder_rows)
+        if search.beams:
+            return beam_search(*search.arguments, accelerations=self.accelerations)
+        return greedy_or_sample(*search.arguments, accelerations=self.accelerations)
+
+    def _search(
+        self,
+        encoder_inputs: Mapping[str, np.ndarray] | np.ndarray | None,
+        decoder_input_ids: np.ndarray | None,
+        seed: int | None,
+        keywords: dict[str, Any],
+        stop: threading.Event | None = None,
+        encoder_rows: list[np.ndarray] | None = None,
+    ) -> _Search:
+        """The search ``generate()`` runs: checked inputs, settings, processors, runner."""
         overrides = {k: v for k, v in keywords.items() if k in GENERATE_KEYWORDS}
         named_inputs = {k: v for k, v in keywords.items() if k not in GENERATE_KEYWORDS}
         inputs = self._check_encoder_inputs(self._given_inputs(encoder_inputs, named_inputs))
@@ -343,31 +411,27 @@ class Seq2SeqModel:
             settings, encoder_rows if encoder_rows is not None else inputs.get("input_ids")
         )
         rng = np.random.default_rng(seed)
-        if settings.num_beams == 1:
-            if settings.num_return_sequences > 1:
-                repeat = settings.num_return_sequences
-                inputs = {k: np.repeat(v, repeat, axis=0) for k, v in inputs.items()}
-                prompt = np.repeat(prompt, repeat, axis=0)
-            # Greedy search needs only each row's largest score: the session's int8 head
-            # bounds the rest, where the processors keep bounds bounds.
-            greedy_head = (
-                self._session.greedy_head
-                if not settings.do_sample and processors.keeps_bounds
-                else None
-            )
-            max_length = settings.max_length
-            runner: GreedyRunner = (
-                GreedyHeadRunner(self._session, inputs, prompt, max_length, greedy_head, stop)
-                if greedy_head is not None
-                else Runner(self._session, inputs, prompt, max_length, stop)
-            )
-            return greedy_or_sample(
-                runner, prompt, settings, processors, rng, accelerations=self.accelerations
-            )
-        runner = Runner(self._session, inputs, prompt, settings.max_length, stop)
-        return beam_search(
-            runner, prompt, settings, processors, rng, accelerations=self.accelerations
+        if settings.num_beams > 1:
+            runner = Runner(self._session, inputs, prompt, settings.max_length, stop)
+            return _Search(True, (runner, prompt, settings, processors, rng), self.accelerations)
+        if settings.num_return_sequences > 1:
+            repeat = settings.num_return_sequences
+            inputs = {k: np.repeat(v, repeat, axis=0) for k, v in inputs.items()}
+            prompt = np.repeat(prompt, repeat, axis=0)
+        # Greedy search needs only each row's largest score: the session's int8 head bounds
+        # the rest, where the processors keep bounds bounds.
+        greedy_head = (
+            self._session.greedy_head
+            if not settings.do_sample and processors.keeps_bounds
+            else None
         )
+        max_length = settings.max_length
+        greedy: GreedyRunner = (
+            GreedyHeadRunner(self._session, inputs, prompt, max_length, greedy_head, stop)
+            if greedy_head is not None
+            else Runner(self._session, inputs, prompt, max_length, stop)
+        )
+        return _Search(False, (greedy, prompt, settings, processors, rng), self.accelerations)
 
     def generate_many(
         self,

@@ -11,8 +11,9 @@ are the search's to write over.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Generator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import numpy as np
 
@@ -21,6 +22,20 @@ from onnxmerge.runtime.processors import ProcessorList, log_softmax, softmax
 from onnxmerge.settings import GenerationSettings
 
 _NEG = np.float32(-1.0e9)
+
+_Result = TypeVar("_Result")
+
+# What the step generators yield: output rows and each one's new ids ([rows, n]).
+NewIds = tuple[np.ndarray, np.ndarray]
+
+
+def run_to_end(steps: Generator[object, None, _Result]) -> _Result:
+    """The value a step generator returns, its yields ignored."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as end:
+            return end.value
 
 
 class TokenPicker(Protocol):
@@ -85,6 +100,24 @@ def greedy_or_sample(
     padding as in transformers; their tokens are the same. Only greedy search drops them
     (sampling draws for every row), and only where the processors keep no state by row.
     """
+    return run_to_end(
+        greedy_or_sample_steps(
+            runner, prompt, settings, processors, rng, accelerations=accelerations
+        )
+    )
+
+
+def greedy_or_sample_steps(
+    runner: GreedyRunner,
+    prompt: np.ndarray,
+    settings: GenerationSettings,
+    processors: ProcessorList,
+    rng: np.random.Generator | None = None,
+    *,
+    accelerations: Accelerations | None = None,
+) -> Generator[NewIds, None, np.ndarray]:
+    """``greedy_or_sample``, yielding after each step, before the next runs, the rows still
+    running at that step and their new ids (``[rows, 1]``); returns the sequences."""
     eos = None if settings.eos_token_id is None else np.asarray(settings.eos_token_id, np.int64)
     # What finished rows take: pad (which resolve_settings sets where eos is set), else eos; no
     # row finishes without eos.
@@ -99,36 +132,46 @@ def greedy_or_sample(
     unfinished = np.ones(rows, dtype=bool)
     logits: np.ndarray | TokenPicker = runner.start()
     while True:
-        scores = None
         prefix = sequences[:, :cur_len] if live.size == rows else sequences[live, :cur_len]
-        if not isinstance(logits, np.ndarray):  # a greedy head's bounds: greedy search only
-            tokens = logits.argmax(processors, prefix)
-        else:
-            # In place where it may be: the runner's own array, which nothing reads after this.
-            scores = logits.astype(np.float32, copy=not logits.flags.writeable)
-            scores = processors(prefix, scores)
-            if settings.do_sample:
-                tokens = sample_tokens(softmax(scores), rng or np.random.default_rng())
-            else:
-                tokens = np.argmax(scores, axis=1)
+        tokens = _next_tokens(logits, prefix, settings, processors, rng)
         if eos is not None:
             tokens = np.where(unfinished[live], tokens, fill)
         if live.size < rows:  # dropped rows are padded as transformers pads finished ones
             sequences[:, cur_len] = fill
         sequences[live, cur_len] = tokens
+        running = np.flatnonzero(unfinished)
         cur_len += 1
         unfinished[live] &= ~_finished_by_eos(tokens, eos)
         if cur_len >= settings.max_length:
             unfinished[:] = False
+        yield running, sequences[running, cur_len - 1 : cur_len]
         if not unfinished.any():
             break
-        del logits, scores  # [rows, vocab] each: gone before the next step allocates its own
+        del logits  # [rows, vocab]: gone before the next step allocates its own
         if drop and not unfinished[live].all():
             kept = np.flatnonzero(unfinished[live])
             runner.keep(kept)
             live, tokens = live[kept], tokens[kept]
         logits = runner.advance(tokens)
     return sequences[:, :cur_len]
+
+
+def _next_tokens(
+    logits: np.ndarray | TokenPicker,
+    prefix: np.ndarray,
+    settings: GenerationSettings,
+    processors: ProcessorList,
+    rng: np.random.Generator | None,
+) -> np.ndarray:
+    """Each row's next token, from its logits or a greedy head's bounds (greedy search only)."""
+    if not isinstance(logits, np.ndarray):
+        return logits.argmax(processors, prefix)
+    # In place where it may be: the runner's own array, which nothing reads after this.
+    scores = logits.astype(np.float32, copy=not logits.flags.writeable)
+    scores = processors(prefix, scores)
+    if settings.do_sample:
+        return sample_tokens(softmax(scores), rng or np.random.default_rng())
+    return np.argmax(scores, axis=1)
 
 
 def _gather(tensor: np.ndarray, indices: np.ndarray) -> np.ndarray:
@@ -294,6 +337,23 @@ def beam_search(
     runner with its beams (``runner.keep``), as in ``greedy_or_sample``; with ``fast_topk``,
     the top-k searches only the column groups that can hold it.
     """
+    return run_to_end(
+        beam_search_steps(runner, prompt, settings, processors, rng, accelerations=accelerations)
+    )
+
+
+def beam_search_steps(
+    runner: StepRunner,
+    prompt: np.ndarray,
+    settings: GenerationSettings,
+    processors: ProcessorList,
+    rng: np.random.Generator | None = None,
+    *,
+    accelerations: Accelerations | None = None,
+) -> Generator[NewIds, None, np.ndarray]:
+    """``beam_search``, yielding each input's returned hypotheses once final (an input that
+    settles under ``drop_finished`` at that step, the others at the end): output row and
+    generated ids, one row at a time (their lengths differ); returns the sequences."""
     accelerations = accelerations or Accelerations.off()
     cfg = _beam_config(settings, prompt.shape[0], prompt.shape[1])
     if accelerations.fast_topk:
@@ -326,6 +386,7 @@ def beam_search(
         if settled is not None and settled.any():
             kept = np.flatnonzero(~settled)
             results.store(inputs[settled], beams, settled)
+            yield from _final_rows(results, inputs[settled], settings.num_return_sequences)
             runner.keep(rows[kept].reshape(-1))
             beams, inputs = beams.of_inputs(kept), inputs[kept]
             cfg = dataclasses.replace(
@@ -335,7 +396,20 @@ def beam_search(
             runner.reorder(rows.reshape(-1), within_batch=True)
         logits = runner.advance(beams.running_sequences[:, :, cur_len - 1].reshape(-1))
     results.store(inputs, beams, np.ones(inputs.size, dtype=bool))
+    yield from _final_rows(results, inputs, settings.num_return_sequences)
     return _returned_sequences(results, settings.num_return_sequences)
+
+
+def _final_rows(
+    results: _Results, inputs: np.ndarray, returned: int
+) -> Generator[NewIds, None, None]:
+    """Each returned hypothesis of ``inputs`` (stored): its output row and generated ids."""
+    prompt_len = results.sequences.shape[2] - results.beam_indices.shape[2]
+    for i in inputs:
+        for k in range(returned):
+            generated = int((results.beam_indices[i, k] != -1).sum())
+            ids = results.sequences[i, k, prompt_len : prompt_len + generated]
+            yield np.asarray([i * returned + k]), ids[None].copy()
 
 
 def _settled(cfg: _BeamConfig, beams: _Beams) -> np.ndarray:

@@ -24,6 +24,7 @@ from onnxmerge.serve._languages import language_name
 from onnxmerge.serve._limits import Limits
 from onnxmerge.serve._metrics import CONTENT_TYPE, Metrics
 from onnxmerge.serve._models import RequestError, ServedModel, check_models
+from onnxmerge.serve._stream import stream_response
 
 logger = logging.getLogger(__name__)
 
@@ -328,11 +329,12 @@ def _add_generate(app: FastAPI, state: ServerState) -> None:
         return JSONResponse({"object": "list", "data": listed})
 
     @app.post("/v1/generate")
-    async def generate(request: Request) -> JSONResponse:
+    async def generate(request: Request) -> Response:
         _check_key(state, _bearer(request))
         body = await json_object(request)
-        if body.pop("stream", False):
-            raise RequestError("streaming is not served yet; leave out stream")
+        stream = body.pop("stream", False)
+        if not isinstance(stream, bool):
+            raise RequestError("stream must be true or false")
         _ready(state)
         batcher = _named_model(state, body.pop("model", None))
         served = batcher.served
@@ -347,6 +349,8 @@ def _add_generate(app: FastAPI, state: ServerState) -> None:
             inputs = await run_in_threadpool(served.encode, [text])
         else:
             raise RequestError("text must be a non-empty string")
+        if stream:
+            return await stream_response(served, inputs[0], body, state.metrics)
         result = await answer(
             state, request, batcher, inputs, body, want_text=served.tokenizer is not None
         )

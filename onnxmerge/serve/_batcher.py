@@ -46,7 +46,7 @@ class Answer:
     texts: list[list[str]] | None
 
 
-def _failed(error: Exception) -> RequestError:
+def failed(error: Exception) -> RequestError:
     """A failed run as its request's answer: 400 for an input the model refuses, 500 for
     anything else (logged; the message says no more than the kind of error)."""
     if isinstance(error, (OnnxMergeError, ValueError)):
@@ -131,7 +131,7 @@ class Batcher:
                 answers = await loop.run_in_executor(self._executor, self._run, batch)
             except Exception as error:  # the worker must outlive any batch
                 logger.exception("a batch of model %r failed", self.served.name)
-                answers = [_failed(error)] * len(batch)
+                answers = [failed(error)] * len(batch)
             for job, answer in zip(batch, answers, strict=True):
                 if job.future.done():  # its deadline passed while it ran
                     continue
@@ -185,7 +185,7 @@ class Batcher:
             rows = self._generate(flat, batch[0].options)
         except Exception as error:
             if len(batch) == 1:
-                return [_failed(error)]
+                return [failed(error)]
             return [answer for job in batch for answer in self._run([job])]
         answers: list[Answer | BaseException] = []
         start = 0

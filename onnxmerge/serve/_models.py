@@ -113,7 +113,7 @@ class ServedModel:
     merged_into: Path | None = None  # the temporary folder of a merged export, removed on close
     pair: tuple[str, str] | None = field(init=False)
     # A fast tokenizer may refuse a call while another thread's call runs ("Already borrowed").
-    _tokenizer_lock: threading.Lock = field(init=False, default_factory=threading.Lock)
+    tokenizer_lock: threading.Lock = field(init=False, default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
         self.pair = language_pair(self.name)
@@ -154,7 +154,7 @@ class ServedModel:
             raise RequestError(
                 f"model {self.name!r} has no tokenizer beside it: give input_ids instead of text"
             )
-        with self._tokenizer_lock:
+        with self.tokenizer_lock:
             encoded = self.tokenizer(texts)
         names = [n for n in self.model.encoder_input_names if n in encoded]
         inputs = [
@@ -208,7 +208,7 @@ class ServedModel:
 
     def decode(self, rows: np.ndarray) -> list[str]:
         assert self.tokenizer is not None  # only requests for text are decoded
-        with self._tokenizer_lock:
+        with self.tokenizer_lock:
             return list(self.tokenizer.batch_decode(rows, skip_special_tokens=True))
 
 

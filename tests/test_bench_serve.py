@@ -34,8 +34,9 @@ def test_quick_run_answers_every_request_and_batched_answers_equal_alone(tmp_pat
     assert set(results["precisions"]) == {"float32", "int8"}
     for precision in results["precisions"].values():
         assert set(precision["sides"]) == set(bench.SERVERS)
-        for levels in precision["sides"].values():
-            assert list(levels) == [str(c) for c in bench.CONCURRENCY]
+        for side, levels in precision["sides"].items():
+            run = bench.UNBATCHED_CONCURRENCY if side == "ours_unbatched" else bench.CONCURRENCY
+            assert list(levels) == [str(c) for c in run]
             for level, measured in levels.items():
                 assert measured["errors"] == 0, measured["first_error"]
                 assert measured["requests"] == bench.QUICK_REQUESTS[int(level)]
@@ -71,3 +72,12 @@ def test_percentiles_are_taken_from_the_answers():
     values = [float(v) for v in range(1, 101)]
     assert (bench.percentile(values, 50), bench.percentile(values, 99)) == (50.0, 99.0)
     assert bench.percentile([3.0], 99) == 3.0
+
+
+def test_the_sizing_table_in_the_docs_is_the_one_the_results_give():
+    page = (REPO_ROOT / "docs" / "serve.md").read_text(encoding="utf-8")
+    start = "<!-- sizing table: python benchmarks/bench_serve.py --sizing -->\n"
+    shown = page[page.index(start) + len(start) : page.index("<!-- end of sizing table -->")]
+    published = REPO_ROOT / "benchmarks" / "out" / "serve.json"
+    results = json.loads(published.read_text("utf-8")) if published.exists() else None
+    assert shown == bench.sizing_table(results)

@@ -37,6 +37,15 @@ def test_bad_arguments_are_refused_before_ray_starts(tmp_path):
         build_ray_app({"replicas": 2})
 
 
+def test_the_application_builder_takes_a_config_files_args(tmp_path):
+    from ray import serve
+
+    app = build_ray_app({"models": {"fr-en": str(tmp_path)}, "replicas": 3, "max_queue": 8})
+    assert isinstance(app, serve.Application)
+    with pytest.raises(InvalidArgumentError, match="batch_wait_ms"):
+        build_ray_app({"models": {"fr-en": str(tmp_path)}, "batch_wait_ms": -1})
+
+
 @pytest.mark.slow
 def test_two_replicas_on_ray_answer_as_the_model_alone(demo_export, tmp_path):
     ray = pytest.importorskip("ray")

@@ -86,3 +86,41 @@ def test_cli_refuses_a_bad_replica_count_before_ray_starts(tmp_path, capsys):
     code = main(["serve", "--ray", "--replicas", "0", f"fr-en={model}"])
     assert code == ExitCode.ERROR
     assert "replicas must be a whole number of at least 1" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_command_serves_on_ray_until_sigterm(demo_export, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from onnxmerge import merge_seq2seq
+
+    merged = merge_seq2seq(shutil.copytree(demo_export, tmp_path / "export"))
+    port = free_port()
+    env = {**os.environ, "RAY_ADDRESS": "local"}  # a Ray of its own, not one running here
+    command = [sys.executable, "-m", "onnxmerge", "serve", "--ray", "--replicas", "1"]
+    process = subprocess.Popen(
+        [*command, "--port", str(port), f"fr-en={merged}"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        url, deadline, answer = f"http://127.0.0.1:{port}", time.monotonic() + 80, None
+        while time.monotonic() < deadline and process.poll() is None:
+            try:
+                answer = ask(url, "/translate", {"q": "vingt et un"}, timeout=5)
+                break
+            except OSError:
+                time.sleep(0.5)
+        assert answer is not None, process.stderr.read().decode()[-3000:] if process.stderr else ""
+        assert (answer.status, answer.json()) == (200, {"translatedText": "twenty-one"})
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(60) == 143
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()

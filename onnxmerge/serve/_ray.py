@@ -132,6 +132,12 @@ def build_app(args: dict[str, Any]) -> Any:
     return application(args["models"], **options)
 
 
+def _connect(address: str | None) -> None:
+    import ray
+
+    ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
+
+
 def deploy(
     models: Mapping[str, str | os.PathLike],
     *,
@@ -171,7 +177,7 @@ def deploy(
 
     serve = _serve_module()
     if not ray.is_initialized():
-        ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
+        _connect(address)
     serve.start(http_options={"host": host, "port": port})
     serve.run(app, name=name, route_prefix="/")
     return f"http://{host}:{port}"
@@ -189,10 +195,18 @@ def run_on_ray(
 
     Returns:
         The signal that ended it.
+
+    Raises:
+        InvalidArgumentError: a bad model, limit or replica count; Ray is not started.
+        MissingDependencyError: Ray Serve is not installed.
     """
+    _checked(models, replicas, {k: v for k, v in options.items() if k in LIMIT_NAMES})
+    _serve_module()
     import ray
 
     started = not ray.is_initialized()
+    if started:  # before our handlers: ray.init installs its own for SIGTERM
+        _connect(options.get("address"))
     name = options.get("name", "onnxmerge")
     stopped = threading.Event()
     ended: list[int] = []

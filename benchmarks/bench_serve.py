@@ -12,7 +12,8 @@ shape (``_common.opus_mt_config``), merged by onnxmerge and converted by CTransl
 Three servers per precision, in the same run under the same load, each its own process pinned
 to the same ``--threads`` processors:
 
-- ``ours``: ``onnxmerge serve`` (``--max-batch-size 32 --batch-wait-ms 5``);
+- ``ours``: ``onnxmerge serve`` (``--max-batch-size 32 --batch-wait-ms 5``), with
+  onnxruntime's default threads (one per processor the process may use: the pinned ones);
 - ``ours_unbatched``: the same with ``--max-batch-size 1`` (batching off), at concurrency 32
   only, where the targets compare it (one request at a time at every level would take most of
   a precision's two minutes);
@@ -174,6 +175,7 @@ class PeakMemory(threading.Thread):
 
         self.process = psutil.Process(pid)
         self.peak = 0
+        self.threads = 0
         self.done = threading.Event()
 
     def sample(self) -> None:
@@ -182,9 +184,11 @@ class PeakMemory(threading.Thread):
         try:
             rss = self.process.memory_info().rss
             rss += sum(c.memory_info().rss for c in self.process.children(recursive=True))
+            threads = self.process.num_threads()
         except psutil.Error:
             return
         self.peak = max(self.peak, rss)
+        self.threads = max(self.threads, threads)
 
     def run(self) -> None:
         while not self.done.wait(0.02):
@@ -264,6 +268,7 @@ def measure(port: int, pid: int, bodies: list[bytes], concurrency: int, new_toke
         "latency_p95_s": percentile(latencies, 95) if ok else None,
         "latency_p99_s": percentile(latencies, 99) if ok else None,
         "peak_rss_mb": peak / 1e6,
+        "server_threads": memory.threads,  # the most seen: how many threads each runtime started
         "first_error": None if not failed else {"status": failed[0][1], "body": failed[0][2]},
         "tokens": [a[2] if a[1] == 200 else None for a in answers],
     }

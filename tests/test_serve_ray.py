@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import shutil
 import socket
 
@@ -57,6 +58,8 @@ def test_two_replicas_on_ray_answer_as_the_model_alone(demo_export, tmp_path):
     texts = [french_number(n) for n in (21, 1984, 7, 5671)]
     alone = [Seq2SeqModel(merged).translate(text) for text in texts]
     assert alone[0] == english_number(21)
+    # Ray Serve waits for replicas without a time limit: past 120 s, fail with the stacks.
+    faulthandler.dump_traceback_later(120, exit=True)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         url = deploy_on_ray(
@@ -76,6 +79,7 @@ def test_two_replicas_on_ray_answer_as_the_model_alone(demo_export, tmp_path):
     finally:
         serve.shutdown()
         ray.shutdown()
+        faulthandler.cancel_dump_traceback_later()
 
 
 def test_cli_refuses_a_bad_replica_count_before_ray_starts(tmp_path, capsys):

@@ -32,19 +32,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--drain-s", type=float, default=30.0, help="on SIGTERM, time for requests in flight"
     )
     p.add_argument(
+        "--ray",
+        action="store_true",
+        help="run on Ray Serve (RAY_ADDRESS, a cluster on this machine, or a new local one)",
+    )
+    p.add_argument("--replicas", type=int, default=2, help="with --ray: copies of the server")
+    p.add_argument(
         "--log-level", default="info", choices=("critical", "error", "warning", "info", "debug")
     )
 
 
 def run(args: argparse.Namespace) -> int:
-    from onnxmerge.serve import models_from_arguments, run
+    from onnxmerge.serve import models_from_arguments, run, run_on_ray
 
-    ended = run(
-        models_from_arguments(args.models),
-        args.host,
-        args.port,
-        drain_s=args.drain_s,
-        log_level=args.log_level,
+    limits = dict(
         max_batch_size=args.max_batch_size,
         batch_wait_ms=args.batch_wait_ms,
         max_queue=args.max_queue,
@@ -52,6 +53,20 @@ def run(args: argparse.Namespace) -> int:
         request_timeout_s=args.request_timeout_s,
         api_key=args.api_key,
     )
+    models = models_from_arguments(args.models)
+    if args.ray:
+        ended: int | None = run_on_ray(
+            models, replicas=args.replicas, host=args.host, port=args.port, **limits
+        )
+    else:
+        ended = run(
+            models,
+            args.host,
+            args.port,
+            drain_s=args.drain_s,
+            log_level=args.log_level,
+            **limits,
+        )
     if ended == signal.SIGTERM:
         return ExitCode.TERMINATED
     if ended == signal.SIGINT:

@@ -3,7 +3,8 @@
 (docs/serve.md). Needs the ``serve`` extra: ``pip install 'onnxmerge[serve]'``.
 
 ``create_app(models, ...)`` is the ASGI app to mount in your own; ``run(models, host, port,
-...)`` serves it with uvicorn and drains on SIGTERM.
+...)`` serves it with uvicorn and drains on SIGTERM; ``deploy_on_ray(models, replicas=2, ...)``
+runs it as a Ray Serve deployment (the ``ray`` extra).
 """
 
 from __future__ import annotations
@@ -24,6 +25,20 @@ except ImportError as error:
 from onnxmerge.serve._app import create_app  # noqa: E402
 from onnxmerge.serve._limits import Limits  # noqa: E402
 from onnxmerge.serve._models import models_from_arguments  # noqa: E402
+from onnxmerge.serve._ray import application as ray_application  # noqa: E402
+from onnxmerge.serve._ray import build_app as build_ray_app  # noqa: E402
+from onnxmerge.serve._ray import deploy as deploy_on_ray  # noqa: E402
+from onnxmerge.serve._ray import run_on_ray  # noqa: E402
 from onnxmerge.serve._server import Server, run  # noqa: E402
 
-__all__ = ["Limits", "Server", "create_app", "models_from_arguments", "run"]
+__all__ = [
+    "Limits",
+    "Server",
+    "build_ray_app",
+    "create_app",
+    "deploy_on_ray",
+    "models_from_arguments",
+    "ray_application",
+    "run",
+    "run_on_ray",
+]

@@ -1,0 +1,174 @@
+"""Long-form Whisper in the runtime: the ids and segments of transformers' Whisper generate()."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+from onnxmerge.errors import GenerationError
+
+pytestmark = pytest.mark.export
+
+pytest.importorskip("onnxruntime")
+
+# Whisper's timestamp fields for the tiny vocabulary (128 tokens): text below 94, 94 is
+# <|notimestamps|>, 95..127 the 33 timestamps of one 64-frame window (0.00 s to 0.64 s).
+TIMESTAMPS = {
+    "no_timestamps_token_id": 94,
+    "prev_sot_token_id": 90,
+    "begin_suppress_tokens": [2],
+    "suppress_tokens": [1],
+}
+LANGUAGES = {
+    "lang_to_id": {"<|en|>": 80, "<|fr|>": 81, "<|de|>": 82},
+    "task_to_id": {"transcribe": 85, "translate": 84},
+    "is_multilingual": True,
+}
+FRAMES = 300  # about five windows of the tiny model's 64 frames
+
+
+@pytest.fixture(scope="module")
+def models(tiny_export, tmp_path_factory):
+    """(Seq2SeqModel, transformers model) of the tiny Whisper, timestamp fields set in both."""
+    import onnxmerge
+    from tests import zoo
+
+    export = tiny_export("whisper")
+    out = tmp_path_factory.mktemp("longform") / "model.onnx"
+    onnxmerge.merge_seq2seq(export.onnx_dir, out)
+    model = onnxmerge.Seq2SeqModel(out)
+    pt_model = zoo.load_pytorch(export)
+    return model, pt_model
+
+
+def _configure(model, pt_model, fields: dict) -> None:
+    base = dict(TIMESTAMPS)
+    for key in ("lang_to_id", "task_to_id", "is_multilingual"):
+        model.generation_config.pop(key, None)
+        if hasattr(pt_model.generation_config, key):
+            delattr(pt_model.generation_config, key)
+    base.update(fields)
+    for key, value in base.items():
+        model.generation_config[key] = value
+        setattr(pt_model.generation_config, key, value)
+
+
+def _audio(rows: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    features = rng.uniform(-1.0, 1.0, size=(rows, 16, FRAMES)).astype(np.float32)
+    mask = np.ones((rows, FRAMES), dtype=np.int64)
+    mask[1:, 210:] = 0  # later rows end earlier
+    return features, mask
+
+
+def _reference(pt_model, features, mask, **settings):
+    import torch
+
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return pt_model.generate(
+            input_features=torch.from_numpy(features),
+            attention_mask=torch.from_numpy(mask),
+            return_timestamps=True,
+            return_segments=True,
+            **settings,
+        )
+
+
+CASES = {
+    "greedy": ({}, {}),
+    "max-new-tokens": ({}, {"max_new_tokens": 12}),
+    "condition-on-previous": ({}, {"condition_on_prev_tokens": True}),
+    "condition-max-new-tokens": ({}, {"condition_on_prev_tokens": True, "max_new_tokens": 10}),
+    # Thresholds that fail every window: the second, greedy again, decodes the same tokens.
+    "fallback": (
+        {},
+        {
+            "condition_on_prev_tokens": True,
+            "temperature": (0.0, 0.0),
+            "compression_ratio_threshold": 1.2,
+            "logprob_threshold": -1.0,
+        },
+    ),
+    "language-detected": (LANGUAGES, {}),
+    "language-given": (LANGUAGES, {"language": "fr"}),
+    "task-translate": (LANGUAGES, {"language": "en", "task": "translate"}),
+}
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("case", list(CASES))
+def test_ids_and_segments_match_transformers(models, case, rows):
+    model, pt_model = models
+    fields, settings = CASES[case]
+    _configure(model, pt_model, fields)
+    features, mask = _audio(rows)
+    ours = model.generate(
+        input_features=features,
+        attention_mask=mask,
+        return_timestamps=True,
+        return_segments=True,
+        **settings,
+    )
+    theirs = _reference(pt_model, features, mask, **settings)
+    np.testing.assert_array_equal(ours["sequences"], theirs["sequences"].numpy())
+    assert len(ours["segments"]) == rows
+    for our_row, their_row in zip(ours["segments"], theirs["segments"], strict=True):
+        assert len(our_row) == len(their_row) > 1  # several windows, several segments
+        for mine, other in zip(our_row, their_row, strict=True):
+            np.testing.assert_array_equal(mine["tokens"], other["tokens"].numpy())
+            assert mine["start"] == pytest.approx(float(other["start"]), abs=1e-9)
+            assert mine["end"] == pytest.approx(float(other["end"]), abs=1e-9)
+    # Without return_segments, the ids alone.
+    plain = model.generate(input_features=features, attention_mask=mask, **settings)
+    np.testing.assert_array_equal(plain, ours["sequences"])
+
+
+def test_one_row_needs_no_mask_and_timestamps_are_implied(models):
+    model, pt_model = models
+    _configure(model, pt_model, {})
+    features, mask = _audio(1)
+    theirs = _reference(pt_model, features, mask)
+    np.testing.assert_array_equal(model.generate(features), theirs["sequences"].numpy())
+
+
+def test_sampled_fallback_is_seeded(models):
+    model, pt_model = models
+    _configure(model, pt_model, {})
+    features, _ = _audio(1)
+    settings = {"temperature": (0.0, 0.5, 1.0), "compression_ratio_threshold": 1.2, "seed": 3}
+    first = model.generate(input_features=features, **settings)
+    again = model.generate(input_features=features, **settings)
+    greedy = model.generate(input_features=features)
+    np.testing.assert_array_equal(first, again)
+    assert not np.array_equal(first, greedy)  # every window fell back to sampling
+
+
+@pytest.mark.parametrize(
+    ("fields", "settings", "message"),
+    [
+        ({}, {"return_timestamps": False}, "need timestamps"),
+        ({}, {"no_speech_threshold": 0.6}, "no_speech_threshold is not supported"),
+        ({}, {"num_beams": 2}, "does not take ['num_beams']"),
+        ({"no_timestamps_token_id": None}, {}, "no_timestamps_token_id"),
+        (LANGUAGES, {"language": "ja"}, "not in the generation config's lang_to_id"),
+        ({}, {"max_new_tokens": 64}, "exceed the model's 64 positions"),
+    ],
+)
+def test_refused_settings(models, fields, settings, message):
+    model, pt_model = models
+    _configure(model, pt_model, fields)
+    features, _ = _audio(1)
+    with pytest.raises(GenerationError) as error:
+        model.generate(input_features=features, **settings)
+    assert message in str(error.value)
+
+
+def test_a_batch_needs_its_mask(models):
+    model, pt_model = models
+    _configure(model, pt_model, {})
+    features, _ = _audio(2)
+    with pytest.raises(GenerationError, match="attention_mask"):
+        model.generate(input_features=features)

@@ -172,3 +172,87 @@ def test_a_batch_needs_its_mask(models):
     features, _ = _audio(2)
     with pytest.raises(GenerationError, match="attention_mask"):
         model.generate(input_features=features)
+
+
+# -- transcribe() ---------------------------------------------------------------------------------
+
+RATE = 16_000
+
+
+def _speech(seconds: float, seed: int = 1) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(seconds * RATE)) / RATE
+    tone = 0.3 * np.sin(2 * np.pi * 440.0 * t) * (1 + np.sin(2 * np.pi * 0.7 * t))
+    return (tone + 0.05 * rng.standard_normal(t.size)).astype(np.float32)
+
+
+@pytest.mark.parametrize("seconds", [0.4, 3.0])
+def test_log_mel_matches_the_feature_extractor(seconds):
+    from transformers import WhisperFeatureExtractor
+
+    from onnxmerge.runtime.speech import log_mel
+
+    extractor = WhisperFeatureExtractor(feature_size=16)
+    audio = _speech(seconds)
+    expected = extractor(
+        audio, sampling_rate=RATE, truncation=False, padding="longest", return_tensors="np"
+    ).input_features[0]
+    got = log_mel(audio, 16)
+    assert got.shape == expected.shape == (16, audio.size // 160)
+    np.testing.assert_allclose(got, expected, atol=2e-4)
+
+
+class _Letters:
+    """A stand-in tokenizer: token t is the letter chr(ord('a') + t % 26)."""
+
+    def decode(self, tokens, skip_special_tokens=False):
+        return "".join(chr(ord("a") + t % 26) for t in tokens)
+
+
+def test_transcribe_gives_text_segments_and_progress(models):
+    from onnxmerge.runtime.speech import log_mel, transcribe
+
+    model, pt_model = models
+    _configure(model, pt_model, {})
+    audio = _speech(3.0)
+    heard = []
+    result = transcribe(
+        model, audio, RATE, tokenizer=_Letters(), progress=lambda d, t: heard.append((d, t))
+    )
+    expected = model.generate(log_mel(audio, 16)[None], return_segments=True)["segments"][0]
+    assert len(result.segments) == len(expected) > 1
+    for segment, reference in zip(result.segments, expected, strict=True):
+        assert segment.tokens == reference["tokens"].tolist()
+        assert (segment.start, segment.end) == (reference["start"], reference["end"])
+        assert segment.text == _Letters().decode([t for t in segment.tokens if t < 94])
+    assert result.text == "".join(s.text for s in result.segments).strip()
+    assert heard[-1] == (3.0, 3.0)
+    assert [d for d, _ in heard] == sorted(d for d, _ in heard)
+
+
+def test_transcribe_without_tokenizer_keeps_tokens(models):
+    from onnxmerge.runtime.speech import transcribe
+
+    model, pt_model = models
+    _configure(model, pt_model, {})
+    result = transcribe(model, _speech(0.3), RATE)  # shorter than a window: padded to it
+    assert result.text is None
+    assert result.segments and all(s.text is None and s.tokens for s in result.segments)
+
+
+@pytest.mark.parametrize(
+    ("audio", "rate", "message"),
+    [
+        (np.zeros(1600, np.float32), 8000, "sampled at 8000 Hz"),
+        (np.zeros((2, 1600), np.float32), RATE, "mono float PCM"),
+        (np.zeros(1600, np.int16), RATE, "mono float PCM"),
+        (np.full(1600, np.nan, np.float32), RATE, "NaN"),
+    ],
+)
+def test_transcribe_refuses_bad_audio(models, audio, rate, message):
+    from onnxmerge.errors import InvalidArgumentError
+    from onnxmerge.runtime.speech import transcribe
+
+    model, _ = models
+    with pytest.raises(InvalidArgumentError, match=message):
+        transcribe(model, audio, rate)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +36,7 @@ LONGFORM_KEYWORDS = frozenset(
         "task",
         "time_precision",
         "time_precision_features",
+        "monitor_progress",
     }
 )
 # Frames of log-mel per encoder position (Whisper's two convolutions, strides 1 and 2).
@@ -126,11 +128,21 @@ def generate(
             "where each row's audio ends",
             argument="attention_mask",
         )
+    positions = np.zeros((rows, 2), dtype=np.int64)  # each row's frames done and in all
+    positions[:, 1] = mask.sum(-1) if rows > 1 and mask is not None else features.shape[-1]
+    monitor = keywords.get("monitor_progress")
     all_segments = []
     for row in range(rows):
-        frames = int(mask[row].sum()) if rows > 1 and mask is not None else features.shape[-1]
+
+        def report(seek: int, row: int = row) -> None:
+            positions[row, 0] = seek
+            if monitor is not None:
+                monitor(positions.copy())
+
         init = _init_tokens(model, plan, features[row : row + 1])
-        all_segments.append(_decode_row(model, plan, features[row : row + 1], frames, init, rng))
+        frames = int(positions[row, 1])
+        segments = _decode_row(model, plan, features[row : row + 1], frames, init, rng, report)
+        all_segments.append(segments)
     sequences = _join(all_segments, plan.pad)
     if keywords.get("return_segments"):
         return {"sequences": sequences, "segments": all_segments}
@@ -346,9 +358,10 @@ def _decode_row(
     frames: int,
     init: list[int],
     rng: np.random.Generator,
+    report: Callable[[int], None],
 ) -> list[dict[str, Any]]:
     """Every segment of one row, window after window, each window starting at the last
-    timestamp of the one before."""
+    timestamp of the one before; ``report`` hears the frames done after each window."""
     segments: list[dict[str, Any]] = []
     seek, condition = 0, plan.condition
     while seek < frames:
@@ -361,6 +374,7 @@ def _decode_row(
         found, offset = _segments(plan, tokens, time_offset, window_size)
         segments += found
         seek += offset
+        report(min(seek, frames))
     return segments
 
 

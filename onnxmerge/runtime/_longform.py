@@ -89,6 +89,7 @@ class _Plan:
     condition: bool
     compression_ratio_threshold: float | None
     logprob_threshold: float | None
+    no_speech_threshold: float | None
     time_precision: float
     time_precision_features: float
     vocab_size: int
@@ -131,7 +132,8 @@ def generate(
     positions = np.zeros((rows, 2), dtype=np.int64)  # each row's frames done and in all
     positions[:, 1] = mask.sum(-1) if rows > 1 and mask is not None else features.shape[-1]
     monitor = keywords.get("monitor_progress")
-    all_segments = []
+    all_segments: list[list[dict[str, Any]]] = []
+    first_found: list[int] = []  # the window where the first row found its first segment
     for row in range(rows):
 
         def report(seek: int, row: int = row) -> None:
@@ -141,7 +143,9 @@ def generate(
 
         init = _init_tokens(model, plan, features[row : row + 1])
         frames = int(positions[row, 1])
-        segments = _decode_row(model, plan, features[row : row + 1], frames, init, rng, report)
+        segments = _decode_row(
+            model, plan, features[row : row + 1], frames, init, rng, report, first_found
+        )
         all_segments.append(segments)
     sequences = _join(all_segments, plan.pad)
     if keywords.get("return_segments"):
@@ -242,6 +246,7 @@ def _plan(model: Seq2SeqModel, keywords: dict[str, Any], frames: int) -> _Plan:
         condition=bool(_setting("condition_on_prev_tokens", keywords, generation, False)),
         compression_ratio_threshold=_setting("compression_ratio_threshold", keywords, generation),
         logprob_threshold=_setting("logprob_threshold", keywords, generation),
+        no_speech_threshold=_setting("no_speech_threshold", keywords, generation),
         time_precision=float(keywords.get("time_precision") or 0.02),
         time_precision_features=float(keywords.get("time_precision_features") or 0.01),
         vocab_size=int(config["vocab_size"]),
@@ -255,10 +260,13 @@ def _plan(model: Seq2SeqModel, keywords: dict[str, Any], frames: int) -> _Plan:
 def _return_timestamps(model: Seq2SeqModel, keywords: dict[str, Any], frames: int) -> bool:
     """Whether windows predict timestamps: asked for, or needed past one window."""
     generation = model.generation_config
-    if _setting("no_speech_threshold", keywords, generation) is not None:
+    if (
+        _setting("no_speech_threshold", keywords, generation) is not None
+        and _setting("logprob_threshold", keywords, generation) is None
+    ):
         raise GenerationError(
-            "no_speech_threshold is not supported by this runtime's long-form decoding; leave it "
-            "unset (docs/runtime.md, Long-form speech)",
+            "no_speech_threshold needs logprob_threshold: a window is skipped as silence when "
+            "its tokens are unlikely and no-speech is likely",
             argument="no_speech_threshold",
         )
     return_timestamps = bool(_setting("return_timestamps", keywords, generation, False))
@@ -349,6 +357,7 @@ class _Decoded:
 
     tokens: list[int]
     logprobs: list[float]
+    no_speech: float = 0.0
 
 
 def _decode_row(
@@ -359,29 +368,47 @@ def _decode_row(
     init: list[int],
     rng: np.random.Generator,
     report: Callable[[int], None],
+    first_found: list[int],
 ) -> list[dict[str, Any]]:
     """Every segment of one row, window after window, each window starting at the last
-    timestamp of the one before; ``report`` hears the frames done after each window."""
+    timestamp of the one before; ``report`` hears the frames done after each window.
+
+    ``first_found`` holds the window in which the batch's first row found its first segment
+    (this row records it when it is the first): transformers conditions every row of its
+    batch on previous tokens from that window on, a row without any on the start token alone.
+    """
     segments: list[dict[str, Any]] = []
-    seek, condition = 0, plan.condition
+    seek, condition, number, lead = 0, plan.condition, 0, not first_found
     while seek < frames:
         time_offset = seek * plan.time_precision / INPUT_STRIDE
         window_size = min(frames - seek, plan.window)
         window = _window(features, seek, window_size, plan.window)
-        prompt = _prompt(plan, init, segments if condition else [])
-        tokens, temperature = _with_fallback(model, plan, window, prompt, rng)
+        conditioned = plan.condition and (
+            bool(segments) if lead else bool(first_found) and first_found[0] < number
+        )
+        prompt = _prompt(plan, init, segments if condition else [], conditioned)
+        sot = len(prompt) - len(init)
+        tokens, temperature, skip = _with_fallback(model, plan, window, prompt, sot, rng)
         condition = plan.condition and temperature < 0.5
-        found, offset = _segments(plan, tokens, time_offset, window_size)
-        segments += found
-        seek += offset
+        if skip:  # silence: no segment, on to the next window
+            seek += window_size
+        else:
+            found, offset = _segments(plan, tokens, time_offset, window_size)
+            segments += found
+            seek += offset
+            if lead and not first_found and found:
+                first_found.append(number)
+        number += 1
         report(min(seek, frames))
     return segments
 
 
-def _prompt(plan: _Plan, init: list[int], segments: list[dict[str, Any]]) -> list[int]:
+def _prompt(
+    plan: _Plan, init: list[int], segments: list[dict[str, Any]], conditioned: bool
+) -> list[int]:
     """The window's decoder prompt: the previous windows' last tokens (after the previous
     start-of-transcript token) before ``init``, when conditioning on them."""
-    if not segments:
+    if not conditioned:
         return list(init)
     previous: list[int] = []
     for segment in segments:
@@ -400,26 +427,28 @@ def _with_fallback(
     plan: _Plan,
     window: dict[str, np.ndarray],
     prompt: list[int],
+    sot: int,
     rng: np.random.Generator,
-) -> tuple[list[int], float]:
+) -> tuple[list[int], float, bool]:
     """Decode a window at each temperature in turn until the result passes the compression
-    and log-probability thresholds; the tokens without eos, and the temperature used."""
+    and log-probability thresholds; the tokens without eos, the temperature used and whether
+    the window is silence. ``sot``: where the start-of-transcript token is in the prompt."""
     max_length = _max_length(model, plan, len(prompt))
     tokens: list[int] = []
-    temperature = plan.temperatures[0]
+    temperature, skip = plan.temperatures[0], False
     for temperature in plan.temperatures:
-        decoded = _decode(model, plan, window, prompt, max_length, temperature, rng)
+        decoded = _decode(model, plan, window, prompt, sot, max_length, temperature, rng)
         tokens = decoded.tokens
         if tokens and tokens[-1] == plan.pad:
             # transformers strips as many tokens as the sequence holds pad tokens.
             paddings = tokens.count(plan.pad) - (1 if plan.pad == plan.eos else 0)
             tokens = tokens[: len(tokens) - paddings] if paddings else tokens
-        retry = _needs_fallback(plan, tokens, decoded.logprobs)
+        retry, skip = _needs_fallback(plan, tokens, decoded)
         if tokens and tokens[-1] == plan.eos:
             tokens = tokens[:-1]
         if not retry:
             break
-    return tokens, temperature
+    return tokens, temperature, skip
 
 
 def _max_length(model: Seq2SeqModel, plan: _Plan, prompt_length: int) -> int:
@@ -434,19 +463,23 @@ def _max_length(model: Seq2SeqModel, plan: _Plan, prompt_length: int) -> int:
     return model.resolve_settings(prompt_length, **plan.lengths).max_length
 
 
-def _needs_fallback(plan: _Plan, tokens: list[int], logprobs: list[float]) -> bool:
-    """Whether the window's text repeats too much or is too unlikely (transformers'
-    ``_need_fallback``; eos counts in both)."""
+def _needs_fallback(plan: _Plan, tokens: list[int], decoded: _Decoded) -> tuple[bool, bool]:
+    """Whether the window's text repeats too much or is too unlikely, and whether it is
+    silence instead: unlikely text where no-speech is likely (transformers' ``_need_fallback``;
+    eos counts)."""
+    retry, unlikely = False, False
     if plan.compression_ratio_threshold is not None and tokens:
         width = int(math.log2(plan.vocab_size) / 8) + 1
         raw = b"".join(t.to_bytes(width, "little") for t in tokens)
-        if len(raw) / len(zlib.compress(raw)) > plan.compression_ratio_threshold:
-            return True
-    if plan.logprob_threshold is not None and logprobs:
-        scored = logprobs[: len(tokens)]
-        if sum(scored) / len(tokens) < plan.logprob_threshold:
-            return True
-    return False
+        retry = len(raw) / len(zlib.compress(raw)) > plan.compression_ratio_threshold
+    if plan.logprob_threshold is not None and tokens:
+        average = sum(decoded.logprobs[: len(tokens)]) / len(tokens)
+        unlikely = average < plan.logprob_threshold
+        retry = retry or unlikely
+    if plan.no_speech_threshold is not None and unlikely:
+        if decoded.no_speech > plan.no_speech_threshold:
+            return False, True
+    return retry, False
 
 
 def _decode(
@@ -454,6 +487,7 @@ def _decode(
     plan: _Plan,
     window: dict[str, np.ndarray],
     prompt: list[int],
+    sot: int,
     max_length: int,
     temperature: float,
     rng: np.random.Generator,
@@ -463,6 +497,10 @@ def _decode(
     sequence = list(prompt)
     step = model.first_step(window, np.array([prompt], dtype=np.int64))
     decoded = _Decoded([], [])
+    if plan.no_speech_threshold is not None and plan.no_timestamps is not None:
+        # The no-speech token's probability right after start-of-transcript.
+        after_sot = np.exp(_log_softmax(step.logits[0, sot].astype(np.float32)))
+        decoded.no_speech = float(after_sot[plan.no_timestamps - 1])
     while True:
         scores = _process(plan, step.logits[0, -1].astype(np.float32), sequence, len(prompt))
         logprobs = _log_softmax(scores)

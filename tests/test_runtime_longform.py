@@ -270,3 +270,28 @@ def test_transcribe_refuses_bad_audio(models, audio, rate, message):
     model, _ = models
     with pytest.raises(InvalidArgumentError, match=message):
         transcribe(model, audio, rate)
+
+
+@pytest.mark.parametrize("settings", [{}, {"max_new_tokens": 8}])
+def test_one_window_with_timestamps_matches_transformers(models, settings):
+    model, pt_model = models
+    _configure(model, pt_model, {})
+    rng = np.random.default_rng(4)
+    features = rng.uniform(-1.0, 1.0, size=(2, 16, 64)).astype(np.float32)
+    mask = np.ones((2, 64), dtype=np.int64)
+    ours = model.generate(
+        input_features=features, attention_mask=mask, return_timestamps=True, **settings
+    )
+    theirs = _reference(pt_model, features, mask, **settings)["sequences"].numpy()
+    np.testing.assert_array_equal(ours, theirs)
+    assert (ours >= 95).any()  # timestamps among the ids
+
+
+def test_monitor_progress_hears_each_window(models):
+    model, pt_model = models
+    _configure(model, pt_model, {})
+    features, mask = _audio(2)
+    heard = []
+    model.generate(input_features=features, attention_mask=mask, monitor_progress=heard.append)
+    assert heard[-1].tolist() == [[FRAMES, FRAMES], [210, 210]]
+    assert all((h[:, 0] <= h[:, 1]).all() for h in heard) and len(heard) > 2

@@ -279,8 +279,14 @@ def _return_timestamps(model: Seq2SeqModel, keywords: dict[str, Any], frames: in
             )
         return_timestamps = True
     if return_timestamps and generation.get("no_timestamps_token_id") is None:
+        why = (
+            f"input_features has {frames} frames, more than one window "
+            f"({window_frames(model.config)}): long-form decoding needs timestamps, and "
+            if frames > window_frames(model.config)
+            else ""
+        )
         raise GenerationError(
-            "timestamps need the generation config's no_timestamps_token_id (Whisper's "
+            f"{why}timestamps need the generation config's no_timestamps_token_id (Whisper's "
             "generation_config.json has it); set model.generation_config['no_timestamps_token_id']",
             argument="return_timestamps",
         )

@@ -295,3 +295,17 @@ def test_monitor_progress_hears_each_window(models):
     model.generate(input_features=features, attention_mask=mask, monitor_progress=heard.append)
     assert heard[-1].tolist() == [[FRAMES, FRAMES], [210, 210]]
     assert all((h[:, 0] <= h[:, 1]).all() for h in heard) and len(heard) > 2
+
+
+def test_the_generation_configs_temperature_is_not_read(models):
+    """transformers' Whisper takes the temperature given to generate() only: a config's 1.0
+    (GenerationConfig's default, saved with many models) must not make the windows sampled."""
+    model, pt_model = models
+    _configure(model, pt_model, {})
+    features, _ = _audio(1)
+    greedy = model.generate(input_features=features)
+    model.generation_config["temperature"] = 1.0
+    try:
+        np.testing.assert_array_equal(model.generate(input_features=features, seed=1), greedy)
+    finally:
+        del model.generation_config["temperature"]

@@ -220,7 +220,8 @@ def _plan(model: Seq2SeqModel, keywords: dict[str, Any], frames: int) -> _Plan:
     return_timestamps = _return_timestamps(model, keywords, frames)
     eos = _setting("eos_token_id", keywords, generation, config.get("eos_token_id"))
     eos = eos[0] if isinstance(eos, (list, tuple)) else eos
-    temperature = _setting("temperature", keywords, generation, 0.0)
+    # Whisper reads the temperature given to generate() only, never the generation config.
+    temperature = keywords.get("temperature")
     temperatures = list(temperature) if isinstance(temperature, (list, tuple)) else [temperature]
     suppress = list(_setting("suppress_tokens", keywords, generation, None) or [])
     prev_sot = generation.get("prev_sot_token_id")

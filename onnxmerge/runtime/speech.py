@@ -190,3 +190,6 @@ def _transcription(model: Any, segments: list[dict[str, Any]], tokenizer: Any) -
         found.append(Segment(float(segment["start"]), float(segment["end"]), text, tokens))
     text = "".join(s.text or "" for s in found) if tokenizer else None
     return Transcription(text.strip() if text is not None else None, found)
+
+
+__all__ = ["Segment", "Transcription", "log_mel", "mel_bank", "transcribe"]

@@ -200,19 +200,20 @@ def _speech(seconds: float, seed: int = 1) -> np.ndarray:
     return (tone + 0.05 * rng.standard_normal(t.size)).astype(np.float32)
 
 
-@pytest.mark.parametrize("seconds", [0.4, 3.0])
-def test_log_mel_matches_the_feature_extractor(seconds):
+# 70 s: more frames than one block of the numpy path, and more than Whisper's 30 s window.
+@pytest.mark.parametrize(("seconds", "bins"), [(0.4, 16), (3.0, 16), (70.0, 80)])
+def test_log_mel_matches_the_feature_extractor(seconds, bins):
     from transformers import WhisperFeatureExtractor
 
     from onnxmerge.runtime.speech import log_mel
 
-    extractor = WhisperFeatureExtractor(feature_size=16)
+    extractor = WhisperFeatureExtractor(feature_size=bins)
     audio = _speech(seconds)
     expected = extractor(
         audio, sampling_rate=RATE, truncation=False, padding="longest", return_tensors="np"
     ).input_features[0]
-    got = log_mel(audio, 16)
-    assert got.shape == expected.shape == (16, audio.size // 160)
+    got = log_mel(audio, bins)
+    assert got.shape == expected.shape == (bins, audio.size // 160)
     np.testing.assert_allclose(got, expected, atol=2e-4)
 
 

@@ -17,6 +17,7 @@ from onnxmerge.errors import GenerationError, InvalidArgumentError
 PREPROCESSOR_CONFIG = "preprocessor_config.json"
 MEL_FLOOR = 1e-10
 MAX_FREQUENCY = 8000.0  # WhisperFeatureExtractor's mel bank stops there
+_FRAMES_PER_BLOCK = 4096
 
 
 @dataclass(frozen=True)
@@ -77,11 +78,16 @@ def log_mel(
     signal = np.asarray(audio, dtype=np.float64)
     half = n_fft // 2
     padded = np.pad(signal, (half, half), mode="reflect")
-    count = 1 + (padded.size - n_fft) // hop_length
-    starts = np.arange(count)[:, None] * hop_length + np.arange(n_fft)[None, :]
+    count = (padded.size - n_fft) // hop_length  # the extractor drops the last frame
     window = 0.5 - 0.5 * np.cos(2 * np.pi * np.arange(n_fft) / n_fft)
-    power = np.abs(np.fft.rfft(padded[starts] * window, axis=1)) ** 2
-    mel = power[:-1] @ mel_bank(n_mels, n_fft, sampling_rate)  # the last frame is dropped
+    bank = mel_bank(n_mels, n_fft, sampling_rate)
+    mel = np.empty((count, n_mels))
+    # Blocks of frames: an hour of audio framed at once would take gigabytes.
+    for first in range(0, count, _FRAMES_PER_BLOCK):
+        frames = np.arange(first, min(first + _FRAMES_PER_BLOCK, count))
+        starts = frames[:, None] * hop_length + np.arange(n_fft)[None, :]
+        power = np.abs(np.fft.rfft(padded[starts] * window, axis=1)) ** 2
+        mel[frames] = power @ bank
     log = np.log10(np.maximum(mel, MEL_FLOOR))
     log = np.maximum(log, log.max() - 8.0)
     return ((log + 4.0) / 4.0).T.astype(np.float32)

@@ -108,9 +108,12 @@ def test_whisper_features_of_the_wrong_width_are_refused(tiny_export, tmp_path):
     model = onnxmerge.Seq2SeqModel(onnxmerge.merge_seq2seq(export.onnx_dir, tmp_path / "m.onnx"))
     features = zoo.sample_encoder_inputs(export, batch=1)["input_features"]
     assert model.generate(input_features=features, max_new_tokens=2).shape == (1, 3)
-    for wrong in (features[:, :-1], features[:, :, :-4], np.concatenate([features] * 2, axis=2)):
+    for wrong in (features[:, :-1], features[:, :, :-4]):
         with pytest.raises(GenerationError, match="mel bins, frames"):
             model.generate(input_features=wrong, max_new_tokens=2)
+    # More frames than a window is long-form audio, which needs Whisper's timestamp token.
+    with pytest.raises(GenerationError, match="128 frames, more than one window.*no_timestamps"):
+        model.generate(input_features=np.concatenate([features] * 2, axis=2), max_new_tokens=2)
 
 
 def test_bad_decoder_input_ids(marian):

@@ -29,6 +29,7 @@ PUBLIC_MODULES = (
     "onnxmerge.quantization",
     "onnxmerge.runtime",
     "onnxmerge.runtime.processors",
+    "onnxmerge.runtime.speech",
     "onnxmerge.generator",
     "onnxmerge.generator.audio",
     "onnxmerge.web",

@@ -16,6 +16,7 @@ from onnxmerge import _ort as ort
 from onnxmerge import contract as c
 from onnxmerge.errors import GenerationError
 from onnxmerge.runtime import _corpus as corpus
+from onnxmerge.runtime import _longform
 from onnxmerge.runtime._accelerations import Accelerations
 from onnxmerge.runtime._runners import GreedyHeadRunner, Runner
 from onnxmerge.runtime._search import (
@@ -336,9 +337,18 @@ class Seq2SeqModel:
         ``[batch * num_return_sequences, length]`` starting with the decoder start token; rows
         that finished early are padded like transformers pads them.
 
+        Whisper features longer than one window (3,000 frames), or ``return_timestamps=True``,
+        are decoded in windows as transformers' Whisper ``generate()`` does it, and return what
+        it returns (``docs/runtime.md``, "Long-form speech").
+
         Raises:
             GenerationError: invalid inputs or settings.
         """
+        if _longform.applies(self, encoder_inputs, keywords):
+            # A dict only with return_segments=True: the contract most callers rely on stays.
+            return _longform.generate(  # type: ignore[return-value]
+                self, encoder_inputs, decoder_input_ids, seed, keywords
+            )
         return self._generate(encoder_inputs, decoder_input_ids, seed, keywords)
 
     def stream(

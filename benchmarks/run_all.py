@@ -268,6 +268,7 @@ def _ctranslate2_section(data: dict) -> list[str]:
         "`load_s` is import and load together, "
         "`import_s` the import alone (onnxruntime and numpy on our side), "
         "`load_without_import_s` the rest; `rss_after_load_mb` is the whole process, "
+        "`rss_import_and_load_mb` what the import and the load add together, "
         "`rss_added_by_load_mb` what opening the model adds to the import. The range is the "
         f"lowest and highest ratio of the {s['rounds']} rounds.",
         "",
@@ -311,6 +312,27 @@ def _ctranslate2_section(data: dict) -> list[str]:
                     f"| {variant} | {case} | **{ratio:.2f}x** | {low:.2f}–{high:.2f} | "
                     f"{'' if agree is None else f'{agree:.2f}'} |"
                 )
+    return [*lines, "", *_one_file_lines(data.get("one_file_vs_external_data", {}))]
+
+
+def _one_file_lines(layouts: dict) -> list[str]:
+    """The one file against the external-data layout, same run (``docs/format.md``)."""
+    if not layouts:
+        return []
+    lines = [
+        "The one file against its weights in a data file beside it, same run (ratios one file / "
+        "external data; the target: the one file costs nothing more):",
+        "",
+        "| precision | measure | ratio | target | met |",
+        "|---|---|---:|---:|---|",
+    ]
+    for precision, d in layouts.items():
+        for measure, ratio in d["ratios"].items():
+            met = "yes" if d["targets_met"][measure] else "no"
+            lines.append(
+                f"| {precision} | {measure} | **{ratio:.2f}x** | <= {d['targets'][measure]}x "
+                f"| {met} |"
+            )
     return [*lines, ""]
 
 

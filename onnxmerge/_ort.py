@@ -63,12 +63,14 @@ def open_session(
     source: str | os.PathLike | bytes,
     options: Any | None = None,
     providers: Sequence[Any] | None = None,
+    *,
+    mapped: bool = True,
 ) -> Any:
     """An ``onnxruntime.InferenceSession`` on a model file or its bytes; CPU unless told.
 
-    A file that holds its large weights inline is opened through its skeleton
-    (:func:`mapped_skeleton`), so that onnxruntime maps those weights from inside the file
-    instead of parsing them; ``options`` then has
+    Unless ``mapped`` is False, a file that holds its large weights inline is opened through
+    its skeleton (:func:`mapped_skeleton`), so that onnxruntime maps those weights from inside
+    the file instead of parsing them; ``options`` then has
     ``session.model_external_initializers_file_folder_path`` set to the file's folder (where the
     same options open a file in another folder, onnxruntime logs that it overwrites it). A
     session that saves its optimized graph (``optimized_model_filepath``) opens by path:
@@ -79,7 +81,9 @@ def open_session(
     options = options if options is not None else session_options()
     if not isinstance(source, bytes):
         source = os.fspath(source)
-        skeleton = None if options.optimized_model_filepath else mapped_skeleton(source)
+        skeleton = None
+        if mapped and not options.optimized_model_filepath:
+            skeleton = mapped_skeleton(source)
         if skeleton is not None:
             _set_config(options, _FOLDER_KEY, os.path.dirname(os.path.abspath(source)))
             source = skeleton

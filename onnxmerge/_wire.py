@@ -17,8 +17,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-import onnx
-
+from onnxmerge import _proto
 from onnxmerge.errors import WireFormatError
 
 # Field numbers of onnx.proto.
@@ -114,11 +113,11 @@ def _externalised_tensor(buf, start: int, end: int, location: str, min_bytes: in
     kept += _entry("location", location)
     kept += _entry("offset", str(raw[0]))
     kept += _entry("length", str(raw[1] - raw[0]))
-    kept += _key(_TENSOR_DATA_LOCATION, _VARINT) + _encode_varint(onnx.TensorProto.EXTERNAL)
+    kept += _key(_TENSOR_DATA_LOCATION, _VARINT) + _encode_varint(_proto.TensorProto.EXTERNAL)
     return bytes(kept)
 
 
-def load_skeleton(path: str | os.PathLike, min_bytes: int = 1024) -> onnx.ModelProto:
+def load_skeleton(path: str | os.PathLike, min_bytes: int = 1024) -> _proto.ModelProto:
     """Parse a model with its large initializers left in the file as external references."""
     path = Path(path)
     with open(path, "rb") as f:
@@ -141,7 +140,7 @@ def load_skeleton(path: str | os.PathLike, min_bytes: int = 1024) -> onnx.ModelP
                     else:
                         graph += buf[g_start:g_end]
                 model += _length_delimited(_MODEL_GRAPH, bytes(graph))
-    proto = onnx.ModelProto()
+    proto = _proto.ModelProto()
     proto.ParseFromString(bytes(model))
     return proto
 
@@ -163,7 +162,7 @@ def _external_location(buf, start: int, end: int) -> tuple[bytes, str, int, int]
             entries[key] = value
         elif field == _TENSOR_DATA_LOCATION:
             location, _ = _varint(buf, value_start, value_end)
-            external = location == onnx.TensorProto.EXTERNAL
+            external = location == _proto.TensorProto.EXTERNAL
         else:
             kept += buf[field_start:value_end]
     if not external or "location" not in entries:

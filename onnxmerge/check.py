@@ -22,7 +22,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from onnxmerge import contract, model_io
+from onnxmerge import _proto, contract
 from onnxmerge._ort import open_session
 from onnxmerge.errors import InvalidMergedModelError, MergedModelRunError
 from onnxmerge.samples import first_step_feeds, one_run_options, sample_inputs
@@ -94,7 +94,7 @@ def _check_tolerating(path: Path, tolerated: frozenset[tuple[str, str]], what: s
     # Weights are still in the data file here: this reads the graph only.
     proto = onnx.load(os.fspath(path), load_external_data=False)
 
-    for graph in model_io.graph_protos(proto.graph):
+    for graph in _proto.graph_protos(proto.graph):
         for node in graph.node:
             if (node.domain if node.domain != "ai.onnx" else "", node.op_type) in tolerated:
                 node.domain = _UNCHECKED_DOMAIN

@@ -25,6 +25,7 @@ import onnx
 import onnx_ir as ir
 
 from onnxmerge import _wire
+from onnxmerge._proto import graph_protos
 from onnxmerge.errors import (
     IncompatibleModelsError,
     ModelNotFoundError,
@@ -62,23 +63,6 @@ def tensor_protos(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
                 for sparse in attr.sparse_tensors:
                     yield sparse.values
                     yield sparse.indices
-
-
-def graph_protos(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
-    """``graph`` and every subgraph of its nodes' attributes, at any depth (an If's branches, a
-    Loop's body)."""
-    yield graph
-    for node in graph.node:
-        for sub in node_subgraphs(node):
-            yield from graph_protos(sub)
-
-
-def node_subgraphs(node: onnx.NodeProto) -> Iterator[onnx.GraphProto]:
-    """The graphs in ``node``'s attributes, one level deep."""
-    for attr in node.attribute:
-        if attr.HasField("g"):
-            yield attr.g
-        yield from attr.graphs
 
 
 def _expected_nbytes(tensor: onnx.TensorProto, where: str) -> int:

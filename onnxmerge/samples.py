@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from onnxmerge import contract, model_io
+from onnxmerge import _proto, contract
 from onnxmerge._ort import ORT_TO_NUMPY, session_options
 from onnxmerge.errors import InvalidMergedModelError
 
@@ -32,7 +32,7 @@ def token_counts(path: str | os.PathLike) -> dict[str, int]:
     producers: dict[str, onnx.NodeProto] = {}
     gathers: list[onnx.NodeProto] = []
 
-    for graph in model_io.graph_protos(proto.graph):
+    for graph in _proto.graph_protos(proto.graph):
         for tensor in graph.initializer:
             shapes[tensor.name] = list(tensor.dims)
         for node in graph.node:

@@ -220,13 +220,10 @@ def test_check_sets_each_readme_figure_beside_the_measured_one(tmp_path, capsys)
     )
     measured = tmp_path / "measured"
     measured.mkdir()
-    columns = ("float32", "float32 external data", "float32 session cache") + (
-        "int8",
-        "int8 external data",
-        "int8 session cache",
-    )
-    keys = ("greedy_b1", "beam4_b1", "rss_after_load_mb", "rss_added_by_load_mb", "load_s")
-    precisions = {c: {"ratios": dict.fromkeys(keys, 1.0)} for c in columns}
+    from benchmarks.readme_figures import CTRANSLATE2
+
+    keys = [key for _, key in CTRANSLATE2.rows]
+    precisions = {c: {"ratios": dict.fromkeys(keys, 1.0)} for c in CTRANSLATE2.columns}
     precisions["int8"]["ratios"]["greedy_b1"] = 0.80  # what a plain CTranslate2 makes of it
     precisions["float32"]["ratios"]["greedy_b1"] = 0.60  # within 15% of 0.57
     (measured / "ctranslate2.json").write_text(json.dumps({"precisions": precisions}))

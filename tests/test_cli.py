@@ -201,7 +201,7 @@ def test_quantize_with_row_activation_scales(tmp_path) -> None:
     import onnx
 
     from onnxmerge import merge_seq2seq
-    from onnxmerge.model_io import graph_protos
+    from onnxmerge._proto import graph_protos
     from tests import textmodels as tm
 
     source = merge_seq2seq(tm.write_export(tmp_path / "export"))

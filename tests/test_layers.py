@@ -128,3 +128,38 @@ def test_opening_a_model_loads_no_merge_or_writer():
     assert "onnxmerge.runtime._model" in modules
     writers = ("merge", "passes", "quantization", "generator", "web", "batch", "cli", "check")
     assert [m for m in modules if _unit(m) in writers] == []
+
+
+def test_opening_and_running_a_model_imports_neither_onnx_nor_onnx_ir(tmp_path):
+    """Importing ``onnx`` (ml_dtypes' extension with it) took most of a load: the runtime reads
+    onnx's messages alone (``onnxmerge/_proto.py``)."""
+    from onnxmerge import merge_seq2seq
+    from tests import textmodels as tm
+
+    merged = merge_seq2seq(tm.write_export(tmp_path / "export"), tmp_path / "model.onnx")
+    code = (
+        "import sys\n"
+        "import numpy as np\n"
+        "from onnxmerge.runtime import Seq2SeqModel\n"
+        f"model = Seq2SeqModel({str(merged)!r})\n"
+        "ids = np.array([[5, 6, 7, 1]])\n"
+        "start = np.array([[2]])\n"
+        "model.generate(ids, decoder_input_ids=start, max_new_tokens=3)\n"
+        "model.generate(ids, decoder_input_ids=start, max_new_tokens=3, num_beams=2)\n"
+        "print([m for m in ('onnx', 'onnx_ir', 'ml_dtypes') if m in sys.modules])\n"
+    )
+    result = _run([sys.executable, "-c", code])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == "[]"
+
+
+def test_onnx_imported_after_the_runtime_shares_its_messages():
+    code = (
+        "from onnxmerge import _proto\n"
+        "import onnx, onnx.checker, onnx.helper\n"
+        "graph = onnx.helper.make_graph([], 'g', [], [])\n"
+        "print(onnx.ModelProto is _proto.ModelProto, type(graph) is _proto.GraphProto)\n"
+    )
+    result = _run([sys.executable, "-c", code])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == "True True"

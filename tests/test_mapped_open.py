@@ -52,12 +52,10 @@ def _options():
 
 def _open(path: Path, *, by_path: bool = False):
     from onnxmerge import Seq2SeqModel
+    from onnxmerge.runtime import Accelerations
 
-    if not by_path:
-        return Seq2SeqModel(path, session_options=_options())
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(_ort, "mapped_skeleton", lambda path: None)
-        return Seq2SeqModel(path, session_options=_options())
+    opening = Accelerations(mapped_open=not by_path)
+    return Seq2SeqModel(path, session_options=_options(), accelerations=opening)
 
 
 def _maps(path: Path) -> bool:
@@ -91,6 +89,10 @@ def test_a_skeleton_opening_maps_the_model_file(written):
     path, _ = written("marian")
     model = _open(path)
     assert _maps(path)
+    del model
+    gc.collect()
+    model = _open(path, by_path=True)  # Accelerations(mapped_open=False): parsed, not mapped
+    assert not _maps(path)
     del model
 
 

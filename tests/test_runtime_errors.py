@@ -211,3 +211,19 @@ def test_a_tokenizer_that_is_not_a_transformers_tokenizer_is_refused(marian):
     model, _, _ = marian
     with pytest.raises(GenerationError, match="transformers tokenizer"):
         model.translate("x", tokenizer=lambda texts, **kwargs: texts)
+
+
+def test_decoder_input_ids_stand_in_for_a_start_token_the_configs_lack(tmp_path):
+    """The error for a missing start token says to pass decoder_input_ids; doing so works."""
+    from onnxmerge import Seq2SeqModel, merge_seq2seq
+    from tests import textmodels as tm
+
+    # Merged away from its export folder: no config beside it names a start token.
+    model = Seq2SeqModel(merge_seq2seq(tm.write_export(tmp_path / "e"), tmp_path / "m.onnx"))
+    ids = np.array([[5, 6, 7, 1]])
+    with pytest.raises(GenerationError, match="pass decoder_input_ids"):
+        model.generate(ids, max_new_tokens=3)
+    given = model.generate(ids, decoder_input_ids=np.array([[2]]), max_new_tokens=3)
+    named = model.generate(ids, decoder_start_token_id=2, max_new_tokens=3)
+    assert given.tolist() == named.tolist()
+    assert given[0, 0] == 2 and given.shape == (1, 4)

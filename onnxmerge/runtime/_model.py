@@ -413,7 +413,15 @@ class Seq2SeqModel:
         inputs = self._check_encoder_inputs(self._given_inputs(encoder_inputs, named_inputs))
         batch = next(iter(inputs.values())).shape[0]
         # The prompt's length decides max_length; resolve the start token first.
-        start = resolve_settings(self.config, self.generation_config, overrides, 1)
+        try:
+            start = resolve_settings(self.config, self.generation_config, overrides, 1)
+        except GenerationError:
+            if decoder_input_ids is None:
+                raise
+            # The configs name no start token: the prompt's first token is the one asked for.
+            first = int(np.asarray(decoder_input_ids).flat[0])
+            overrides = {**overrides, "decoder_start_token_id": first}
+            start = resolve_settings(self.config, self.generation_config, overrides, 1)
         prompt = self._prompt(decoder_input_ids, batch, start.decoder_start_token_id)
         settings = resolve_settings(self.config, self.generation_config, overrides, prompt.shape[1])
         self._default_attention_mask(inputs, settings.pad_token_id, settings.eos_token_id)

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import onnx
 
 from onnxmerge import _ort as ort
+from onnxmerge import _proto
 from onnxmerge import contract as c
 from onnxmerge._ort import release_free_heap
 from onnxmerge._wire import load_skeleton
@@ -241,13 +241,14 @@ class MergedSession:
         self.path = _model_file(path)
         if not self.accelerations.session_cache:
             session_cache = None
+        mapped = self.accelerations.mapped_open
         try:
             if session_cache is None:
-                session = ort.open_session(self.path, options, providers)
+                session = ort.open_session(self.path, options, providers, mapped=mapped)
                 opened, wrote = self.path, False
             else:
                 session, opened, wrote = open_with_cache(
-                    self.path, session_cache, options, providers
+                    self.path, session_cache, options, providers, mapped=mapped
                 )
         except Exception as error:
             raise InvalidMergedModelError(
@@ -362,7 +363,7 @@ class MergedSession:
         return providers is not None and providers() == ["CPUExecutionProvider"]
 
     @functools.cached_property
-    def _graph(self) -> onnx.GraphProto | None:
+    def _graph(self) -> _proto.GraphProto | None:
         """The structure of the graph onnxruntime runs, or None where it cannot be read."""
         try:
             return load_skeleton(self.opened).graph

@@ -52,19 +52,25 @@ _ABANDONED_S = 3600
 
 
 def open_with_cache(
-    model: Path, cache_dir: str | os.PathLike, options: Any, providers: Sequence[Any] | None
+    model: Path,
+    cache_dir: str | os.PathLike,
+    options: Any,
+    providers: Sequence[Any] | None,
+    *,
+    mapped: bool = True,
 ) -> tuple[Any, Path, bool]:
     """An ``InferenceSession`` on ``model`` through the cache, the file it was opened from and
     whether this load wrote that file's entry.
 
     ``options`` comes back as it was given, except that the two settings saying where an
-    optimized graph's weights go are added where they were not set.
+    optimized graph's weights go are added where they were not set. ``mapped``: as
+    ``open_session`` takes it, where the model opens without the cache.
     """
     try:
         entry = entry_path(model, Path(cache_dir), options, providers)
         saved = (entry / ENTRY_MODEL).is_file()
     except OSError as error:
-        return _without_cache(model, options, providers, error)
+        return _without_cache(model, options, providers, error, mapped)
     if saved:  # read before anything is written: a read-only cache serves too
         try:
             return _open_saved(entry / ENTRY_MODEL, options, providers), entry / ENTRY_MODEL, False
@@ -74,14 +80,14 @@ def open_with_cache(
         if saved or (entry.exists() and not (entry / ENTRY_MODEL).is_file()):
             shutil.rmtree(entry)  # broken, or left half-deleted: it would block the new entry
     except OSError as error:
-        return _without_cache(model, options, providers, error)
+        return _without_cache(model, options, providers, error, mapped)
     # Every way out of the loop below sets it; the first value only keeps the type honest.
     why: Exception = RuntimeError("no cache entry was tried")
     for greedy in (True, False):  # a graph with a greedy head that fails: once more without
         try:
             building = Path(tempfile.mkdtemp(prefix=".building-", dir=_made(entry.parent)))
         except OSError as error:
-            return _without_cache(model, options, providers, error)
+            return _without_cache(model, options, providers, error, mapped)
         source = _greedy_source(model, building) if greedy else None
         try:
             _build(model, source, building, options, providers)
@@ -101,7 +107,7 @@ def open_with_cache(
         logger.debug("cache entry for %s not written: %s", model, why)
         if source is None:
             break
-    return _without_cache(model, options, providers, why)
+    return _without_cache(model, options, providers, why, mapped)
 
 
 def _greedy_source(model: Path, building: Path) -> Any:
@@ -135,10 +141,10 @@ def _build(
 
 
 def _without_cache(
-    model: Path, options: Any, providers: Sequence[Any] | None, why: Exception
+    model: Path, options: Any, providers: Sequence[Any] | None, why: Exception, mapped: bool
 ) -> tuple[Any, Path, bool]:
     logger.debug("session cache not used for %s: %s", model, why)
-    return open_session(model, options, providers), model, False
+    return open_session(model, options, providers, mapped=mapped), model, False
 
 
 def entry_path(model: Path, cache_dir: Path, options: Any, providers: Sequence[Any] | None) -> Path:

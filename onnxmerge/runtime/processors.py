@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from onnxmerge import _proto
 from onnxmerge._ort import bind_output_into, open_session, session_options
 from onnxmerge.errors import GenerationError
 
@@ -379,19 +380,22 @@ def _log_softmax_kernel() -> Any:
     cores, 1.4 ms against 2.2 ms with one thread for 64 rows of 59514."""
     if importlib.util.find_spec("onnxruntime") is None:
         return None
-    import onnx.helper
 
-    def value(name: str) -> onnx.ValueInfoProto:
-        return onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, ["rows", "vocab"])
+    def value(name: str) -> _proto.ValueInfoProto:
+        info = _proto.ValueInfoProto(name=name)
+        info.type.tensor_type.elem_type = _proto.TensorProto.FLOAT
+        for dim in ("rows", "vocab"):
+            info.type.tensor_type.shape.dim.add(dim_param=dim)
+        return info
 
-    graph = onnx.helper.make_graph(
-        [onnx.helper.make_node("LogSoftmax", ["scores"], ["log_probs"], axis=-1)],
-        "log_softmax",
-        [value("scores")],
-        [value("log_probs")],
+    model = _proto.ModelProto(
+        ir_version=8, opset_import=[_proto.OperatorSetIdProto(domain="", version=13)]
     )
-    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 13)])
-    model.ir_version = 8
+    node = model.graph.node.add(op_type="LogSoftmax", input=["scores"], output=["log_probs"])
+    node.attribute.add(name="axis", type=_proto.AttributeProto.INT, i=-1)
+    model.graph.name = "log_softmax"
+    model.graph.input.append(value("scores"))
+    model.graph.output.append(value("log_probs"))
     return open_session(model.SerializeToString(), session_options(threads=2, spinning=False))
 
 

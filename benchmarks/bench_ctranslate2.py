@@ -478,7 +478,7 @@ def reference_checks(ct2_runs: dict[str, list[dict]], references: dict[str, list
     }
 
 
-def _child(
+def worker_process(
     side: str,
     path: Path,
     config: dict,
@@ -488,6 +488,8 @@ def _child(
     backend: str = "onnxruntime",
     by_path: bool = False,
 ) -> dict:
+    """A fresh process of ``side``'s worker (``ours`` or ``ctranslate2``) on ``path``: its
+    measurements."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     cache = ["--session-cache", str(session_cache)] if session_cache else []
     if backend != "onnxruntime":
@@ -653,7 +655,7 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.rounds):  # alternate, so load on the machine hits all sides alike
             for precision, path in ct2.items():
                 ct2_runs[precision].append(
-                    _child("ctranslate2", path, config, args.repeats, args.threads, None)
+                    worker_process("ctranslate2", path, config, args.repeats, args.threads, None)
                 )
                 references[precision].append(
                     reference_run(path, config, max(args.repeats, 3), args.threads)
@@ -661,7 +663,7 @@ def main(argv: list[str] | None = None) -> int:
                 for variant, (variant_precision, ours_path) in ours.items():
                     if variant_precision == precision:
                         runs[variant].append(
-                            _child(
+                            worker_process(
                                 "ours",
                                 ours_path,
                                 config,

@@ -55,15 +55,22 @@ def _benchmarks(out: Path, quick: bool) -> dict[str, list[str]]:
         "threads": ["bench_threads.py", *q, "--out", str(out / "threads.json")],
         "corpus": ["bench_corpus.py", *q, "--out", str(out / "corpus.json")],
         "corpus_ends": ["bench_corpus_ends.py", *q, "--out", str(out / "corpus_ends.json")],
+        "serve": ["bench_serve.py", *q, "--out", str(out / "serve.json")],
         # A diagnosis, not a comparison: only when asked by --only.
         "profile": ["profile_generate.py", *q, "--out", str(out / "profile.json")],
+        # Loads the machine on purpose (why figures need it quiet): only when asked by --only.
+        "contention": ["bench_contention.py", *q, "--out", str(out / "contention.json")],
         # Exports a 2.4 GB model (about 10 minutes, 9 GB of cache): only when asked by --only.
         "large": ["bench_large.py", "--out", str(out / "large.json")],
     }
 
 
+# Benchmarks that run only when named by --only.
+ASKED_FOR = ("large", "profile", "contention")
+# Left out of a --quick run of everything: tests/test_bench_serve.py runs its quick variant.
+QUICK_ELSEWHERE = ("serve",)
 # Benchmarks that time CTranslate2 and check it against its reference (``_anchor``).
-ANCHORED = ("ctranslate2", "corpus", "corpus_ends")
+ANCHORED = ("ctranslate2", "corpus", "corpus_ends", "serve")
 # Exit status of a benchmark that refused to write figures (``_anchor.refuse``).
 REFUSED = 3
 
@@ -121,7 +128,11 @@ def run(
     chosen = {
         name: argv
         for name, argv in (benchmarks or _benchmarks(out, quick)).items()
-        if not ((only and name not in only) or (not only and name in ("large", "profile")))
+        if not (
+            (only and name not in only)
+            or (not only and name in ASKED_FOR)
+            or (not only and quick and name in QUICK_ELSEWHERE)
+        )
     }
     if jobs > 1:  # sharing the machine on purpose: record the anchor checks, refuse nothing
         for name in ANCHORED:
@@ -597,6 +608,8 @@ def render(out: Path, docs: Path) -> Path:
         "corpus_ends": _markdown_of("bench_corpus_ends"),
         "profile": _profile_section,
         "quantize": _markdown_of("bench_quantize"),
+        "serve": _markdown_of("bench_serve"),
+        "contention": _markdown_of("bench_contention"),
         "large": _large_section,
     }
     for name, section in sections.items():
@@ -615,22 +628,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--only",
         nargs="+",
-        choices=[
-            "merge",
-            "sizes",
-            "generate",
-            "generator",
-            "web",
-            "whisper",
-            "batch",
-            "ctranslate2",
-            "threads",
-            "corpus",
-            "corpus_ends",
-            "profile",
-            "quantize",
-            "large",
-        ],
+        choices=list(_benchmarks(OUT, quick=False)),
     )
     parser.add_argument("--out", type=Path, default=OUT, help="folder for the JSON results")
     parser.add_argument(

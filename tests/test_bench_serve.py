@@ -55,6 +55,8 @@ def test_quick_run_answers_every_request_and_batched_answers_equal_alone(tmp_pat
         check=True,
     ).stdout
     assert sizing == bench.sizing_table(results)
+    section = "\n".join(bench.markdown(results))
+    assert "| float32 | ours | 32 |" in section and "| int8 | ctranslate2 | 64 |" in section
 
 
 def test_sizing_table_rounds_replicas_up_and_leaves_placeholders_without_results():

@@ -146,6 +146,7 @@ def test_run_all_quick_writes_results_and_docs(tmp_path):
     quantize = json.loads((tmp_path / "out" / "quantize.json").read_text())
     sizes = quantize["sizes"]
     assert sizes["onnxmerge int4"] < sizes["onnxmerge int8"] < sizes["onnxmerge fp32"]
+    assert sizes["onnxmerge int4, int4 embedding"] < sizes["onnxmerge int4"]
     assert quantize["demo_quality"]["rows"]["int8"]["same_as_fp32"] >= 0.9
     assert "## Quantized" in page
     assert (tmp_path / "docs" / "img" / "sizes.png").stat().st_size > 1000

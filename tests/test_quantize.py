@@ -546,6 +546,7 @@ def test_verify_and_inspect_read_quantized_files(tiny_export, merged, precision,
         ({"weights": None}, "weights"),
         ({"encoder": "bf16"}, "encoder"),
         ({"activation_scale": "column"}, "activation_scale"),
+        ({"embedding": "int3"}, "embedding"),
     ],
 )
 def test_a_bad_argument_is_refused_before_the_source_is_read(tmp_path, arguments, argument):
@@ -573,3 +574,25 @@ def test_the_result_is_the_path_and_carries_the_report(merged, tmp_path):
     with pytest.warns(DeprecationWarning, match="quantize_with_report"):
         old = quantize_with_report(source, tmp_path / "r.onnx", weights="int8")
     assert isinstance(old, QuantizeResult) and old.path.read_bytes() == written.read_bytes()
+
+
+def test_an_int4_embedding_is_asked_for_and_makes_the_smallest_file(merged, tmp_path):
+    """Under int4 weights the embedding is int8 unless ``embedding="int4"``: then the file is
+    smaller, and its first logits are those of a dequantized embedding (close to the default's)."""
+    from onnxmerge import quantize
+
+    source = merged("marian")
+    default = quantize(source, tmp_path / "q4.onnx", weights="int4")
+    smallest = quantize(source, tmp_path / "q4e.onnx", weights="int4", embedding="int4")
+    stored = {w.name: w.precision for w in default.report.weights}
+    asked = {w.name: w.precision for w in smallest.report.weights}
+    gathered = [name for name, precision in stored.items() if asked[name] != precision]
+    assert gathered and all(stored[n] == "int8" and asked[n] == "int4" for n in gathered)
+    assert Path(smallest).stat().st_size < Path(default).stat().st_size
+    ids = np.array([[5, 6, 7, 2]], dtype=np.int64)
+    a, b = _first_logits(default, ids), _first_logits(smallest, ids)
+    cosine = float((a * b).sum() / np.linalg.norm(a) / np.linalg.norm(b))
+    assert cosine > 0.9
+    # Under int8 weights the default embedding is int8 too; fp32 leaves it float.
+    kept = quantize(source, tmp_path / "q8.onnx", weights="int8", embedding="fp32")
+    assert all(w.name not in gathered for w in kept.report.weights)

@@ -76,8 +76,8 @@ def check(args: argparse.Namespace) -> str | None:
         return "--audio applies only with --generation"
     if (args.language or args.task) and not args.generation:
         return "--language and --task apply only with --generation"
-    if (args.encoder or args.activation_scale != "tensor") and not args.weights:
-        return "--encoder and --activation-scale apply only with --weights"
+    if (args.encoder or args.embedding or args.activation_scale != "tensor") and not args.weights:
+        return "--encoder, --embedding and --activation-scale apply only with --weights"
     if args.dtype == "all" and (args.output or args.weights or args.generation):
         return (
             "--dtype all writes DIR/model{suffix}.onnx for each dtype; it takes no -o, "

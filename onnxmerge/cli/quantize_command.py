@@ -20,7 +20,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def precision_arguments(p: argparse.ArgumentParser, *, required: bool) -> None:
-    """``--weights``, ``--encoder`` and ``--activation-scale``, which merge takes too."""
+    """``--weights``, ``--encoder``, ``--embedding`` and ``--activation-scale``, which merge
+    takes too."""
     from onnxmerge.contract import ACTIVATION_SCALES, PRECISIONS, WEIGHT_PRECISIONS
 
     p.add_argument(
@@ -35,6 +36,12 @@ def precision_arguments(p: argparse.ArgumentParser, *, required: bool) -> None:
         "--encoder",
         choices=PRECISIONS,
         help="precision of the encoder's own weights (default: docs/quantization.md)",
+    )
+    p.add_argument(
+        "--embedding",
+        choices=PRECISIONS,
+        help="precision of the weights whose rows are gathered (the embedding, a tied head); "
+        "by default int8 under int4 weights, else --weights",
     )
     p.add_argument(
         "--activation-scale",
@@ -63,6 +70,7 @@ def quantize_file(source: str | Path, output: str | None, args: argparse.Namespa
         weights=args.weights,
         encoder=args.encoder,
         activation_scale=args.activation_scale,
+        embedding=args.embedding,
         overwrite=args.overwrite,
         external_data=True if args.external_data else None,
     ).report

@@ -59,6 +59,7 @@ def quantize(
     weights: str = DEFAULT_WEIGHTS,
     encoder: str | None = None,
     activation_scale: str = "tensor",
+    embedding: str | None = None,
     overwrite: bool = False,
     external_data: bool | None = None,
     progress: Callable[[str], None] | None = None,
@@ -81,6 +82,12 @@ def quantize(
             ``"tensor"`` (default), one scale over the whole batch, so that a row's result may
             change with the other rows of its batch; ``"row"``, one scale per row (per token),
             so that every input gets what it gets alone, a little slower.
+        embedding: the precision of the weights whose rows are gathered (the embedding, and
+            the LM head tied to it): one of ``weights``' values or ``"fp32"``; by default int8
+            where ``weights`` is int4, whose rows cannot be gathered as they are stored (the
+            whole embedding would be dequantized at every step), and ``weights`` otherwise.
+            ``"int4"`` writes the smallest file, for downloads that matter more than speed
+            (docs/quantization.md measures both).
         overwrite: replace an existing output file.
         external_data: ``True`` stores the weights in ``<output>_data`` beside the model, which
             onnxruntime maps instead of parsing and copying: faster to load, and untouched
@@ -93,11 +100,12 @@ def quantize(
         The written file's path; its ``report`` is the :class:`QuantizeResult`.
 
     Raises:
-        InvalidArgumentError: ``weights``, ``encoder`` or ``activation_scale`` is not a choice.
+        InvalidArgumentError: ``weights``, ``encoder``, ``activation_scale`` or ``embedding``
+            is not a choice.
         OnnxMergeError: or a subclass, saying what is wrong; nothing is written and the source is
             never modified.
     """
-    options = _options(weights, encoder, activation_scale, external_data)
+    options = _options(weights, encoder, activation_scale, external_data, embedding)
     found = resolve_source(source, dtype)
     output = Path(output) if output is not None else default_output(found.path, weights)
     model_io.check_output(output, found.files(), overwrite=overwrite)
@@ -150,10 +158,15 @@ class _Options:
     encoder: str
     activation_scale: str
     external_data: bool | None
+    embedding: str | None
 
 
 def _options(
-    weights: str, encoder: str | None, activation_scale: str, external_data: bool | None
+    weights: str,
+    encoder: str | None,
+    activation_scale: str,
+    external_data: bool | None,
+    embedding: str | None = None,
 ) -> _Options:
     """The arguments checked, before anything is read."""
     check_weights(weights, required=True)
@@ -164,6 +177,11 @@ def _options(
         raise InvalidArgumentError(
             f"encoder={encoder!r} is not a precision; choose one of {', '.join(PRECISIONS)}",
             argument="encoder",
+        )
+    if embedding is not None and embedding not in PRECISIONS:
+        raise InvalidArgumentError(
+            f"embedding={embedding!r} is not a precision; choose one of {', '.join(PRECISIONS)}",
+            argument="embedding",
         )
     if activation_scale not in ACTIVATION_SCALES:
         raise InvalidArgumentError(
@@ -178,7 +196,7 @@ def _options(
             "inputs",
             argument="activation_scale",
         )
-    return _Options(weights, encoder, activation_scale, external_data)
+    return _Options(weights, encoder, activation_scale, external_data, embedding)
 
 
 def _quantize_file(source: Path, output: Path, options: _Options) -> QuantizeResult:
@@ -236,16 +254,21 @@ def _load_float_merged(source: Path) -> tuple[ir.Model, set[Path]]:
 
 def _store_quantized(model: ir.Model, options: _Options) -> tuple[_rewrite.QuantizedWeight, ...]:
     """Rewrite the weights quantized, each precision where its readers are; what was stored."""
-    weights, encoder = options.weights, options.encoder
-    if weights == "int4" or encoder == "int4":
+    weights, encoder, embedding = options.weights, options.encoder, options.embedding
+    if "int4" in (weights, encoder, embedding):
         _rewrite.raise_opset_for_int4(model)
     encoder_nodes = inspection.encoder_nodes(model)
 
     def precision_of(weight: ir.Value) -> str:
         readers = [node for node, _ in weight.uses()]
-        if readers and all(node in encoder_nodes for node in readers):
-            return encoder
-        return weights
+        part = encoder if readers and all(n in encoder_nodes for n in readers) else weights
+        if part == "fp32" or not _rewrite.rows_gathered(weight):
+            return part
+        if embedding is not None:
+            return embedding
+        # int4 rows cannot be gathered (ai.onnx's Gather takes no 4-bit type): an int4 embedding
+        # is dequantized whole at every step, about 8x the int8 file's greedy time (opus shape).
+        return "int8" if part == "int4" else part
 
     quantized, *_ = passes.run(
         model,

@@ -80,6 +80,11 @@ def _reads_rows(node: ir.Node, index: int) -> bool:
     return False
 
 
+def rows_gathered(weight: ir.Value) -> bool:
+    """Whether a reader of ``weight`` gathers its rows: an embedding (and a head tied to it)."""
+    return any(_reads_rows(node, index) for node, index in weight.uses())
+
+
 def _reads_columns(node: ir.Node, index: int) -> bool:
     return is_op(node, "MatMul") and index == 1
 
@@ -444,10 +449,6 @@ def _rewrite_integer(
     """Store ``weight`` as integer codes, rewrite its readers; return the bytes now stored."""
     if precision == "int4" and array.ndim != 2:
         precision = "int8"  # convolution kernels: blocks along their short axes cost more scales
-    if precision == "int4" and any(_reads_rows(use.node, use.idx) for use in weight.uses()):
-        # An embedding (and a tied head): int8 rows are gathered and multiplied as integers;
-        # int4 ones would be dequantized whole at every step.
-        precision = "int8"
     axis = _block_axis(weight) if precision == "int4" else _channel_axis(weight)
     q = _codes.quantize(array, precision, axis)
     codes_type = {"int8": ir.DataType.INT8, "uint8": ir.DataType.UINT8, "int4": ir.DataType.INT4}

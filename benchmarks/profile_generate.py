@@ -1,9 +1,10 @@
 """Where the time of one generated token goes: per-step timing and onnxruntime's profiler.
 
-On the opus-mt-fr-en shape (seeded random weights), greedy and 4 beams at batch 1, exactly 32 new
-tokens, 2 threads: the wall time of ``generate()``, the time inside ``InferenceSession.run`` per
-step (first step and cached steps apart), and onnxruntime's own profile of the same calls: time
-per operator type and the part of ``run`` spent outside any operator.
+On the opus-mt-fr-en shape (seeded random weights), the float32 file and its int8 quantization,
+greedy and 4 beams at batch 1, exactly 32 new tokens, 2 threads: the wall time of ``generate()``,
+the time inside ``InferenceSession.run`` per step (first step and cached steps apart), and
+onnxruntime's own profile of the same calls: time per operator type and the part of ``run``
+spent outside any operator.
 
 Usage: python benchmarks/profile_generate.py [--quick] [--out benchmarks/out/profile.json]
 """
@@ -178,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
             "merge_rewrites": report.rewrites,
             "searches": profile(merged, config, args.threads, args.repeats),
         }
+        int8 = onnxmerge.quantize(merged, Path(tmp) / "model_int8.onnx", weights="int8")
+        result["searches_int8"] = profile(int8, config, args.threads, args.repeats)
         from onnxmerge.passes.reshape_targets import FoldReshapeTargets
 
         unfolded = merge_without(FoldReshapeTargets, export.onnx_dir, Path(tmp) / "unfolded.onnx")

@@ -385,17 +385,20 @@ def _profile_section(data: dict) -> list[str]:
         "over one `generate()`. Absolute times follow the machine's load; read the "
         "shares and the ratios.",
         "",
-        "| search | per token ms | first step ms | cached step ms | Python outside run | "
-        "operators | outside operators (in run) | top operators (share of operator time) |",
-        "|---|---:|---:|---:|---:|---:|---:|---|",
+        "| precision | search | per token ms | first step ms | cached step ms | Python outside "
+        "run | operators | outside operators (in run) | top operators (share of operator time) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|",
     ]
-    for search, d in data["searches"].items():
+    runs = [("float32", s, d) for s, d in data["searches"].items()]
+    runs += [("int8", s, d) for s, d in data.get("searches_int8", {}).items()]
+    for precision, search, d in runs:
         st, prof = d["steps"], d["onnxruntime_profile"]
         ops = prof["operators_ms"]
         top = list(prof["top_operators_ms"].items())[:6]
         top = ", ".join(f"{k} {v / ops:.0%}" for k, v in top)
         lines.append(
-            f"| {search} | {st['per_token_ms']:.1f} | {st['first_step_s'] * 1e3:.1f} | "
+            f"| {precision} | {search} | {st['per_token_ms']:.1f} | "
+            f"{st['first_step_s'] * 1e3:.1f} | "
             f"{st['cached_step_s'] * 1e3:.1f} | "
             f"{st['outside_run_s'] / st['wall_s']:.0%} | "
             f"{ops / prof['model_run_ms']:.0%} | "

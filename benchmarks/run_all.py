@@ -49,6 +49,7 @@ def _benchmarks(out: Path, quick: bool) -> dict[str, list[str]]:
         "generator": ["bench_generator.py", *q, "--out", str(out / "generator.json")],
         "web": ["bench_web.py", *q, "--out", str(out / "web.json")],
         "whisper": ["bench_whisper.py", *q, "--out", str(out / "whisper.json")],
+        "pipeline": ["bench_pipeline.py", *q, "--out", str(out / "pipeline.json")],
         "quantize": ["bench_quantize.py", *q, "--out", str(out / "quantize.json")],
         "batch": ["bench_batch.py", *q, "--out", str(out / "batch.json")],
         "ctranslate2": ["bench_ctranslate2.py", *q, "--out", str(out / "ctranslate2.json")],
@@ -563,6 +564,7 @@ def render(out: Path, docs: Path) -> Path:
     sections = {
         "web": _markdown_of("bench_web"),
         "whisper": _markdown_of("bench_whisper"),
+        "pipeline": _markdown_of("bench_pipeline"),
         "batch": lambda data: [
             "## Converting a zoo (`onnxmerge batch`)",
             "",
@@ -600,6 +602,7 @@ def main(argv: list[str] | None = None) -> int:
             "generator",
             "web",
             "whisper",
+            "pipeline",
             "batch",
             "ctranslate2",
             "threads",

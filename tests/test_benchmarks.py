@@ -62,6 +62,7 @@ def test_run_all_quick_writes_results_and_docs(tmp_path):
         "quantize",
         "corpus",
         "corpus_ends",
+        "pipeline",
     ):
         assert json.loads((tmp_path / "out" / f"{name}.json").read_text())
     merge = json.loads((tmp_path / "out" / "merge.json").read_text())
@@ -148,4 +149,5 @@ def test_run_all_quick_writes_results_and_docs(tmp_path):
     assert sizes["onnxmerge int4"] < sizes["onnxmerge int8"] < sizes["onnxmerge fp32"]
     assert quantize["demo_quality"]["rows"]["int8"]["same_as_fp32"] >= 0.9
     assert "## Quantized" in page
+    assert "## `pipeline()` and long-form Whisper" in page
     assert (tmp_path / "docs" / "img" / "sizes.png").stat().st_size > 1000

@@ -49,6 +49,7 @@ def _benchmarks(out: Path, quick: bool) -> dict[str, list[str]]:
         "generator": ["bench_generator.py", *q, "--out", str(out / "generator.json")],
         "web": ["bench_web.py", *q, "--out", str(out / "web.json")],
         "whisper": ["bench_whisper.py", *q, "--out", str(out / "whisper.json")],
+        "pipeline": ["bench_pipeline.py", *q, "--out", str(out / "pipeline.json")],
         "quantize": ["bench_quantize.py", *q, "--out", str(out / "quantize.json")],
         "batch": ["bench_batch.py", *q, "--out", str(out / "batch.json")],
         "ctranslate2": ["bench_ctranslate2.py", *q, "--out", str(out / "ctranslate2.json")],
@@ -67,8 +68,9 @@ def _benchmarks(out: Path, quick: bool) -> dict[str, list[str]]:
 
 # Benchmarks that run only when named by --only.
 ASKED_FOR = ("large", "profile", "contention")
-# Left out of a --quick run of everything: tests/test_bench_serve.py runs its quick variant.
-QUICK_ELSEWHERE = ("serve",)
+# Left out of a --quick run of everything: their own tests run their quick variants
+# (tests/test_bench_serve.py, tests/test_bench_pipeline.py).
+QUICK_ELSEWHERE = ("serve", "pipeline")
 # Benchmarks that time CTranslate2 and check it against its reference (``_anchor``).
 ANCHORED = ("ctranslate2", "corpus", "corpus_ends", "serve")
 # Exit status of a benchmark that refused to write figures (``_anchor.refuse``).
@@ -599,6 +601,7 @@ def render(out: Path, docs: Path) -> Path:
     sections = {
         "web": _markdown_of("bench_web"),
         "whisper": _markdown_of("bench_whisper"),
+        "pipeline": _markdown_of("bench_pipeline"),
         "batch": lambda data: [
             "## Converting a zoo (`onnxmerge batch`)",
             "",

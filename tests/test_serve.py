@@ -724,14 +724,17 @@ def test_a_wav_upload_is_answered_with_the_text_transcribe_gives(speech_url, spo
     assert metric(metrics, "onnxmerge_serve_new_tokens_total", 'model="tiny-whisper"') > 0
 
 
-def test_every_model_s_session_gets_the_threads(speech_app, speech_url):
+def test_threads_reach_every_model_and_text_requests_need_no_model_name(speech_app, speech_url):
     batchers = speech_app.state.serve.batchers
     assert set(batchers) == {"fr-en", "tiny-whisper"}
     for batcher in batchers.values():
         options = batcher.served.model.session.get_session_options()
         assert options.intra_op_num_threads == 1
+    # The model for text is the only one: a request for text may leave it out.
     answer = ask(speech_url, "/translate", {"q": "deux", "api_key": "secret"})
     assert answer.json() == {"translatedText": "two"}
+    answer = ask(speech_url, "/v1/generate", {"text": "un"}, headers=BEARER)
+    assert answer.json()["text"] == "one"
 
 
 def test_transcriptions_need_the_api_key_as_a_bearer_header(speech_url, spoken):

@@ -127,18 +127,12 @@ def create_app(
     )
     state = ServerState(check_models(models), limits)
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        loading = asyncio.get_running_loop().create_task(state.load())
-        try:
-            yield
-        finally:
-            loading.cancel()
-            await asyncio.gather(loading, return_exceptions=True)
-            await state.close()
-
     app = FastAPI(
-        title="onnxmerge", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+        title="onnxmerge",
+        lifespan=lambda _: _lifespan(state),
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
     )
     app.state.serve = state
     app.add_exception_handler(RequestError, _request_error)  # type: ignore[arg-type]
@@ -149,6 +143,18 @@ def create_app(
     _add_generate(app, state)
     _add_transcriptions(app, state)
     return app
+
+
+@contextlib.asynccontextmanager
+async def _lifespan(state: ServerState) -> AsyncIterator[None]:
+    """The models load in the background while the server runs; closed when it stops."""
+    loading = asyncio.get_running_loop().create_task(state.load())
+    try:
+        yield
+    finally:
+        loading.cancel()
+        await asyncio.gather(loading, return_exceptions=True)
+        await state.close()
 
 
 async def _request_error(request: Request, error: RequestError) -> JSONResponse:

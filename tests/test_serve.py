@@ -1,9 +1,10 @@
-"""The HTTP server over loopback: a real uvicorn serving the merged demo model, asked with
-urllib as a client would ask it."""
+"""The HTTP server over loopback: a real uvicorn serving the merged demo model and the tiny
+Whisper, asked with urllib as a client would ask it."""
 
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import re
 import shutil
@@ -16,6 +17,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+import wave
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -559,6 +561,8 @@ def test_bad_arguments_are_refused_before_anything_loads(tmp_path, merged):
         create_app({"fr-en": merged}, max_queue=0)
     with pytest.raises(InvalidArgumentError, match="unknown limits"):
         run({"fr-en": merged}, max_queues=3)
+    with pytest.raises(InvalidArgumentError, match="threads must be a whole number"):
+        create_app({"fr-en": merged}, threads=0)
 
 
 def test_the_command_serves_a_pair_and_exits_143_on_sigterm(merged):
@@ -578,3 +582,243 @@ def test_the_command_serves_a_pair_and_exits_143_on_sigterm(merged):
         if process.poll() is None:
             process.kill()
             process.wait(10)
+
+
+@pytest.mark.parametrize("value", ["0", "-1"])
+def test_the_command_refuses_bad_threads_before_loading_anything(tmp_path, value):
+    # A model that does not exist: past the options, the command would refuse it (exit 3).
+    missing = tmp_path / "missing.onnx"
+    command = [sys.executable, "-m", "onnxmerge", "serve", f"fr-en={missing}", "--threads", value]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2  # the CLI's code for a bad argument
+    assert f"--threads: must be at least 1, got {value}" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+# -- Whisper: OpenAI's POST /v1/audio/transcriptions ---------------------------------------------
+
+RATE = 16_000
+# Whisper's timestamp fields for the tiny vocabulary (see tests/test_runtime_longform.py).
+WHISPER_TIMESTAMPS = {
+    "no_timestamps_token_id": 94,
+    "begin_suppress_tokens": [2],
+    "suppress_tokens": [1],
+}
+BEARER = {"Authorization": "Bearer secret"}
+
+
+def word_tokenizer(size: int) -> Any:
+    """A tokenizer of ``size`` made-up words, one per id, so that segments decode to text."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.WordLevel({f"w{i}": i for i in range(size)}, unk_token="w3"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=core)
+
+
+@pytest.fixture(scope="module")
+def whisper(tiny_export: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Whisper merged, with the timestamp fields long-form decoding needs and a
+    tokenizer beside it."""
+    from onnxmerge import merge_seq2seq
+
+    folder = tmp_path_factory.mktemp("whisper")
+    export = shutil.copytree(tiny_export("whisper").onnx_dir, folder / "export")
+    config_path = export / "generation_config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, **WHISPER_TIMESTAMPS}))
+    merged = merge_seq2seq(export, folder / "model.onnx")
+    vocab = json.loads((export / "config.json").read_text())["vocab_size"]
+    word_tokenizer(vocab).save_pretrained(folder)
+    return merged
+
+
+def wav(seconds: float, rate: int = RATE, channels: int = 1) -> tuple[bytes, np.ndarray]:
+    """A 16-bit PCM WAV file's bytes, and the mono float PCM ``onnxmerge transcribe`` reads
+    from it."""
+    rng = np.random.default_rng(2)
+    t = np.arange(int(seconds * rate)) / rate
+    mono = 0.4 * np.sin(2 * np.pi * 330.0 * t) + 0.05 * rng.standard_normal(t.size)
+    pcm = np.round(mono * 32767).astype(np.int16)
+    out = io.BytesIO()
+    with wave.open(out, "wb") as writer:
+        writer.setnchannels(channels)
+        writer.setsampwidth(2)
+        writer.setframerate(rate)
+        writer.writeframes(np.repeat(pcm[:, None], channels, axis=1).tobytes())
+    return out.getvalue(), pcm.astype(np.float32) / 32768.0
+
+
+def transcription(
+    url: str,
+    fields: dict[str, str],
+    audio: bytes | None,
+    headers: dict[str, str] | None = BEARER,
+) -> Answer:
+    """POST a multipart form as OpenAI's clients send it: the text fields, then ``file``."""
+    boundary = "onnxmerge-test-boundary"
+    parts = [
+        f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"\r\n\r\n{value}\r\n'.encode()
+        for name, value in fields.items()
+    ]
+    if audio is not None:
+        parts.append(
+            f'--{boundary}\r\nContent-Disposition: form-data; name="file"; '
+            f'filename="speech.wav"\r\nContent-Type: audio/wav\r\n\r\n'.encode()
+            + audio
+            + b"\r\n"
+        )
+    parts.append(f"--{boundary}--\r\n".encode())
+    content_type = {"Content-Type": f"multipart/form-data; boundary={boundary}"}
+    return ask(
+        url,
+        "/v1/audio/transcriptions",
+        raw=b"".join(parts),
+        headers={**content_type, **(headers or {})},
+    )
+
+
+@pytest.fixture(scope="module")
+def speech_app(merged: Path, whisper: Path) -> Any:
+    return create_app(
+        {"fr-en": merged, "tiny-whisper": whisper},
+        api_key="secret",
+        threads=1,
+        max_body_bytes=250_000,
+    )
+
+
+@pytest.fixture(scope="module")
+def speech_url(speech_app: Any) -> Iterator[str]:
+    with serving_app(speech_app) as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def spoken(whisper: Path) -> tuple[bytes, str]:
+    """A WAV file of 3 s (several windows of the tiny model) and its text as the library's
+    ``transcribe`` gives it."""
+    from onnxmerge import Seq2SeqModel
+    from onnxmerge.runtime.speech import transcribe
+
+    data, audio = wav(3.0, channels=2)  # stereo: channels averaged
+    result = transcribe(Seq2SeqModel(whisper), audio, RATE)
+    assert len(result.segments) > 1 and result.text
+    return data, result.text
+
+
+def test_a_wav_upload_is_answered_with_the_text_transcribe_gives(speech_url, spoken):
+    data, text = spoken
+    answer = transcription(speech_url, {"model": "whisper-1"}, data)  # OpenAI's model name
+    assert (answer.status, answer.json()) == (200, {"text": text})
+    answer = transcription(speech_url, {"model": "tiny-whisper", "language": ""}, data)
+    assert (answer.status, answer.json()) == (200, {"text": text})
+    plain = transcription(speech_url, {"response_format": "text"}, data)  # the only Whisper
+    assert plain.status == 200
+    assert plain.headers["Content-Type"].startswith("text/plain")
+    assert plain.body.decode() == text
+    metrics = ask(speech_url, "/metrics").body.decode()
+    route = 'route="/v1/audio/transcriptions",status="200"'
+    assert metric(metrics, "onnxmerge_serve_requests_total", route) >= 3
+    assert metric(metrics, "onnxmerge_serve_new_tokens_total", 'model="tiny-whisper"') > 0
+
+
+def test_threads_reach_every_model_and_text_requests_need_no_model_name(speech_app, speech_url):
+    batchers = speech_app.state.serve.batchers
+    assert set(batchers) == {"fr-en", "tiny-whisper"}
+    for batcher in batchers.values():
+        options = batcher.served.model.session.get_session_options()
+        assert options.intra_op_num_threads == 1
+    # The model for text is the only one: a request for text may leave it out.
+    answer = ask(speech_url, "/translate", {"q": "deux", "api_key": "secret"})
+    assert answer.json() == {"translatedText": "two"}
+    answer = ask(speech_url, "/v1/generate", {"text": "un"}, headers=BEARER)
+    assert answer.json()["text"] == "one"
+
+
+def test_transcriptions_need_the_api_key_as_a_bearer_header(speech_url, spoken):
+    data, text = spoken
+    assert transcription(speech_url, {}, data, headers=None).status == 403
+    wrong = transcription(speech_url, {}, data, headers={"Authorization": "Bearer guess"})
+    assert (wrong.status, wrong.json()) == (403, {"error": "Invalid API key"})
+    assert transcription(speech_url, {}, data).json() == {"text": text}
+
+
+@pytest.mark.parametrize(
+    ("fields", "audio", "status", "said"),
+    [
+        ({"model": "whisper-1"}, None, 400, "missing file"),
+        ({}, b"RIFF, but not a wave", 400, "could not be read as a PCM WAV file"),
+        ({}, b"", 400, "could not be read as a PCM WAV file"),
+        ({}, wav(0.5, rate=8000)[0], 400, "sampled at 8000 Hz"),
+        ({"model": "whisper-large-v3"}, wav(0.5)[0], 404, "no model named 'whisper-large-v3'"),
+        ({"model": "fr-en"}, wav(0.5)[0], 400, "not a Whisper model"),
+        ({"response_format": "srt"}, wav(0.5)[0], 400, "response_format 'srt' is not served"),
+        ({"prompt": "Hello"}, wav(0.5)[0], 400, "fields ['prompt'] are not served"),
+        ({"language": "xx"}, wav(0.5)[0], 400, "language 'xx'"),
+    ],
+)
+def test_bad_transcription_requests_get_a_json_error_and_the_server_goes_on(
+    speech_url, whisper, spoken, fields, audio, status, said
+):
+    answer = transcription(speech_url, fields, audio)
+    assert answer.status == status, answer.body
+    assert said in answer.json()["error"]
+    assert str(whisper.parent) not in answer.json()["error"]
+    data, text = spoken
+    assert transcription(speech_url, {}, data).json() == {"text": text}
+
+
+def test_transcription_bodies_other_than_a_small_form_are_refused(speech_url):
+    big, _ = wav(8.0)  # 256,000 bytes of PCM, past the server's 250,000
+    answer = transcription(speech_url, {}, big)
+    assert answer.status == 413
+    assert "larger than 250000 bytes" in answer.json()["error"]
+    as_json = ask(speech_url, "/v1/audio/transcriptions", {"file": "a.wav"}, headers=BEARER)
+    assert as_json.status == 400
+    assert "multipart/form-data" in as_json.json()["error"]
+    text = ask(speech_url, "/v1/generate", {"text": "un", "model": "tiny-whisper"}, headers=BEARER)
+    assert text.status == 400
+    assert "POST /v1/audio/transcriptions" in text.json()["error"]
+
+
+def held(transcriber: Any) -> tuple[threading.Event, threading.Event]:
+    """Make ``transcriber``'s worker wait, before each recording, until the second event is
+    set; the first is set once it holds one."""
+    holding, release = threading.Event(), threading.Event()
+    run_one = transcriber._run
+
+    def after_release(recording: Any) -> Any:
+        holding.set()
+        release.wait(30)
+        return run_one(recording)
+
+    transcriber._run = after_release
+    return holding, release
+
+
+def test_past_the_queue_transcriptions_get_429_and_past_the_deadline_504(whisper, spoken):
+    data, text = spoken
+    app = create_app({"w": whisper}, max_queue=1)
+    with serving_app(app) as served, ThreadPoolExecutor(2) as pool:
+        holding, release = held(app.state.serve.transcribers["w"])
+        running = pool.submit(transcription, served, {}, data, None)
+        assert holding.wait(30)
+        waiting = pool.submit(transcription, served, {}, data, None)
+        for _ in range(1000):  # until the second waits in the queue
+            if metric(ask(served, "/metrics").body.decode(), "onnxmerge_serve_queue_depth"):
+                break
+            time.sleep(0.01)
+        refused = transcription(served, {}, data, None)
+        release.set()
+        assert refused.status == 429 and refused.headers["Retry-After"] == "1"
+        assert "retry later" in refused.json()["error"]
+        assert running.result(60).json() == waiting.result(60).json() == {"text": text}
+    app = create_app({"w": whisper}, request_timeout_s=0.5)
+    with serving_app(app) as served:
+        _, release = held(app.state.serve.transcribers["w"])
+        late = transcription(served, {}, data, None)
+        assert (late.status, late.json()) == (504, {"error": "no answer within 0.5 s"})
+        release.set()  # the recording left: the worker drops it at its first window
+        assert transcription(served, {}, data, None).json() == {"text": text}

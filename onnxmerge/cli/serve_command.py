@@ -5,9 +5,12 @@ from __future__ import annotations
 import argparse
 import signal
 
-from onnxmerge.cli._shared import ExitCode
+from onnxmerge.cli._shared import ExitCode, at_least
 
-HELP = "serve merged models over HTTP (LibreTranslate's /translate, /v1/generate, /metrics)"
+HELP = (
+    "serve merged models over HTTP (LibreTranslate's /translate, /v1/generate, OpenAI's "
+    "/v1/audio/transcriptions, /metrics)"
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -28,6 +31,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-body-bytes", type=int, default=1_000_000, help="larger bodies: 413")
     p.add_argument("--request-timeout-s", type=float, default=60.0, help="past it: 504")
     p.add_argument("--api-key", default=None, help="required of every request when given")
+    p.add_argument(
+        "--threads",
+        type=at_least(1),
+        metavar="N",
+        help="onnxruntime's threads of each model (default: onnxruntime's choice)",
+    )
     p.add_argument(
         "--drain-s", type=float, default=30.0, help="on SIGTERM, time for requests in flight"
     )
@@ -52,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         request_timeout_s=args.request_timeout_s,
         api_key=args.api_key,
+        threads=args.threads,
     )
     models = models_from_arguments(args.models)
     if args.ray:

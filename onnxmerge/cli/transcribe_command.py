@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import wave
-from pathlib import Path
 from typing import Any
 
 from onnxmerge.cli._shared import (
@@ -16,7 +14,6 @@ from onnxmerge.cli._shared import (
     whisper_prompt,
     whisper_prompt_arguments,
 )
-from onnxmerge.errors import InvalidArgumentError
 
 HELP = "transcribe a WAV recording of any length with a merged Whisper model"
 
@@ -44,42 +41,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def read_wav(path: Path) -> tuple[Any, int]:
-    """Mono float PCM in [-1, 1] and its rate from an integer PCM WAV file (channels averaged).
-
-    Raises:
-        InvalidArgumentError: the file is missing or not an integer PCM WAV file.
-    """
-    import numpy as np
-
-    try:
-        with wave.open(str(path), "rb") as reader:
-            width, channels = reader.getsampwidth(), reader.getnchannels()
-            rate, raw = reader.getframerate(), reader.readframes(reader.getnframes())
-    except (OSError, EOFError, wave.Error) as error:
-        raise InvalidArgumentError(
-            f"{path} could not be read as a PCM WAV file ({error}); convert it, e.g. "
-            "ffmpeg -i IN -ar 16000 -ac 1 OUT.wav",
-            argument="audio",
-        ) from error
-    if width not in (1, 2, 4):
-        raise InvalidArgumentError(
-            f"{path} has {8 * width}-bit samples; give 8, 16 or 32-bit PCM", argument="audio"
-        )
-    if width == 1:  # 8-bit WAV is unsigned
-        samples = (np.frombuffer(raw, np.uint8).astype(np.float32) - 128.0) / 128.0
-    else:
-        kind = np.int16 if width == 2 else np.int32
-        samples = np.frombuffer(raw, kind).astype(np.float32) / float(2 ** (8 * width - 1))
-    return samples.reshape(-1, channels).mean(axis=1), rate
-
-
 def run(args: argparse.Namespace) -> int:
     need("onnxruntime", "runtime")
     from onnxmerge.runtime import Seq2SeqModel
-    from onnxmerge.runtime.speech import transcribe
+    from onnxmerge.runtime.speech import read_wav, transcribe
 
-    audio, rate = read_wav(Path(args.audio))
+    audio, rate = read_wav(args.audio)
     options: dict[str, Any] = dict(whisper_prompt(args) or {})
     if args.condition_on_prev_tokens:
         options["condition_on_prev_tokens"] = True

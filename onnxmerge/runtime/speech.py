@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import wave
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 
@@ -91,6 +93,47 @@ def log_mel(
     log = np.log10(np.maximum(mel, MEL_FLOOR))
     log = np.maximum(log, log.max() - 8.0)
     return ((log + 4.0) / 4.0).T.astype(np.float32)
+
+
+def read_wav(
+    source: str | os.PathLike | IO[bytes], *, name: str | None = None
+) -> tuple[np.ndarray, int]:
+    """Mono float32 PCM in [-1, 1] and its rate from an integer PCM WAV file, given by its path
+    or as a binary file object (channels averaged).
+
+    Args:
+        source: the file's path, or a file object open for reading bytes.
+        name: what messages call the file (default: its path, or ``the audio``).
+
+    Raises:
+        InvalidArgumentError: the file is missing or not an 8, 16 or 32-bit PCM WAV file.
+    """
+    if name is None:
+        name = os.fspath(source) if isinstance(source, (str, os.PathLike)) else "the audio"
+    try:
+        opened = os.fspath(source) if isinstance(source, (str, os.PathLike)) else source
+        with wave.open(opened, "rb") as reader:
+            width, channels = reader.getsampwidth(), reader.getnchannels()
+            rate, raw = reader.getframerate(), reader.readframes(reader.getnframes())
+    except (OSError, EOFError, wave.Error) as error:
+        raise InvalidArgumentError(
+            f"{name} could not be read as a PCM WAV file ({error}); convert it, e.g. "
+            "ffmpeg -i IN -ar 16000 -ac 1 OUT.wav",
+            argument="audio",
+        ) from error
+    if width not in (1, 2, 4) or channels < 1:
+        raise InvalidArgumentError(
+            f"{name} has {channels} channels of {8 * width}-bit samples; give 8, 16 or 32-bit PCM",
+            argument="audio",
+        )
+    if width == 1:  # 8-bit WAV is unsigned
+        samples = (np.frombuffer(raw, np.uint8).astype(np.float32) - 128.0) / 128.0
+    else:
+        kind = np.int16 if width == 2 else np.int32
+        usable = len(raw) - len(raw) % width  # a truncated file may end mid-sample
+        samples = np.frombuffer(raw[:usable], kind).astype(np.float32) / float(2 ** (8 * width - 1))
+    whole = samples.size - samples.size % channels
+    return samples[:whole].reshape(-1, channels).mean(axis=1), rate
 
 
 def _preprocessor(folder: Path) -> dict[str, Any]:
@@ -198,4 +241,4 @@ def _transcription(model: Any, segments: list[dict[str, Any]], tokenizer: Any) -
     return Transcription(text.strip() if text is not None else None, found)
 
 
-__all__ = ["Segment", "Transcription", "log_mel", "mel_bank", "transcribe"]
+__all__ = ["Segment", "Transcription", "log_mel", "mel_bank", "read_wav", "transcribe"]

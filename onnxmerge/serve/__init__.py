@@ -1,6 +1,7 @@
 """Serve merged models over HTTP: LibreTranslate's ``/translate`` and ``/languages``,
-``/v1/generate``, ``/health`` and ``/metrics``, with concurrent requests batched together
-(docs/serve.md). Needs the ``serve`` extra: ``pip install 'onnxmerge[serve]'``.
+``/v1/generate``, OpenAI's ``/v1/audio/transcriptions`` for Whisper models, ``/health`` and
+``/metrics``, with concurrent requests batched together (docs/serve.md). Needs the ``serve``
+extra: ``pip install 'onnxmerge[serve]'``.
 
 ``create_app(models, ...)`` is the ASGI app to mount in your own; ``run(models, host, port,
 ...)`` serves it with uvicorn and drains on SIGTERM; ``deploy_on_ray(models, replicas=2, ...)``

@@ -1,11 +1,13 @@
 """The ASGI app: models loaded in the background, LibreTranslate's ``/translate`` and
-``/languages``, ``/v1/generate``, ``/health`` and ``/metrics``."""
+``/languages``, ``/v1/generate``, OpenAI's ``/v1/audio/transcriptions``, ``/health`` and
+``/metrics``."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import hmac
+import io
 import json
 import logging
 import os
@@ -13,11 +15,15 @@ from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
 
+from onnxmerge.errors import InvalidArgumentError
+from onnxmerge.runtime.speech import read_wav
 from onnxmerge.serve._batcher import Answer, Batcher
 from onnxmerge.serve._http import Gate
 from onnxmerge.serve._languages import language_name
@@ -25,8 +31,13 @@ from onnxmerge.serve._limits import Limits
 from onnxmerge.serve._metrics import CONTENT_TYPE, Metrics
 from onnxmerge.serve._models import RequestError, ServedModel, check_models
 from onnxmerge.serve._stream import stream_response
+from onnxmerge.serve._transcriber import Transcriber
 
 logger = logging.getLogger(__name__)
+
+# The form fields of /v1/audio/transcriptions, and the model name OpenAI's clients send.
+SPEECH_FIELDS = ("file", "model", "language", "response_format")
+OPENAI_WHISPER = "whisper-1"
 
 
 class ServerState:
@@ -38,6 +49,7 @@ class ServerState:
         self.limits = limits
         self.metrics = Metrics()
         self.batchers: dict[str, Batcher] = {}
+        self.transcribers: dict[str, Transcriber] = {}  # the Whisper models
         self.loaded = False
         self.load_error: BaseException | None = None
         self.draining = False
@@ -45,10 +57,10 @@ class ServerState:
 
     async def load(self) -> None:
         """Open every model (merging export folders first) off the event loop, then start a
-        batching worker for each."""
+        batching worker for each, and a transcribing one for each Whisper model."""
         try:
             for name, path in self.paths.items():
-                served = await asyncio.to_thread(ServedModel.load, name, path)
+                served = await asyncio.to_thread(ServedModel.load, name, path, self.limits.threads)
                 self.batchers[name] = Batcher(
                     served,
                     self.metrics,
@@ -57,6 +69,11 @@ class ServerState:
                     max_queue=self.limits.max_queue,
                 )
                 self.batchers[name].start()
+                if served.speech:
+                    self.transcribers[name] = Transcriber(
+                        served, self.metrics, max_queue=self.limits.max_queue
+                    )
+                    self.transcribers[name].start()
         except Exception as error:  # reported by /health and ends Server.run
             logger.error("loading the models failed: %s", error)
             self.load_error = error
@@ -64,6 +81,8 @@ class ServerState:
         self.loaded = True
 
     async def close(self) -> None:
+        for transcriber in self.transcribers.values():
+            await transcriber.stop()
         for batcher in self.batchers.values():
             await batcher.stop()
             batcher.served.close()
@@ -78,6 +97,7 @@ def create_app(
     max_body_bytes: int = Limits.max_body_bytes,
     request_timeout_s: float = Limits.request_timeout_s,
     api_key: str | None = None,
+    threads: int | None = None,
 ) -> FastAPI:
     """An ASGI app (FastAPI) serving ``models``; the limits are :class:`Limits`' (docs/serve.md).
 
@@ -85,6 +105,9 @@ def create_app(
         models: served name -> a merged ``.onnx`` file or an export folder (merged first into a
             temporary folder); the tokenizer is read from the file's folder or the export
             folder. A name ``SRC-TGT`` (``fr-en``) is the language pair ``/translate`` serves.
+            A Whisper model is served on ``/v1/audio/transcriptions``.
+        threads: onnxruntime's intra-op threads of each model's session (default:
+            onnxruntime's choice), as ``Seq2SeqModel(threads=)``.
 
     Returns:
         The app. The models load in the background once it starts: ``/health`` answers 503
@@ -94,22 +117,22 @@ def create_app(
         InvalidArgumentError: a bad name, a missing path or a bad limit; nothing is read.
     """
     limits = Limits(
-        max_batch_size, batch_wait_ms, max_queue, max_body_bytes, request_timeout_s, api_key
+        max_batch_size=max_batch_size,
+        batch_wait_ms=batch_wait_ms,
+        max_queue=max_queue,
+        max_body_bytes=max_body_bytes,
+        request_timeout_s=request_timeout_s,
+        api_key=api_key,
+        threads=threads,
     )
     state = ServerState(check_models(models), limits)
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        loading = asyncio.get_running_loop().create_task(state.load())
-        try:
-            yield
-        finally:
-            loading.cancel()
-            await asyncio.gather(loading, return_exceptions=True)
-            await state.close()
-
     app = FastAPI(
-        title="onnxmerge", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+        title="onnxmerge",
+        lifespan=lambda _: _lifespan(state),
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
     )
     app.state.serve = state
     app.add_exception_handler(RequestError, _request_error)  # type: ignore[arg-type]
@@ -118,7 +141,20 @@ def create_app(
     _add_probes(app, state)
     _add_translate(app, state)
     _add_generate(app, state)
+    _add_transcriptions(app, state)
     return app
+
+
+@contextlib.asynccontextmanager
+async def _lifespan(state: ServerState) -> AsyncIterator[None]:
+    """The models load in the background while the server runs; closed when it stops."""
+    loading = asyncio.get_running_loop().create_task(state.load())
+    try:
+        yield
+    finally:
+        loading.cancel()
+        await asyncio.gather(loading, return_exceptions=True)
+        await state.close()
 
 
 async def _request_error(request: Request, error: RequestError) -> JSONResponse:
@@ -154,14 +190,22 @@ async def answer(
     options: dict,
     want_text: bool,
 ) -> Answer:
-    """Queue the inputs on the model's batcher and wait for them, at most the request timeout
-    and only while the client is there.
+    """Queue the inputs on the model's batcher and wait for them (:func:`wait_for`).
 
     Raises:
         RequestError: 429 past the queue, 504 past the deadline, 499 when the client left, 400
             for inputs the model refuses.
     """
-    future = batcher.submit(inputs, options, want_text)
+    return await wait_for(state, request, batcher.submit(inputs, options, want_text))
+
+
+async def wait_for(state: ServerState, request: Request, future: asyncio.Future) -> Any:
+    """The queued request's answer, waited for at most the request timeout and only while the
+    client is there; otherwise the future is cancelled, which takes the request out.
+
+    Raises:
+        RequestError: 504 past the deadline, 499 when the client left, or the request's own.
+    """
     left = asyncio.get_running_loop().create_task(_disconnected(request))
     timeout = state.limits.request_timeout_s
     try:
@@ -241,7 +285,9 @@ def _pair_model(state: ServerState, source: Any, target: Any) -> Batcher:
     for name, value in (("source", source), ("target", target)):
         if value is not None and not isinstance(value, str):
             raise RequestError(f"{name} must be a language code (a string)")
-    batchers = list(state.batchers.values())
+    batchers = _text_models(state)
+    if not batchers:
+        raise RequestError(_NO_TEXT_MODEL)
     if len(batchers) == 1:
         pair = batchers[0].served.pair
         # One model: source and target may be left out; a model without a pair takes any.
@@ -263,6 +309,16 @@ def _pair_model(state: ServerState, source: Any, target: Any) -> Batcher:
             f"served pairs: {_pairs(state)}"
         )
     return found[0]
+
+
+_NO_TEXT_MODEL = (
+    "no model for text is served; Whisper models take audio on POST /v1/audio/transcriptions"
+)
+
+
+def _text_models(state: ServerState) -> list[Batcher]:
+    """The models served for text: every one but the Whisper models."""
+    return [b for name, b in state.batchers.items() if name not in state.transcribers]
 
 
 def _pairs(state: ServerState) -> str:
@@ -311,8 +367,12 @@ def _bearer(request: Request) -> str | None:
 
 def _named_model(state: ServerState, name: Any) -> Batcher:
     if name is None:
-        if len(state.batchers) == 1:
-            return next(iter(state.batchers.values()))
+        # Left out: the only model for text (a Whisper model is named to be asked).
+        text_models = _text_models(state)
+        if len(text_models) == 1:
+            return text_models[0]
+        if not text_models:
+            raise RequestError(_NO_TEXT_MODEL)
         raise RequestError(f"name a model; served: {', '.join(state.batchers)}")
     if not isinstance(name, str) or name not in state.batchers:
         raise RequestError(
@@ -361,3 +421,88 @@ def _add_generate(app: FastAPI, state: ServerState) -> None:
         if len(rows) == 1:
             return JSONResponse({"text": texts[0], "tokens": rows[0].tolist()})
         return JSONResponse({"text": texts, "tokens": [r.tolist() for r in rows]})
+
+
+async def _speech_form(request: Request) -> tuple[dict[str, str], bytes]:
+    """The transcription form's text fields and the uploaded file's bytes, or a 400 naming
+    what is wrong with the form."""
+    if "multipart/form-data" not in request.headers.get("content-type", ""):
+        raise RequestError("send a multipart/form-data body with the audio in its file field")
+    try:
+        form = await request.form()
+    except Exception as error:  # python-multipart's parse errors have no common base
+        raise RequestError(f"the form could not be read: {error}") from None
+    try:
+        unknown = sorted(set(form) - set(SPEECH_FIELDS))
+        if unknown:
+            raise RequestError(f"fields {unknown} are not served; give {', '.join(SPEECH_FIELDS)}")
+        upload = form.get("file")
+        if upload is None:
+            raise RequestError("missing file: send the audio in the form's file field")
+        if not isinstance(upload, UploadFile):
+            raise RequestError("file must be an uploaded file (a form part with a filename)")
+        fields: dict[str, str] = {}
+        for name in SPEECH_FIELDS[1:]:
+            value = form.get(name)
+            if isinstance(value, UploadFile):
+                raise RequestError(f"{name} must be a text field, not a file")
+            if value:  # an empty field is one left out
+                fields[name] = value
+        return fields, await upload.read()
+    finally:
+        await form.close()
+
+
+def _decoded(data: bytes) -> tuple[np.ndarray, int]:
+    """The upload as mono float PCM and its rate, as ``onnxmerge transcribe`` reads a file."""
+    try:
+        return read_wav(io.BytesIO(data), name="the uploaded file")
+    except InvalidArgumentError as error:
+        raise RequestError(str(error)) from None
+    except Exception as error:  # whatever malformed bytes make the reader raise
+        raise RequestError(
+            f"the uploaded file could not be decoded as a PCM WAV file ({type(error).__name__})"
+        ) from None
+
+
+def _speech_model(state: ServerState, name: str | None) -> Transcriber:
+    """The Whisper model a request names; left out, or OpenAI's ``whisper-1``, the only one."""
+    speech = state.transcribers
+    served = ", ".join(speech) or "none"
+    if name is not None and name in state.batchers:
+        if name not in speech:
+            raise RequestError(f"model {name!r} is not a Whisper model; Whisper models: {served}")
+        return speech[name]
+    if name is not None and name != OPENAI_WHISPER:
+        raise RequestError(f"no model named {name!r}; Whisper models: {served}", status=404)
+    if len(speech) == 1:
+        return next(iter(speech.values()))
+    if not speech:
+        raise RequestError("no Whisper model is served", status=404)
+    raise RequestError(f"name a Whisper model; served: {served}")
+
+
+def _add_transcriptions(app: FastAPI, state: ServerState) -> None:
+    @app.post("/v1/audio/transcriptions")
+    async def transcriptions(request: Request) -> Response:
+        _check_key(state, _bearer(request))
+        fields, data = await _speech_form(request)
+        response_format = fields.get("response_format", "json")
+        if response_format not in ("json", "text"):
+            raise RequestError(
+                f"response_format {response_format!r} is not served; give json or text"
+            )
+        _ready(state)
+        transcriber = _speech_model(state, fields.get("model"))
+        if transcriber.served.tokenizer is None:
+            raise RequestError(
+                f"model {transcriber.served.name!r} has no tokenizer beside it to write its "
+                "text with; save the Whisper tokenizer in the model's folder"
+            )
+        audio, rate = await run_in_threadpool(_decoded, data)
+        options = {"language": fields["language"]} if "language" in fields else {}
+        future = transcriber.submit(audio, rate, options)
+        result = await wait_for(state, request, future)
+        if response_format == "text":
+            return PlainTextResponse(result.text)
+        return JSONResponse({"text": result.text})

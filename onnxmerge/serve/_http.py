@@ -12,7 +12,15 @@ from onnxmerge.serve._metrics import Metrics
 # Routes counted under their own path; anything else is "other", so that a scan of made-up paths
 # cannot grow the metrics without bound.
 ROUTES = frozenset(
-    {"/health", "/metrics", "/translate", "/languages", "/v1/generate", "/v1/models"}
+    {
+        "/health",
+        "/metrics",
+        "/translate",
+        "/languages",
+        "/v1/generate",
+        "/v1/models",
+        "/v1/audio/transcriptions",
+    }
 )
 # Answered while draining, and not counted as work in flight.
 _PROBES = frozenset({"/health", "/metrics"})

@@ -20,6 +20,8 @@ class Limits:
         request_timeout_s: a request not answered by then gets 504 (and leaves the queue).
         api_key: when set, required (LibreTranslate's ``api_key`` field, ``Authorization:
             Bearer`` on ``/v1`` routes); 403 without it.
+        threads: onnxruntime's intra-op threads of each model's session (None: onnxruntime's
+            choice, one per core), as ``Seq2SeqModel(threads=)`` takes them.
     """
 
     max_batch_size: int = 32
@@ -28,6 +30,7 @@ class Limits:
     max_body_bytes: int = 1_000_000
     request_timeout_s: float = 60.0
     api_key: str | None = None
+    threads: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_queue", "max_body_bytes"):
@@ -45,6 +48,14 @@ class Limits:
                 )
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
             raise InvalidArgumentError("api_key must be a non-empty string", argument="api_key")
+        threads = self.threads
+        if threads is not None and (
+            not isinstance(threads, int) or isinstance(threads, bool) or threads < 1
+        ):
+            raise InvalidArgumentError(
+                f"threads must be a whole number of at least 1 (or None), got {threads!r}",
+                argument="threads",
+            )
 
 
 LIMIT_NAMES = tuple(f.name for f in fields(Limits))

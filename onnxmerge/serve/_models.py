@@ -103,6 +103,26 @@ def models_from_arguments(arguments: Sequence[str]) -> dict[str, Path]:
     return models
 
 
+class LockedTokenizer:
+    """A tokenizer used under the served model's lock: a fast tokenizer refuses calls from two
+    threads at once."""
+
+    def __init__(self, tokenizer: Any, lock: threading.Lock):
+        self._tokenizer, self._lock = tokenizer, lock
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return self._tokenizer(*args, **kwargs)
+
+    def decode(self, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return self._tokenizer.decode(*args, **kwargs)
+
+    def batch_decode(self, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return self._tokenizer.batch_decode(*args, **kwargs)
+
+
 @dataclass
 class ServedModel:
     """One loaded model under its served name."""
@@ -118,10 +138,15 @@ class ServedModel:
     def __post_init__(self) -> None:
         self.pair = language_pair(self.name)
 
+    @property
+    def speech(self) -> bool:
+        """Whether it is a Whisper model, served on ``/v1/audio/transcriptions``."""
+        return bool(self.model.model_type == "whisper")
+
     @classmethod
-    def load(cls, name: str, path: Path) -> ServedModel:
+    def load(cls, name: str, path: Path, threads: int | None = None) -> ServedModel:
         """Open ``path`` (a merged file, or an export folder merged first into a temporary
-        folder) with the tokenizer saved beside it, if any."""
+        folder) with the tokenizer saved beside it, if any, on ``threads`` intra-op threads."""
         from onnxmerge.merge import merge_seq2seq
         from onnxmerge.runtime import Seq2SeqModel
 
@@ -135,7 +160,7 @@ class ServedModel:
                 shutil.rmtree(merged_into, ignore_errors=True)
                 raise
         try:
-            model = Seq2SeqModel(file)
+            model = Seq2SeqModel(file, threads=threads)
         except BaseException:
             if merged_into is not None:
                 shutil.rmtree(merged_into, ignore_errors=True)
@@ -154,6 +179,7 @@ class ServedModel:
             raise RequestError(
                 f"model {self.name!r} has no tokenizer beside it: give input_ids instead of text"
             )
+        self._check_takes_ids()
         with self.tokenizer_lock:
             encoded = self.tokenizer(texts)
         names = [n for n in self.model.encoder_input_names if n in encoded]
@@ -178,10 +204,19 @@ class ServedModel:
         if any(i < 0 or (vocab is not None and i >= vocab) for i in ids):
             largest = f" to {vocab - 1}" if vocab is not None else " up"
             raise RequestError(f"input_ids must be token ids from 0{largest}")
-        if "input_ids" not in self.model.encoder_input_names:
-            raise RequestError(f"model {self.name!r} takes no input_ids")
+        self._check_takes_ids()
         self.check_length(len(ids), None)
         return np.asarray(ids, dtype=np.int64)
+
+    def _check_takes_ids(self) -> None:
+        if "input_ids" in self.model.encoder_input_names:
+            return
+        if self.speech:
+            raise RequestError(
+                f"model {self.name!r} is a Whisper model: send its audio to "
+                "POST /v1/audio/transcriptions"
+            )
+        raise RequestError(f"model {self.name!r} takes no input_ids")
 
     def check_length(self, length: int, index: int | None) -> None:
         positions = encoder_positions(self.model.config)

@@ -78,7 +78,8 @@ def run(
         sock: a bound socket to serve on instead of ``host`` and ``port``.
         log_level: uvicorn's log level.
         **limits: :func:`create_app`'s limits (``max_batch_size``, ``batch_wait_ms``,
-            ``max_queue``, ``max_body_bytes``, ``request_timeout_s``, ``api_key``).
+            ``max_queue``, ``max_body_bytes``, ``request_timeout_s``, ``api_key``) and
+            ``threads``.
 
     Returns:
         The signal that ended the server (``signal.SIGTERM``), or None.

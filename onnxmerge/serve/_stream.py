@@ -22,30 +22,10 @@ from starlette.concurrency import run_in_threadpool
 from onnxmerge.runtime import TextGenerator
 from onnxmerge.serve._batcher import failed
 from onnxmerge.serve._metrics import Metrics
-from onnxmerge.serve._models import RequestError, ServedModel
+from onnxmerge.serve._models import LockedTokenizer, RequestError, ServedModel
 
 _Pieces = Generator[tuple[int | None, str | None], None, None]
 _END = object()
-
-
-class _LockedTokenizer:
-    """A tokenizer used under the served model's lock: a fast tokenizer refuses calls from two
-    threads at once."""
-
-    def __init__(self, tokenizer: Any, lock: threading.Lock):
-        self._tokenizer, self._lock = tokenizer, lock
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with self._lock:
-            return self._tokenizer(*args, **kwargs)
-
-    def decode(self, *args: Any, **kwargs: Any) -> Any:
-        with self._lock:
-            return self._tokenizer.decode(*args, **kwargs)
-
-    def batch_decode(self, *args: Any, **kwargs: Any) -> Any:
-        with self._lock:
-            return self._tokenizer.batch_decode(*args, **kwargs)
 
 
 def _pieces(served: ServedModel, example: Any, options: dict[str, Any]) -> _Pieces:
@@ -60,7 +40,7 @@ def _pieces(served: ServedModel, example: Any, options: dict[str, Any]) -> _Piec
             for token in step.get(0, np.empty(0, np.int64)).tolist():
                 yield token, None
         return
-    tokenizer = _LockedTokenizer(served.tokenizer, served.tokenizer_lock)
+    tokenizer = LockedTokenizer(served.tokenizer, served.tokenizer_lock)
     yield from TextGenerator(served.model, tokenizer).stream_tokens(inputs, **options)
 
 

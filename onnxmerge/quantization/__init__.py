@@ -82,12 +82,9 @@ def quantize(
             ``"tensor"`` (default), one scale over the whole batch, so that a row's result may
             change with the other rows of its batch; ``"row"``, one scale per row (per token),
             so that every input gets what it gets alone, a little slower.
-        embedding: the precision of the weights whose rows are gathered (the embedding, and
-            the LM head tied to it): one of ``weights``' values or ``"fp32"``; by default int8
-            where ``weights`` is int4, whose rows cannot be gathered as they are stored (the
-            whole embedding would be dequantized at every step), and ``weights`` otherwise.
-            ``"int4"`` writes the smallest file, for downloads that matter more than speed
-            (docs/quantization.md measures both).
+        embedding: the precision of the weights whose rows are gathered (the embedding, a
+            tied head); by default int8 under int4 ``weights`` (int4 rows cannot be gathered,
+            docs/quantization.md), else ``weights``. ``"int4"``: the smallest file, slower.
         overwrite: replace an existing output file.
         external_data: ``True`` stores the weights in ``<output>_data`` beside the model, which
             onnxruntime maps instead of parsing and copying: faster to load, and untouched

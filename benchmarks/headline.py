@@ -86,6 +86,23 @@ def _ctranslate2_rows(ct2: dict[str, Any] | None) -> list[str]:
     return rows
 
 
+def _corpus_rows(corpus: dict[str, Any] | None) -> list[str]:
+    if not corpus or not _anchor_checked(corpus):
+        return []
+    cells = []
+    for precision in ("float32", "int8"):
+        ratios = corpus["precisions"][precision]["ratios"]
+        cells.append(
+            f"{precision} greedy **{ratios['greedy']:.2f}×**, beam-4 **{ratios['beam4']:.2f}×**"
+        )
+    processor = corpus["environment"]["cpu"]["model"]
+    inputs = corpus["setting"]["inputs"]
+    return [
+        f"| tokens/s over a corpus of {inputs:,} inputs | {'; '.join(cells)} CTranslate2's "
+        f"({processor}) | | `bench_corpus.py` |"
+    ]
+
+
 def render() -> str:
     """The table, as Markdown lines, from whatever benchmarks/out holds."""
     head = [
@@ -99,6 +116,7 @@ def render() -> str:
         _size_rows(_load("merge"), _load("quantize"))
         + _optimum_rows(_load("generate"))
         + _ctranslate2_rows(_load("ctranslate2"))
+        + _corpus_rows(_load("corpus"))
     )
     return "\n".join(head + rows) + "\n"
 

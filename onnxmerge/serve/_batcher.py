@@ -10,8 +10,6 @@ import contextlib
 import json
 import logging
 import time
-from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +18,7 @@ import numpy as np
 from onnxmerge.errors import OnnxMergeError
 from onnxmerge.serve._metrics import Metrics
 from onnxmerge.serve._models import RequestError, ServedModel
+from onnxmerge.serve._queue import ModelQueue
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +54,7 @@ def failed(error: Exception) -> RequestError:
     return RequestError(f"generation failed ({type(error).__name__})", 500)
 
 
-class Batcher:
+class Batcher(ModelQueue[Job]):
     """The queue and the batching worker of one model."""
 
     def __init__(
@@ -67,28 +66,12 @@ class Batcher:
         batch_wait_s: float,
         max_queue: int,
     ):
-        self.served = served
-        self._metrics = metrics
+        super().__init__(served, metrics, max_queue=max_queue)
         self._max_batch_size = max_batch_size
         self._batch_wait_s = batch_wait_s
-        self._max_queue = max_queue
-        self._waiting: deque[Job] = deque()
-        self._arrived = asyncio.Event()
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"onnxmerge-{served.name}")
-        self._task: asyncio.Task | None = None
-
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._work())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-        for job in self._waiting:
-            if not job.future.done():
-                job.future.set_exception(RequestError("the server is shutting down", 503))
-        self._waiting.clear()
-        self._executor.shutdown(wait=True)
+        await self._stop([])
 
     def submit(self, inputs: list[Any], options: dict[str, Any], want_text: bool) -> asyncio.Future:
         """Queue a request; its future gets an :class:`Answer` or a :class:`RequestError`.
@@ -96,30 +79,11 @@ class Batcher:
         Raises:
             RequestError: 429 when ``max_queue`` requests are waiting already.
         """
-        self._drop_abandoned()
-        if len(self._waiting) >= self._max_queue:
-            raise RequestError(
-                f"too many requests waiting for model {self.served.name!r} "
-                f"({self._max_queue}); retry later",
-                429,
-                {"Retry-After": "1"},
-            )
         job = Job(inputs, options, want_text, asyncio.get_running_loop().create_future())
+        self._enqueue(job)
         # A request that leaves (its deadline) wakes the worker, which drops it from its batch.
         job.future.add_done_callback(lambda _: self._arrived.set())
-        self._waiting.append(job)
-        self._queue_changed()
-        self._arrived.set()
         return job.future
-
-    def _drop_abandoned(self) -> None:
-        """Requests past their deadline (their future cancelled) leave the queue unrun."""
-        if any(job.future.done() for job in self._waiting):
-            self._waiting = deque(job for job in self._waiting if not job.future.done())
-            self._queue_changed()
-
-    def _queue_changed(self) -> None:
-        self._metrics.queue_depth.labels(self.served.name).set(len(self._waiting))
 
     async def _work(self) -> None:
         loop = asyncio.get_running_loop()

@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,7 +14,8 @@ import numpy as np
 
 from onnxmerge.serve._batcher import failed
 from onnxmerge.serve._metrics import Metrics
-from onnxmerge.serve._models import LockedTokenizer, RequestError, ServedModel
+from onnxmerge.serve._models import LockedTokenizer, ServedModel
+from onnxmerge.serve._queue import ModelQueue
 
 logger = logging.getLogger(__name__)
 
@@ -37,33 +36,16 @@ class Recording:
     left: threading.Event = field(default_factory=threading.Event)
 
 
-class Transcriber:
+class Transcriber(ModelQueue[Recording]):
     """The queue and the worker of one Whisper model."""
 
     def __init__(self, served: ServedModel, metrics: Metrics, *, max_queue: int):
-        self.served = served
-        self._metrics = metrics
-        self._max_queue = max_queue
-        self._waiting: deque[Recording] = deque()
+        super().__init__(served, metrics, max_queue=max_queue)
         self._running: Recording | None = None
-        self._arrived = asyncio.Event()
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"onnxmerge-{served.name}")
-        self._task: asyncio.Task | None = None
-
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._work())
 
     async def stop(self) -> None:
-        running = [self._running] if self._running is not None else []
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
         # The running recording stops at its next window; the waiting ones are not run.
-        for recording in [*running, *self._waiting]:
-            if not recording.future.done():
-                recording.future.set_exception(RequestError("the server is shutting down", 503))
-        self._waiting.clear()
-        self._executor.shutdown(wait=True)
+        await self._stop([self._running] if self._running is not None else [])
 
     def submit(self, audio: np.ndarray, rate: int, options: dict[str, Any]) -> asyncio.Future:
         """Queue a recording; its future gets a ``Transcription`` or a :class:`RequestError`.
@@ -71,28 +53,10 @@ class Transcriber:
         Raises:
             RequestError: 429 when ``max_queue`` recordings are waiting already.
         """
-        self._drop_abandoned()
-        if len(self._waiting) >= self._max_queue:
-            raise RequestError(
-                f"too many requests waiting for model {self.served.name!r} "
-                f"({self._max_queue}); retry later",
-                429,
-                {"Retry-After": "1"},
-            )
         recording = Recording(audio, rate, options, asyncio.get_running_loop().create_future())
+        self._enqueue(recording)
         recording.future.add_done_callback(lambda _: recording.left.set())
-        self._waiting.append(recording)
-        self._queue_changed()
-        self._arrived.set()
         return recording.future
-
-    def _drop_abandoned(self) -> None:
-        if any(r.future.done() for r in self._waiting):
-            self._waiting = deque(r for r in self._waiting if not r.future.done())
-            self._queue_changed()
-
-    def _queue_changed(self) -> None:
-        self._metrics.queue_depth.labels(self.served.name).set(len(self._waiting))
 
     async def _work(self) -> None:
         loop = asyncio.get_running_loop()

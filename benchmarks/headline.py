@@ -45,7 +45,7 @@ def _size_rows(merge: dict[str, Any] | None, quantize: dict[str, Any] | None) ->
             ours = sizes[f"onnxmerge {name}"] / checkpoint
             smallest = sizes.get(f"onnxmerge {name}, int4 embedding")
             also = (
-                f"; with `embedding=\"int4\"`: {smallest / checkpoint:.3f}×, slower"
+                f'; with `embedding="int4"`: {smallest / checkpoint:.3f}×, slower'
                 if smallest
                 else ""
             )

@@ -211,7 +211,7 @@ def test_check_sets_each_readme_figure_beside_the_measured_one(tmp_path, capsys)
         "| beam-4 time | 0.40× | 0.41× | 0.39× | 0.40× | 0.22× | 0.24× | 0.22× | 0.22× |\n"
         "| memory after load | 1.27× | 0.98× | 1.06× | 1.27× | 1.29× | 1.11× | 1.10× | 1.29× |\n"
         "| memory import and load add | 1.3× | 1.0× | 1.1× | 1.3× | 1.4× | 1.1× | 1.1× | 1.4× |\n"
-        "| memory the model adds | 1.30× | 0.94× | 1.04× | 1.30× | 1.45× | 1.09× | 1.06× | 1.45× |\n"
+        "| memory the model adds | 1.3× | 0.94× | 1.04× | 1.3× | 1.45× | 1.09× | 1.06× | 1.45× |\n"
         "| load time | 2.50× | 1.42× | 1.54× | 2.50× | 3.40× | 2.89× | 1.64× | 3.40× |\n\n"
         "A corpus whose outputs end:\n\n| | float32 | int8 |\n|---|---:|---:|\n"
         "| greedy tokens/s | 0.96× | 1.25× |\n| beam-4 tokens/s | 1.03× | 1.27× |\n"

@@ -17,8 +17,8 @@ import numpy as np
 
 from onnxmerge.errors import OnnxMergeError
 from onnxmerge.serve._metrics import Metrics
+from onnxmerge.serve._model_queue import ModelQueue
 from onnxmerge.serve._models import RequestError, ServedModel
-from onnxmerge.serve._queue import ModelQueue
 
 logger = logging.getLogger(__name__)
 

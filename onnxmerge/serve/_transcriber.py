@@ -14,8 +14,8 @@ import numpy as np
 
 from onnxmerge.serve._batcher import failed
 from onnxmerge.serve._metrics import Metrics
+from onnxmerge.serve._model_queue import ModelQueue
 from onnxmerge.serve._models import LockedTokenizer, ServedModel
-from onnxmerge.serve._queue import ModelQueue
 
 logger = logging.getLogger(__name__)
 

@@ -68,6 +68,13 @@ def _optimum_rows(generate: dict[str, Any] | None) -> list[str]:
     ]
 
 
+def _processor(results: dict[str, Any]) -> str:
+    """The processor as the run recorded it: its name says little (every "AMD EPYC"), its
+    instruction sets tell generations apart, and ratios move between them."""
+    cpu = results["environment"]["cpu"]
+    return f"{cpu['model']}: {', '.join(cpu.get('flags') or [])}"
+
+
 def _anchor_checked(results: dict[str, Any] | None) -> bool:
     """Whether a run's CTranslate2 side passed every reference check (``benchmarks/_anchor.py``)
     and the run was not refused."""
@@ -82,7 +89,7 @@ def _ctranslate2_rows(ct2: dict[str, Any] | None) -> list[str]:
             "its reference check | | `bench_ctranslate2.py` |"
         ]
     rows = []
-    processor = ct2["environment"]["cpu"]["model"]
+    processor = _processor(ct2)
     for precision in ("float32", "int8"):
         ratios = ct2["precisions"][precision]["ratios"]
         rows.append(
@@ -101,7 +108,7 @@ def _corpus_rows(corpus: dict[str, Any] | None) -> list[str]:
         cells.append(
             f"{precision} greedy **{ratios['greedy']:.2f}×**, beam-4 **{ratios['beam4']:.2f}×**"
         )
-    processor = corpus["environment"]["cpu"]["model"]
+    processor = _processor(corpus)
     inputs = corpus["setting"]["inputs"]
     return [
         f"| tokens/s over a corpus of {inputs:,} inputs | {'; '.join(cells)} CTranslate2's "

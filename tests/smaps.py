@@ -28,3 +28,16 @@ def mapping_fields(address: int) -> dict[str, str]:
 def resident_bytes(address: int) -> int:
     """This process's resident bytes of the mapping that holds ``address``."""
     return int(mapping_fields(address)["Rss"].split()[0]) * 1024
+
+
+def resident_bytes_of(path: str | Path) -> int:
+    """This process's resident bytes of every mapping of the file ``path``: advice on part of
+    a mapping splits it in several."""
+    total, counting = 0, False
+    for line in SMAPS.read_text().splitlines():
+        head, _, rest = line.partition(" ")
+        if "-" in head and not head.endswith(":"):
+            counting = rest.split()[-1] == str(path) if len(rest.split()) >= 5 else False
+        elif counting and head == "Rss:":
+            total += int(rest.split()[0]) * 1024
+    return total

@@ -153,6 +153,25 @@ def test_opening_and_running_a_model_imports_neither_onnx_nor_onnx_ir(tmp_path):
     assert result.stdout.splitlines()[-1] == "[]"
 
 
+def test_serving_a_merged_file_imports_neither_onnx_nor_the_merge(tmp_path):
+    """Regression: the server imported the merge for every model, merged or not: onnx and
+    onnx-ir, 50 MB of the server's memory."""
+    from onnxmerge import merge_seq2seq
+    from tests import textmodels as tm
+
+    merged = merge_seq2seq(tm.write_export(tmp_path / "export"), tmp_path / "model.onnx")
+    code = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from onnxmerge.serve._models import ServedModel\n"
+        f"ServedModel.load('tiny', Path({str(merged)!r}))\n"
+        "print([m for m in ('onnx', 'onnx_ir', 'onnxmerge.merge') if m in sys.modules])\n"
+    )
+    result = _run([sys.executable, "-c", code])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == "[]"
+
+
 def test_onnx_imported_after_the_runtime_shares_its_messages():
     code = (
         "from onnxmerge import _proto\n"

@@ -147,12 +147,15 @@ class ServedModel:
     def load(cls, name: str, path: Path, threads: int | None = None) -> ServedModel:
         """Open ``path`` (a merged file, or an export folder merged first into a temporary
         folder) with the tokenizer saved beside it, if any, on ``threads`` intra-op threads."""
-        from onnxmerge.merge import merge_seq2seq
         from onnxmerge.runtime import Seq2SeqModel
 
         merged_into = None
         file = path
         if path.is_dir():
+            # Imported only here: the merge brings onnx and onnx-ir, about 50 MB a server that
+            # serves merged files never needs.
+            from onnxmerge.merge import merge_seq2seq
+
             merged_into = Path(tempfile.mkdtemp(prefix="onnxmerge-serve-"))
             try:
                 file = merge_seq2seq(path, merged_into / "model.onnx")

@@ -178,6 +178,17 @@ def cpu_description() -> dict[str, Any]:
     return {"model": model, "flags": listed}
 
 
+def processor_words(environment: dict[str, Any]) -> str:
+    """The processor a results file was measured on, with its instruction sets: two processors
+    of one name and vendor gave ratios 17-27% apart."""
+    cpu = environment.get("cpu")
+    if not cpu:
+        return "not recorded"
+    if cpu.get("flags") is None:
+        return f"{cpu['model']} (instruction sets not read)"
+    return f"{cpu['model']} ({', '.join(cpu['flags']) or 'no AVX2'})"
+
+
 def environment(load_at_start: tuple[float, ...], **versions: str | None) -> dict[str, Any]:
     """Where a run measured: Python, cores, processor, the load average at its start (given) and
     now, the processors this process may run on, the environment variables that change

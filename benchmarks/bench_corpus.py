@@ -616,7 +616,7 @@ def ceiling_markdown(data: dict) -> list[str]:
 
 def markdown(data: dict) -> list[str]:
     """The section of docs/benchmarks.md."""
-    from benchmarks.run_all import _load_averages, _processor
+    from benchmarks.run_all import _load_averages
 
     s = data["setting"]
     ids = s["source_ids"]
@@ -636,7 +636,8 @@ def markdown(data: dict) -> list[str]:
         f"{s['alone_sample']} sampled inputs whose tokens equal those the same side generates "
         "for that input alone; *agreement* the share of positions where both sides agree (the "
         "last, a forced eos on our side, left out). Load average of this run: "
-        f"{_load_averages(data['environment'])}; processor: {_processor(data['environment'])}."
+        f"{_load_averages(data['environment'])}; "
+        f"processor: {_common.processor_words(data['environment'])}."
         + _anchor.sentence(data)
         + _shared_note(data["environment"]),
         "",

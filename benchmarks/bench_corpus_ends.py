@@ -128,7 +128,7 @@ def summarize(tried: dict[str, dict[str, dict]]) -> dict:
 
 def markdown(data: dict) -> list[str]:
     """The section of docs/benchmarks.md."""
-    from benchmarks.run_all import _load_averages, _processor
+    from benchmarks.run_all import _load_averages
 
     s = data["setting"]
     lines = [
@@ -143,8 +143,8 @@ def markdown(data: dict) -> list[str]:
         "outputs more than a real corpus would. *Rows kept*: ours with ended rows run to the "
         "batch's end, as transformers runs them. Tokens/s counts tokens without eos on every "
         "side; *same* is the share of outputs equal on both sides. Load average of this run: "
-        f"{_load_averages(data['environment'])}; processor: {_processor(data['environment'])}."
-        + _anchor.sentence(data),
+        f"{_load_averages(data['environment'])}; "
+        f"processor: {_common.processor_words(data['environment'])}." + _anchor.sentence(data),
         "",
         "| precision | search | output tokens: mean / median / max | CTranslate2 tokens/s "
         "| onnxmerge tokens/s | ratio | rows kept tokens/s | dropping / keeping "

@@ -351,7 +351,7 @@ def markdown(data: dict) -> list[str]:
         f"processors, batches of up to {data['max_batch_size']} within "
         f"{data['batch_wait_ms']} ms (`benchmarks/bench_serve.py`; `ours_unbatched` is "
         "`--max-batch-size 1`, at 32 only). Processor: "
-        f"{(data['environment'].get('cpu') or {}).get('model', '?')}.{_anchor.sentence(data)}",
+        f"{_common.processor_words(data['environment'])}.{_anchor.sentence(data)}",
         "",
         "| precision | server | concurrency | requests/s | new tokens/s | p50 | p95 | p99 "
         "| peak memory |",

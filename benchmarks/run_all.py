@@ -29,7 +29,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from benchmarks import _anchor  # noqa: E402
+from benchmarks import _anchor, _common  # noqa: E402
 
 OUT = REPO_ROOT / "benchmarks" / "out"
 DOCS = REPO_ROOT / "docs"
@@ -252,15 +252,6 @@ def _load_averages(environment: dict) -> str:
     return " at the start, ".join(one_minute) + " at the end (1-minute)"
 
 
-def _processor(environment: dict) -> str:
-    cpu = environment.get("cpu")
-    if not cpu:
-        return "not recorded"
-    if cpu["flags"] is None:
-        return f"{cpu['model']} (instruction sets not read)"
-    return f"{cpu['model']} ({', '.join(cpu['flags']) or 'no AVX2'})"
-
-
 def _ctranslate2_section(data: dict) -> list[str]:
     s = data["setting"]
     lines = [
@@ -277,7 +268,7 @@ def _ctranslate2_section(data: dict) -> list[str]:
         "onnxruntime on an oversubscribed machine: from a loaded machine, the float32 "
         "ratios are lower than on a quiet one and are not a result. Load average of this "
         f"run: {_load_averages(data['environment'])}; processor: "
-        f"{_processor(data['environment'])}.{_anchor.sentence(data)} "
+        f"{_common.processor_words(data['environment'])}.{_anchor.sentence(data)} "
         "`load_s` is import and load together, "
         "`import_s` the import alone (onnxruntime and numpy on our side), "
         "`load_without_import_s` the rest; `rss_after_load_mb` is the whole process, "

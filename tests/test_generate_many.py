@@ -332,6 +332,78 @@ def test_rows_that_ended_leave_the_batch_and_the_tokens_stay(model, monkeypatch,
 
 @pytest.mark.parametrize(
     "settings",
+    [
+        {"min_new_tokens": 8, "max_new_tokens": 8},
+        {"min_new_tokens": 8, "max_new_tokens": 8, "num_return_sequences": 2, "do_sample": True},
+        {"min_new_tokens": 8, "max_new_tokens": 8, "num_beams": 3},
+    ],
+    ids=["greedy", "sampling-two-each", "beam3"],
+)
+def test_abandoned_inputs_leave_their_running_batch_at_the_next_step(model, monkeypatch, settings):  # noqa: F811
+    inputs = sources(6, seed=2)
+    session = model._session
+    rows: list[int] = []
+
+    def noting(tokens, cache, *args, step=session.next_step, **kwargs):
+        rows.append(len(tokens))
+        return step(tokens, cache, *args, **kwargs)
+
+    monkeypatch.setattr(session, "next_step", noting)
+    asked: list[int] = []
+
+    def abandoned(index: int) -> bool:
+        asked.append(index)
+        return index in (1, 4) and len(rows) >= 2  # inputs 1 and 4 leave after two steps
+
+    seeded = {"seed": 3} if settings.get("do_sample") else {}
+    got = list(
+        model.generate_many(inputs, max_batch_size=6, abandoned=abandoned, **settings, **seeded)
+    )
+    assert sorted(set(asked)) == list(range(6))  # asked by index in inputs, not by batch row
+    per_input = settings.get("num_beams", settings.get("num_return_sequences", 1))
+    # Sampling keeps every row (its draws are the batch's): the rows of inputs left run on.
+    staying = 6 if settings.get("do_sample") else 4
+    assert rows[:2] == [6 * per_input] * 2 and set(rows[2:]) == {staying * per_input}
+    rows.clear()
+    full = list(model.generate_many(inputs, max_batch_size=6, **settings, **seeded))
+    for index, (cut, whole) in enumerate(zip(got, full, strict=True)):
+        if index in (1, 4):  # cut short: what they had generated when they left, then padding
+            generated = (cut[:, 1:] != PAD).sum(axis=1)
+            assert generated.max() < 8
+            for row, whole_row, length in zip(cut, whole, generated + 1, strict=True):
+                np.testing.assert_array_equal(row[:length], whole_row[:length])
+        elif not settings.get("do_sample"):  # draws depend on the batch, ids on nothing else
+            np.testing.assert_array_equal(cut, whole)
+
+
+@pytest.mark.parametrize("beams", [1, 3], ids=["greedy", "beam3"])
+def test_a_batch_whose_rows_cannot_leave_ends_once_every_input_is_abandoned(
+    model,  # noqa: F811
+    monkeypatch,
+    beams,
+):
+    session = model._session
+    steps: list[int] = []
+
+    def noting(tokens, cache, *args, step=session.next_step, **kwargs):
+        steps.append(len(tokens))
+        return step(tokens, cache, *args, **kwargs)
+
+    monkeypatch.setattr(session, "next_step", noting)
+    # The encoder-side n-gram ban pairs its state with the batch's rows: none may leave.
+    settings = {"min_new_tokens": 8, "max_new_tokens": 8, "num_beams": beams}
+    settings["encoder_no_repeat_ngram_size"] = 3
+    got = list(model.generate_many(sources(4), abandoned=lambda index: len(steps) >= 3, **settings))
+    assert len(got) == 4 and steps == [4 * beams] * 3
+
+
+def test_abandoned_must_be_a_function(model):  # noqa: F811
+    with pytest.raises(GenerationError, match="abandoned must be a function"):
+        model.generate_many([[5, 6]], abandoned=True)
+
+
+@pytest.mark.parametrize(
+    "settings",
     [{"max_new_tokens": MAX_NEW}, {"max_new_tokens": MAX_NEW, "num_beams": 3}],
     ids=["greedy", "beam3"],
 )

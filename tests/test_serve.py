@@ -413,6 +413,50 @@ def test_requests_past_their_deadline_or_left_by_their_client_leave_their_batch_
         assert 'onnxmerge_serve_requests_total{route="/translate",status="499"} 1.0' in text
 
 
+def test_a_client_that_leaves_a_running_batch_takes_its_rows_out_at_the_next_step(
+    merged, reference
+):
+    app = create_app({"fr-en": merged}, max_batch_size=2, batch_wait_ms=5000)
+    with serving_app(app) as served:
+        session = app.state.serve.batchers["fr-en"].served.model._session
+        rows: list[int] = []
+        stepping, left = threading.Event(), threading.Event()
+        next_step = session.next_step
+
+        def held(tokens: Any, *args: Any, **kwargs: Any) -> Any:
+            rows.append(len(tokens))
+            if len(rows) == 1:  # the batch's first cached step waits for the client to leave
+                stepping.set()
+                left.wait(10)
+            return next_step(tokens, *args, **kwargs)
+
+        session.next_step = held
+        ids = [33, 29, 56, 2, 24, 0]  # "deux cent quarante-trois"
+        options = {"min_new_tokens": 12, "max_new_tokens": 12}
+        host, port = served.removeprefix("http://").split(":")
+        payload = json.dumps({"input_ids": ids, **options}).encode()
+        with ThreadPoolExecutor(1) as pool:
+            with socket.create_connection((host, int(port)), timeout=10) as leaving:
+                leaving.sendall(
+                    f"POST /v1/generate HTTP/1.1\r\nHost: {host}\r\n"
+                    "Content-Type: application/json\r\n"
+                    f"Content-Length: {len(payload)}\r\n\r\n".encode()
+                    + payload
+                )
+                staying = pool.submit(ask, served, "/v1/generate", {"input_ids": ids, **options})
+                assert stepping.wait(10)
+            for _ in range(500):  # the server sees the client leave
+                if 'status="499"' in ask(served, "/metrics").body.decode():
+                    break
+                time.sleep(0.01)
+            left.set()
+            answer = staying.result(30)
+        expected = reference.generate(np.asarray([ids]), **options)[0].tolist()
+        assert answer.status == 200 and answer.json()["tokens"] == expected
+        assert rows[0] == 2 and set(rows[1:]) == {1}  # one row from the next step on
+        assert len(rows) == len(expected) - 2  # the first step and the last token run none
+
+
 def test_a_batch_that_fails_answers_500_and_the_worker_goes_on(merged):
     app = create_app({"fr-en": merged})
     with serving_app(app) as served:

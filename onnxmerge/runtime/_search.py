@@ -11,7 +11,7 @@ are the search's to write over.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
@@ -36,6 +36,10 @@ def run_to_end(steps: Generator[object, None, _Result]) -> _Result:
             next(steps)
         except StopIteration as end:
             return end.value
+
+
+# Which rows (greedy) or inputs (beam search) of a search nobody waits for any more.
+Departed = Callable[[], np.ndarray]
 
 
 class TokenPicker(Protocol):
@@ -92,6 +96,7 @@ def greedy_or_sample(
     rng: np.random.Generator | None = None,
     *,
     accelerations: Accelerations | None = None,
+    departed: Departed | None = None,
 ) -> np.ndarray:
     """transformers' ``_sample``: one token per row per step until eos or max_length.
 
@@ -99,10 +104,19 @@ def greedy_or_sample(
     (``runner.keep``), as CTranslate2 drops them, rather than run on to the batch's end on
     padding as in transformers; their tokens are the same. Only greedy search drops them
     (sampling draws for every row), and only where the processors keep no state by row.
+
+    ``departed``: asked after every step which rows nobody waits for any more (a bool per
+    prompt row); those end there, cut short, and leave the runner as ended rows do.
     """
     return run_to_end(
         greedy_or_sample_steps(
-            runner, prompt, settings, processors, rng, accelerations=accelerations
+            runner,
+            prompt,
+            settings,
+            processors,
+            rng,
+            accelerations=accelerations,
+            departed=departed,
         )
     )
 
@@ -115,6 +129,7 @@ def greedy_or_sample_steps(
     rng: np.random.Generator | None = None,
     *,
     accelerations: Accelerations | None = None,
+    departed: Departed | None = None,
 ) -> Generator[NewIds, None, np.ndarray]:
     """``greedy_or_sample``, yielding after each step, before the next runs, the rows still
     running at that step and their new ids (``[rows, 1]``); returns the sequences."""
@@ -144,6 +159,8 @@ def greedy_or_sample_steps(
         unfinished[live] &= ~_finished_by_eos(tokens, eos)
         if cur_len >= settings.max_length:
             unfinished[:] = False
+        if departed is not None:
+            unfinished &= ~departed()
         yield running, sequences[running, cur_len - 1 : cur_len]
         if not unfinished.any():
             break
@@ -328,6 +345,7 @@ def beam_search(
     rng: np.random.Generator | None = None,
     *,
     accelerations: Accelerations | None = None,
+    departed: Departed | None = None,
 ) -> np.ndarray:
     """transformers' vectorised ``_beam_search`` (and beam sampling when ``do_sample``).
 
@@ -335,10 +353,20 @@ def beam_search(
     step, so the encoder and the prompt run once per input. ``accelerations`` (default: off):
     with ``drop_finished``, an input whose finished hypotheses can no longer change leaves the
     runner with its beams (``runner.keep``), as in ``greedy_or_sample``; with ``fast_topk``,
-    the top-k searches only the column groups that can hold it.
+    the top-k searches only the column groups that can hold it. ``departed``: as for
+    ``greedy_or_sample``, a bool per input; a departed input's beams leave the runner where
+    rows may leave it, and the search ends once every input has departed.
     """
     return run_to_end(
-        beam_search_steps(runner, prompt, settings, processors, rng, accelerations=accelerations)
+        beam_search_steps(
+            runner,
+            prompt,
+            settings,
+            processors,
+            rng,
+            accelerations=accelerations,
+            departed=departed,
+        )
     )
 
 
@@ -350,6 +378,7 @@ def beam_search_steps(
     rng: np.random.Generator | None = None,
     *,
     accelerations: Accelerations | None = None,
+    departed: Departed | None = None,
 ) -> Generator[NewIds, None, np.ndarray]:
     """``beam_search``, yielding each input's returned hypotheses once final (an input that
     settles under ``drop_finished`` at that step, the others at the end): output row and
@@ -379,6 +408,11 @@ def beam_search_steps(
             break
         rows = beams.running_beam_indices[:, :, cur_len - 1 - cfg.prompt_len].astype(np.int64)
         settled = _settled(cfg, beams) if drop else None
+        gone = departed()[inputs] if departed is not None else None
+        if gone is not None and gone.all():
+            break
+        if gone is not None and drop and gone.any():
+            settled = gone if settled is None else settled | gone
         if settled is not None and settled.all():
             # No later step can change any input's hypotheses (early_stopping=True can settle a
             # full input before _beams_done ends on it): a step of no rows would be next.

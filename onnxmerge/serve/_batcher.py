@@ -146,7 +146,8 @@ class Batcher(ModelQueue[Job]):
         )
         try:
             flat = [example for job in batch for example in job.inputs]
-            rows = self._generate(flat, batch[0].options)
+            owners = [job for job in batch for _ in job.inputs]
+            rows = self._generate(flat, batch[0].options, owners)
         except Exception as error:
             if len(batch) == 1:
                 return [failed(error)]
@@ -160,9 +161,20 @@ class Batcher(ModelQueue[Job]):
             answers.append(Answer(own, texts))
         return answers
 
-    def _generate(self, inputs: list[Any], options: dict[str, Any]) -> list[np.ndarray]:
+    def _generate(
+        self, inputs: list[Any], options: dict[str, Any], owners: list[Job]
+    ) -> list[np.ndarray]:
+        """The batch's rows; an input whose request left (its client, or its deadline: the
+        future is done) leaves the running batch at its next step."""
         model = self.served.model
-        rows = list(model.generate_many(inputs, max_batch_size=self._max_batch_size, **options))
+        rows = list(
+            model.generate_many(
+                inputs,
+                max_batch_size=self._max_batch_size,
+                abandoned=lambda index: owners[index].future.done(),
+                **options,
+            )
+        )
         prompt = 1  # every row starts with the decoder start token
         self._metrics.new_tokens.labels(self.served.name).inc(
             sum(int(r.shape[0] * (r.shape[1] - prompt)) for r in rows)

@@ -203,14 +203,14 @@ def build_ours(
     }
     made_by = {
         "float32": "merge_seq2seq of the export",
-        "float32 format 2": "merge_seq2seq(format=2): the two decoders under the If",
+        "float32 format 2": "merge_seq2seq(format_version=2): the two decoders under the If",
         "float32 external data": "merge_seq2seq(external_data=True): model.onnx + model.onnx_data",
         "float32 optimized": "each export file through optimize_model(model_type='bart'), merged",
     }
     two_decoders = None
     if references:
         two_decoders = onnxmerge.merge_seq2seq(
-            onnx_dir, scratch / "format-2" / "model.onnx", format=2
+            onnx_dir, scratch / "format-2" / "model.onnx", format_version=2
         )
         files["float32 format 2"] = ("float32", two_decoders)
     makers = [

@@ -145,9 +145,9 @@ def export_large(cache_dir: Path) -> dict[str, Any]:
 
 def merge_ours(export_dir: str, output: str) -> dict[str, Any]:
     """onnxmerge's merge of the folder; the report's numbers and the files written."""
-    from onnxmerge.merge import merge_seq2seq_with_report
+    from onnxmerge.merge import merge_seq2seq
 
-    result = merge_seq2seq_with_report(export_dir, output, overwrite=True)
+    result = merge_seq2seq(export_dir, output, overwrite=True).report
     out = Path(output)
     return {
         "path": str(result.path),

@@ -57,9 +57,9 @@ OURS_LAYOUT = "onnxmerge model.onnx"
 def merge_ours(export_dir: str, output: str, format: int | None = None) -> dict[str, Any]:
     """onnxmerge's merge of the export folder (the default form, or ``format``); the report's
     numbers."""
-    from onnxmerge.merge import merge_seq2seq_with_report
+    from onnxmerge.merge import merge_seq2seq
 
-    result = merge_seq2seq_with_report(export_dir, output, overwrite=True, format=format)
+    result = merge_seq2seq(export_dir, output, overwrite=True, format_version=format).report
     return {
         "path": str(result.path),
         "format_version": result.format_version,
@@ -192,7 +192,7 @@ def profile_ours(export_dir: str, output: str, top: int = 25) -> dict[str, Any]:
     _common.reset_peak_rss()
     baseline = _common.self_rss_bytes()["rss_bytes"]
     start = time.perf_counter()
-    merge.merge_seq2seq_with_report(export_dir, output, overwrite=True)
+    merge.merge_seq2seq(export_dir, output, overwrite=True)
     total_s = time.perf_counter() - start
     peak = _common.self_rss_bytes()["peak_rss_bytes"]
     # Records are appended when a call ends; order them by start for reading.
@@ -200,7 +200,7 @@ def profile_ours(export_dir: str, output: str, top: int = 25) -> dict[str, Any]:
 
     profiler = cProfile.Profile()
     profiler.enable()
-    merge.merge_seq2seq_with_report(export_dir, output, overwrite=True)
+    merge.merge_seq2seq(export_dir, output, overwrite=True)
     profiler.disable()
     stream = text_io.StringIO()
     stats = pstats.Stats(profiler, stream=stream)

@@ -49,7 +49,7 @@ def checkpoint_tensor_bytes(pytorch_dir: Path) -> int:
 
 
 def measure(arch: str, variant: str) -> dict:
-    from onnxmerge import merge_seq2seq_with_report
+    from onnxmerge import merge_seq2seq
     from tests.zoo import tiny_export
 
     export = tiny_export(arch, variant)
@@ -59,7 +59,7 @@ def measure(arch: str, variant: str) -> dict:
         total = sum(tensor_bytes(export.onnx_dir / f) for f in files)
         row["layouts"][name] = {"bytes": total, "ratio": total / checkpoint}
     with tempfile.TemporaryDirectory() as tmp:
-        result = merge_seq2seq_with_report(export.onnx_dir, Path(tmp) / "model.onnx")
+        result = merge_seq2seq(export.onnx_dir, Path(tmp) / "model.onnx").report
         merged = tensor_bytes(result.path)
     row["layouts"]["onnxmerge"] = {"bytes": merged, "ratio": merged / checkpoint}
     row["transposed_found"] = len(result.transposed)

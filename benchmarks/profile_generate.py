@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     import onnxmerge
 
     with tempfile.TemporaryDirectory(prefix="profile-generate-") as tmp:
-        report = onnxmerge.merge_seq2seq_with_report(export.onnx_dir, Path(tmp) / "model.onnx")
+        report = onnxmerge.merge_seq2seq(export.onnx_dir, Path(tmp) / "model.onnx").report
         merged = report.path
         result = {
             "benchmark": "profile",

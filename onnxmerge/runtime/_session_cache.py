@@ -17,7 +17,6 @@ Where a float32 model's head is tied, the graph saved is that of the model with 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -169,6 +168,10 @@ def entry_path(model: Path, cache_dir: Path, options: Any, providers: Sequence[A
 
 
 def _digest(value: Any, length: int) -> str:
+    # Imported here: OpenSSL's library adds 3 MB to every process that opens a model without a
+    # session cache.
+    import hashlib
+
     return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:length]
 
 

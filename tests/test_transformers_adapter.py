@@ -155,6 +155,76 @@ def test_sampling_with_a_seed_matches_pytorch(merged):
     torch.testing.assert_close(ids, expected, rtol=0, atol=0)
 
 
+def _forward_calls(model, monkeypatch) -> list[int]:
+    calls: list[int] = []
+    forward = model.forward
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", counted)
+    return calls
+
+
+class _Silent(transformers.generation.streamers.BaseStreamer):
+    def put(self, value):
+        pass
+
+    def end(self):
+        pass
+
+
+# Calls the runtime's own search answers: the same ids as GenerationMixin driving the steps.
+RUNTIME_CALLS = {
+    "default-length": {},
+    "max-length": {"max_length": 9},
+    "new-tokens": {"max_new_tokens": 6, "min_new_tokens": 4},
+    "beam-return2": {"num_beams": 3, "num_return_sequences": 2, "early_stopping": True},
+    "penalties": {"no_repeat_ngram_size": 2, "repetition_penalty": 1.3, "length_penalty": 0.6},
+    "config": {"generation_config": transformers.GenerationConfig(num_beams=4, max_new_tokens=7)},
+}
+
+
+@pytest.mark.parametrize("settings", RUNTIME_CALLS.values(), ids=RUNTIME_CALLS.keys())
+@pytest.mark.parametrize("arch", ("marian", "t5"))
+def test_plain_calls_run_the_runtimes_search_with_generation_mixins_ids(
+    merged, arch, settings, monkeypatch
+):
+    model, _, _, export = merged(arch)
+    inputs = _inputs(export, seed=3)
+    calls = _forward_calls(model, monkeypatch)
+    ids = model.generate(**inputs, **settings)
+    assert calls == []  # no step went through forward()
+    monkeypatch.setattr(model, "runtime_search", False)
+    expected = model.generate(**inputs, **settings)
+    assert calls  # GenerationMixin drove the steps
+    torch.testing.assert_close(ids, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"do_sample": True, "top_k": 5},  # torch's draws
+        {"output_scores": True, "return_dict_in_generate": True},
+        {"streamer": _Silent()},
+        {
+            "logits_processor": transformers.LogitsProcessorList(
+                [transformers.MinLengthLogitsProcessor(4, 2)]
+            )
+        },
+        {"use_cache": False},
+        {"typical_p": 0.9, "do_sample": False},
+    ],
+    ids=["sampling", "scores", "streamer", "processor", "no-cache", "typical-p"],
+)
+def test_calls_beyond_the_runtime_go_through_generation_mixin(merged, settings, monkeypatch):
+    model, _, _, export = merged("marian")
+    calls = _forward_calls(model, monkeypatch)
+    model.generate(**_inputs(export, seed=3), max_new_tokens=3, **settings)
+    assert calls
+
+
 class _StopAtFive(transformers.StoppingCriteria):
     """A user's stopping criterion: every row stops at five tokens."""
 

@@ -26,6 +26,7 @@ from transformers.utils import ModelOutput
 from onnxmerge import contract as c
 from onnxmerge.errors import InvalidArgumentError
 from onnxmerge.runtime import Seq2SeqModel, StepOutput
+from onnxmerge.settings import GENERATE_KEYWORDS, UNSUPPORTED_OFF_VALUES
 from onnxmerge.transformers._cache import MergedCache
 
 
@@ -86,9 +87,10 @@ class _MergedModel(transformers.PreTrainedModel, transformers.GenerationMixin): 
     main_input_name = "input_ids"
     _is_stateful = False
 
-    def __init__(self, merged: Seq2SeqModel):
+    def __init__(self, merged: Seq2SeqModel, *, runtime_search: bool = True):
         super().__init__(_config(merged))
         self.merged = merged
+        self.runtime_search = runtime_search
         if merged.generation_config:
             generation = transformers.GenerationConfig.from_dict(dict(merged.generation_config))
             # As GenerationConfig.from_pretrained marks it: generate() then tells the settings
@@ -109,6 +111,7 @@ class _MergedModel(transformers.PreTrainedModel, transformers.GenerationMixin): 
         session_options: Any | None = None,
         session_cache: str | os.PathLike | None = None,
         threads: int | None = None,
+        runtime_search: bool = True,
     ) -> _MergedModel:
         """Load a merged file, or the folder holding it as ``model.onnx``.
 
@@ -116,6 +119,9 @@ class _MergedModel(transformers.PreTrainedModel, transformers.GenerationMixin): 
             pretrained_model_name_or_path: the merged ``.onnx`` file, or its folder.
             providers, session_options, session_cache, threads: as for
                 :class:`onnxmerge.runtime.Seq2SeqModel`.
+            runtime_search: a text model's ``generate()`` runs the runtime's own search where
+                the call asks for nothing beyond it (the same ids; see ``docs/transformers.md``);
+                False: ``GenerationMixin`` always drives the steps.
 
         Returns:
             The model, in eval mode, its ``config`` and ``generation_config`` those of the file.
@@ -140,7 +146,7 @@ class _MergedModel(transformers.PreTrainedModel, transformers.GenerationMixin): 
             session_cache=session_cache,
             threads=threads,
         )
-        return cls(merged)
+        return cls(merged, runtime_search=runtime_search)
 
     # No parameters: the weights are in the merged file, run on the CPU by onnxruntime's
     # providers, and the logits come back as float32 or float16 arrays.
@@ -231,11 +237,69 @@ class MergedModelForSeq2SeqLM(_MergedModel):
     """A merged text-to-text model (marian, bart, t5, m2m100, ...) for ``generate()`` and
     ``pipeline("translation" | "summarization" | "text2text-generation")``.
 
+    ``generate()`` runs the runtime's own search (:meth:`Seq2SeqModel.generate`, the same ids)
+    when the call asks for nothing beyond it: ids in, ids out, settings the runtime has, no
+    sampling (whose draws are torch's here), no processor, criterion, streamer or scores of the
+    caller's. Anything else, or ``runtime_search=False``, goes through ``GenerationMixin``.
+
     Example:
         >>> model = MergedModelForSeq2SeqLM.from_pretrained("opus-mt-fr-en-onnx/")  # doctest: +SKIP
     """
 
     main_input_name = "input_ids"
+
+    def generate(  # type: ignore[override]
+        self,
+        inputs: torch.Tensor | None = None,
+        generation_config: transformers.GenerationConfig | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """transformers' ``generate()``; see the class for when the runtime's search runs it."""
+        ids = (
+            self._runtime_generate(inputs, generation_config, kwargs)
+            if self.runtime_search
+            else None
+        )
+        if ids is not None:
+            return ids
+        return super().generate(inputs, generation_config, **kwargs)
+
+    def _runtime_generate(
+        self,
+        inputs: torch.Tensor | None,
+        generation_config: transformers.GenerationConfig | None,
+        kwargs: dict[str, Any],
+    ) -> torch.Tensor | None:
+        """The ids of the runtime's search for this call, or None where only
+        ``GenerationMixin`` does what it asks."""
+        if any(_given(kwargs.get(name)) for name in _MIXIN_ONLY):
+            return None
+        settings = {
+            k: v for k, v in kwargs.items() if k not in _MIXIN_ONLY and k != "use_model_defaults"
+        }
+        try:
+            config, model_kwargs = self._prepare_generation_config(
+                generation_config, kwargs.get("use_model_defaults"), **settings
+            )
+        except (TypeError, ValueError, AttributeError):  # another transformers: its own loop
+            return None
+        if inputs is not None:
+            if "input_ids" in model_kwargs:
+                return None
+            model_kwargs["input_ids"] = inputs
+        overrides = _runtime_settings(config)
+        if overrides is None or not set(model_kwargs) <= {"input_ids", "attention_mask"}:
+            return None
+        if "max_length" not in kwargs and config.max_length == _DEFAULT_MAX_LENGTH:
+            # transformers' default length, 20 new tokens after the prompt: the runtime's too.
+            overrides.pop("max_length", None)
+        given = {name: model_kwargs.get(name) for name in ("input_ids", "attention_mask")}
+        if not isinstance(given["input_ids"], torch.Tensor) or any(
+            value is not None and not isinstance(value, torch.Tensor) for value in given.values()
+        ):
+            return None
+        arrays = {k: v.detach().cpu().numpy() for k, v in given.items() if v is not None}
+        return torch.from_numpy(self.merged.generate(**arrays, **overrides))
 
 
 class MergedModelForSpeechSeq2Seq(_MergedModel):
@@ -244,6 +308,54 @@ class MergedModelForSpeechSeq2Seq(_MergedModel):
     of audio (no long-form decoding, no timestamps)."""
 
     main_input_name = "input_features"
+
+
+# generate()'s arguments that only GenerationMixin takes (a caller's objects, other loops).
+_MIXIN_ONLY = (
+    "logits_processor",
+    "stopping_criteria",
+    "prefix_allowed_tokens_fn",
+    "synced_gpus",
+    "assistant_model",
+    "streamer",
+    "negative_prompt_ids",
+    "negative_prompt_attention_mask",
+    "custom_generate",
+    "assistant_tokenizer",
+    "tokenizer",
+    "trust_remote_code",
+)
+_DEFAULT_MAX_LENGTH = transformers.GenerationConfig().max_length
+# GenerationConfig fields that change no id and are not the runtime's settings.
+_NEUTRAL = frozenset({"transformers_version", "bos_token_id", "use_cache"})
+
+
+def _given(value: Any) -> bool:
+    """Whether a ``generate()`` argument was given: not None, nor an empty list."""
+    return value is not None and not (isinstance(value, (list, tuple)) and not value)
+
+
+def _runtime_settings(config: transformers.GenerationConfig) -> dict[str, Any] | None:
+    """``generate()``'s keywords of the runtime for transformers' final ``config``; None where
+    the config asks for something the runtime does not do as transformers does: a setting it
+    lacks, a field off its default that it does not read, or sampling (torch's draws)."""
+    if config.do_sample:
+        return None
+    defaults = transformers.GenerationConfig().to_dict()
+    supported = GENERATE_KEYWORDS - set(UNSUPPORTED_OFF_VALUES)
+    overrides = {}
+    for name, value in config.to_dict().items():
+        if name in supported:
+            if value is not None:
+                overrides[name] = value
+        elif name in UNSUPPORTED_OFF_VALUES:
+            if value not in UNSUPPORTED_OFF_VALUES[name]:
+                return None
+        elif not name.startswith("_") and value != defaults.get(name) and name not in _NEUTRAL:
+            return None
+    if config.use_cache is False:  # transformers reruns the whole prefix: other float sums
+        return None
+    return overrides
 
 
 def _config(merged: Seq2SeqModel) -> transformers.PretrainedConfig:

@@ -566,7 +566,7 @@ def _translation_rows(t: dict[str, Any]) -> list[str]:
 def markdown(data: dict[str, Any]) -> list[str]:
     """The section of docs/benchmarks.md (``run_all.py`` renders it from pipeline.json)."""
     t, w, s = data["translation"], data["longform"], data["setting"]
-    cpu = data["environment"]["cpu"]["model"]
+    cpu = _common.processor_words(data["environment"])
     lengths = ", ".join(map(str, t["source_lengths"]))
     audio = f"{w['audio_s']:.0f} s of audio, " if w["audio_s"] else ""
     return [

@@ -330,6 +330,19 @@ def test_rows_that_ended_leave_the_batch_and_the_tokens_stay(model, monkeypatch,
     assert shrinking[-1] < full[0] and sum(shrinking) < sum(full[: len(shrinking)])
 
 
+def _rows_of_each_step(model, monkeypatch) -> list[int]:  # noqa: F811
+    """The rows of every cached step ``model`` runs from now on."""
+    session = model._session
+    rows: list[int] = []
+
+    def noting(tokens, cache, *args, step=session.next_step, **kwargs):
+        rows.append(len(tokens))
+        return step(tokens, cache, *args, **kwargs)
+
+    monkeypatch.setattr(session, "next_step", noting)
+    return rows
+
+
 @pytest.mark.parametrize(
     "settings",
     [
@@ -341,14 +354,7 @@ def test_rows_that_ended_leave_the_batch_and_the_tokens_stay(model, monkeypatch,
 )
 def test_abandoned_inputs_leave_their_running_batch_at_the_next_step(model, monkeypatch, settings):  # noqa: F811
     inputs = sources(6, seed=2)
-    session = model._session
-    rows: list[int] = []
-
-    def noting(tokens, cache, *args, step=session.next_step, **kwargs):
-        rows.append(len(tokens))
-        return step(tokens, cache, *args, **kwargs)
-
-    monkeypatch.setattr(session, "next_step", noting)
+    rows = _rows_of_each_step(model, monkeypatch)
     asked: list[int] = []
 
     def abandoned(index: int) -> bool:
@@ -382,14 +388,7 @@ def test_a_batch_whose_rows_cannot_leave_ends_once_every_input_is_abandoned(
     monkeypatch,
     beams,
 ):
-    session = model._session
-    steps: list[int] = []
-
-    def noting(tokens, cache, *args, step=session.next_step, **kwargs):
-        steps.append(len(tokens))
-        return step(tokens, cache, *args, **kwargs)
-
-    monkeypatch.setattr(session, "next_step", noting)
+    steps = _rows_of_each_step(model, monkeypatch)
     # The encoder-side n-gram ban pairs its state with the batch's rows: none may leave.
     settings = {"min_new_tokens": 8, "max_new_tokens": 8, "num_beams": beams}
     settings["encoder_no_repeat_ngram_size"] = 3

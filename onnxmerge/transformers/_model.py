@@ -290,7 +290,7 @@ class MergedModelForSeq2SeqLM(_MergedModel):
         overrides = _runtime_settings(config)
         if overrides is None or not set(model_kwargs) <= {"input_ids", "attention_mask"}:
             return None
-        if "max_length" not in kwargs and config.max_length == _DEFAULT_MAX_LENGTH:
+        if "max_length" not in kwargs and config.max_length == _DEFAULTS["max_length"]:
             # transformers' default length, 20 new tokens after the prompt: the runtime's too.
             overrides.pop("max_length", None)
         given = {name: model_kwargs.get(name) for name in ("input_ids", "attention_mask")}
@@ -325,7 +325,9 @@ _MIXIN_ONLY = (
     "tokenizer",
     "trust_remote_code",
 )
-_DEFAULT_MAX_LENGTH = transformers.GenerationConfig().max_length
+# transformers' defaults, and the settings the runtime reads as transformers does.
+_DEFAULTS = transformers.GenerationConfig().to_dict()
+_RUNTIME_SETTINGS = GENERATE_KEYWORDS - set(UNSUPPORTED_OFF_VALUES)
 # GenerationConfig fields that change no id and are not the runtime's settings.
 _NEUTRAL = frozenset({"transformers_version", "bos_token_id", "use_cache"})
 
@@ -341,17 +343,15 @@ def _runtime_settings(config: transformers.GenerationConfig) -> dict[str, Any] |
     lacks, a field off its default that it does not read, or sampling (torch's draws)."""
     if config.do_sample:
         return None
-    defaults = transformers.GenerationConfig().to_dict()
-    supported = GENERATE_KEYWORDS - set(UNSUPPORTED_OFF_VALUES)
     overrides = {}
     for name, value in config.to_dict().items():
-        if name in supported:
+        if name in _RUNTIME_SETTINGS:
             if value is not None:
                 overrides[name] = value
         elif name in UNSUPPORTED_OFF_VALUES:
             if value not in UNSUPPORTED_OFF_VALUES[name]:
                 return None
-        elif not name.startswith("_") and value != defaults.get(name) and name not in _NEUTRAL:
+        elif not name.startswith("_") and value != _DEFAULTS.get(name) and name not in _NEUTRAL:
             return None
     if config.use_cache is False:  # transformers reruns the whole prefix: other float sums
         return None

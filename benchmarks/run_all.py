@@ -57,8 +57,9 @@ def _benchmarks(out: Path, quick: bool) -> dict[str, list[str]]:
         "corpus": ["bench_corpus.py", *q, "--out", str(out / "corpus.json")],
         "corpus_ends": ["bench_corpus_ends.py", *q, "--out", str(out / "corpus_ends.json")],
         "serve": ["bench_serve.py", *q, "--out", str(out / "serve.json")],
-        # A diagnosis, not a comparison: only when asked by --only.
+        # Diagnoses, not comparisons: only when asked by --only.
         "profile": ["profile_generate.py", *q, "--out", str(out / "profile.json")],
+        "greedy_gather": ["bench_greedy_gather.py", *q, "--out", str(out / "greedy_gather.json")],
         # Loads the machine on purpose (why figures need it quiet): only when asked by --only.
         "contention": ["bench_contention.py", *q, "--out", str(out / "contention.json")],
         # Exports a 2.4 GB model (about 10 minutes, 9 GB of cache): only when asked by --only.
@@ -67,7 +68,7 @@ def _benchmarks(out: Path, quick: bool) -> dict[str, list[str]]:
 
 
 # Benchmarks that run only when named by --only.
-ASKED_FOR = ("large", "profile", "contention")
+ASKED_FOR = ("large", "profile", "greedy_gather", "contention")
 # Left out of a --quick run of everything: their own tests run their quick variants
 # (tests/test_bench_serve.py, tests/test_bench_pipeline.py).
 QUICK_ELSEWHERE = ("serve", "pipeline")
@@ -604,6 +605,7 @@ def render(out: Path, docs: Path) -> Path:
         "corpus": _markdown_of("bench_corpus"),
         "corpus_ends": _markdown_of("bench_corpus_ends"),
         "profile": _profile_section,
+        "greedy_gather": _markdown_of("bench_greedy_gather"),
         "quantize": _markdown_of("bench_quantize"),
         "serve": _markdown_of("bench_serve"),
         "contention": _markdown_of("bench_contention"),

@@ -43,6 +43,20 @@ def models(tiny_export, tmp_path_factory):
     return model, pt_model
 
 
+@pytest.fixture(scope="module")
+def screened(models, tmp_path_factory):
+    """The same file through a session cache's int8 head, every greedy step screened."""
+    import onnxmerge
+    from onnxmerge.runtime import Accelerations
+
+    model, _ = models
+    return onnxmerge.Seq2SeqModel(
+        model.path,
+        session_cache=tmp_path_factory.mktemp("longform-cache"),
+        accelerations=Accelerations(greedy_cheaper_below=1),
+    )
+
+
 def _configure(model, pt_model, fields: dict) -> None:
     base = dict(TIMESTAMPS)
     for key in ("lang_to_id", "task_to_id", "is_multilingual"):
@@ -111,12 +125,17 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("head", ["float", "int8 bounds"])
 @pytest.mark.parametrize("rows", [1, 2])
 @pytest.mark.parametrize("case", list(CASES))
-def test_ids_and_segments_match_transformers(models, case, rows):
+def test_ids_and_segments_match_transformers(models, screened, case, rows, head, monkeypatch):
     model, pt_model = models
     fields, settings = CASES[case]
     _configure(model, pt_model, fields)
+    if head == "int8 bounds":
+        screened.generation_config = dict(model.generation_config)
+        model = screened
+        steps = _steps_through_the_int8_head(model, monkeypatch)
     features, mask = _audio(rows)
     ours = model.generate(
         input_features=features,
@@ -138,6 +157,24 @@ def test_ids_and_segments_match_transformers(models, case, rows):
     # Without return_segments, the ids alone.
     plain = model.generate(input_features=features, attention_mask=mask, **settings)
     np.testing.assert_array_equal(plain, ours["sequences"])
+    if head == "int8 bounds":
+        # Greedy windows go through the int8 head unless the fallback needs log-probabilities.
+        assert (len(steps) > 10) == ("logprob_threshold" not in settings), len(steps)
+
+
+def _steps_through_the_int8_head(model, monkeypatch) -> list[int]:
+    """A list that grows by one at each cached step the model runs through its int8 head."""
+    session = model._session
+    next_step = session.next_step
+    steps: list[int] = []
+
+    def noted(*args, greedy=False, **kwargs):
+        if greedy:
+            steps.append(1)
+        return next_step(*args, greedy=greedy, **kwargs)
+
+    monkeypatch.setattr(session, "next_step", noted)
+    return steps
 
 
 def test_one_row_needs_no_mask_and_timestamps_are_implied(models):

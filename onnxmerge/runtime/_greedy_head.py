@@ -171,8 +171,9 @@ class LogitBounds:
         self.workspace = workspace
         self.accelerations = accelerations
         # After argmax: the share of the step's logits it took in float beyond one a row (the
-        # least any step takes), which is what the bounds cost.
+        # least any step takes), which is what the bounds cost, and how many they are.
         self.float_share = 0.0
+        self.float_tokens = 0
 
     def slack(self) -> np.ndarray:
         """``[rows, 1]``: how far any float logit of each row can be from its int8 logit.
@@ -190,24 +191,35 @@ class LogitBounds:
 
     def argmax(self, processors, input_ids: np.ndarray) -> np.ndarray:
         """``argmax(processors(input_ids, float logits))`` per row; ``processors`` must map
-        each score through a non-decreasing function of that score alone. ``approximate`` is
-        worked in: it is left holding the processed int8 logits, or float ones of the tokens
-        that may be the largest."""
+        each score through a non-decreasing function of that score alone, except the scores of
+        its ``exact_columns`` (a slice, where it has one), which it may read as a whole: those
+        get float logits before any processor runs. ``approximate`` is worked in: it is left
+        holding the processed int8 logits, or float ones of the tokens that may be the
+        largest."""
         approximate = self.approximate
         if not approximate.flags.writeable:
             approximate = approximate.copy()
+        columns = getattr(processors, "exact_columns", None)
+        if columns is not None:
+            self._write_columns(approximate, columns)
         masks_only = getattr(processors, "masks_only", None)
-        if masks_only is not None and masks_only(input_ids):
+        if columns is None and masks_only is not None and masks_only(input_ids):
             scores = processors(input_ids, approximate)
             return self._argmax_of_unmasked(scores, processors, input_ids)
         shape = approximate.shape
         space, slack = self.workspace, self.slack()
         lower = np.subtract(approximate, slack, out=space.array("lower", shape, np.float32))
         upper = np.add(approximate, slack, out=space.array("upper", shape, np.float32))
+        if columns is not None:  # known: no slack either way
+            lower[:, columns] = upper[:, columns] = approximate[:, columns]
         floor = processors(input_ids, lower).max(axis=1)
         upper = processors(input_ids, upper)
         reaching = np.greater_equal(upper, floor[:, None], out=space.array("mask", shape, bool))
-        row_of, token_of, exact, whole = self._candidates(reaching, ~np.isfinite(floor))
+        if columns is not None:
+            reaching[:, columns] = False
+        row_of, token_of, exact, whole = self._candidates(
+            reaching, ~np.isfinite(floor), none_left_is_whole=columns is None
+        )
         # A token left out keeps its int8 logit: below its upper bound, so below the floor after
         # the processors, and the largest float logit reaches the floor.
         self._write_whole_rows(approximate, whole)
@@ -243,25 +255,30 @@ class LogitBounds:
         return tokens
 
     def _candidates(
-        self, reaching: np.ndarray, unbounded: np.ndarray
+        self, reaching: np.ndarray, unbounded: np.ndarray, *, none_left_is_whole: bool = True
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The rows and tokens ``reaching`` holds, with their float logits, found in one flat
         search over the mask (ten times a 2-D one's speed); and the rows that take the product
         over all of their tokens instead, read in place rather than gathered: ``unbounded``
-        ones, those with no candidate, and those with too many left."""
+        ones, those with too many left, and unless told otherwise (where some columns are
+        float already) those with no candidate."""
         rows, vocab = reaching.shape
         row_of, token_of = np.divmod(np.flatnonzero(reaching), vocab)
         counts = np.bincount(row_of, minlength=rows)
         # Where many tokens remain, a product over the row (or every row) costs less than
         # gathering theirs.
         most = self.accelerations
-        whole = unbounded | (counts == 0) | (counts > most.greedy_most_of_row * vocab)
-        if row_of.size > most.greedy_most_of_step * rows * vocab:
+        whole = unbounded | (counts > most.greedy_most_of_row * vocab)
+        if none_left_is_whole:
+            whole |= counts == 0
+        many = row_of.size > most.greedy_most_of_step * rows * vocab
+        if many and row_of.size >= most.greedy_gather_below:
             whole[:] = True
         picked = ~whole[row_of]
         row_of, token_of = row_of[picked], token_of[picked]
         taken = token_of.size + int(whole.sum()) * vocab
-        self.float_share = max(taken - rows, 0) / max(rows * vocab, 1)
+        self.float_tokens = max(taken - rows, 0)
+        self.float_share = self.float_tokens / max(rows * vocab, 1)
         head = self.head
         exact = np.empty(token_of.size, np.float32)
         hidden_size = head.weight.shape[1]
@@ -279,6 +296,15 @@ class LogitBounds:
         if head.bias is not None:
             exact += head.bias[token_of]
         return row_of, token_of, exact, whole
+
+    def _write_columns(self, logits: np.ndarray, columns: slice) -> None:
+        """Write the float logits of ``columns`` (a slice of the vocabulary) of every row over
+        theirs in ``logits``: one product over those rows of the head, which stay resident."""
+        head = self.head
+        # einsum, not a BLAS product: BLAS's own threads would contend with onnxruntime's.
+        logits[:, columns] = np.einsum("ij,kj->ik", self.hidden, head.weight[columns])
+        if head.bias is not None:
+            logits[:, columns] += head.bias[columns]
 
     def _write_whole_rows(self, logits: np.ndarray, whole: np.ndarray) -> None:
         """Write the float logits of the rows ``whole`` selects over theirs in ``logits``."""

@@ -22,6 +22,7 @@ from onnxmerge.errors import GenerationError
 
 if TYPE_CHECKING:
     from onnxmerge.runtime._model import Seq2SeqModel
+    from onnxmerge.runtime._search import TokenPicker
 
 # generate() keywords that only long-form decoding reads.
 LONGFORM_KEYWORDS = frozenset(
@@ -500,27 +501,61 @@ def _decode(
     rng: np.random.Generator,
 ) -> _Decoded:
     """Greedy (temperature 0) or sampled decoding of one window, at least one token, until
-    eos or ``max_length`` tokens with the prompt."""
+    eos or ``max_length`` tokens with the prompt.
+
+    Greedy decoding that needs no log-probabilities (no ``logprob_threshold``) runs its cached
+    steps through the session's int8 head where it has one (``session_cache=``): the timestamp
+    rule reads the timestamps' float logits, the bounds screen the text tokens."""
     sequence = list(prompt)
-    step = model.first_step(window, np.array([prompt], dtype=np.int64))
+    scored = plan.logprob_threshold is not None
+    runner = model._greedy_runner(
+        model._step_inputs(window),
+        np.array([prompt], dtype=np.int64),
+        max_length,
+        bounded=temperature == 0.0 and not scored,
+    )
+    first = runner.start(every_position=True)[0]
     decoded = _Decoded([], [])
     if plan.no_speech_threshold is not None and plan.no_timestamps is not None:
         # The no-speech token's probability right after start-of-transcript.
-        after_sot = np.exp(_log_softmax(step.logits[0, sot].astype(np.float32)))
+        after_sot = np.exp(_log_softmax(first[sot].astype(np.float32)))
         decoded.no_speech = float(after_sot[plan.no_timestamps - 1])
+    processors = _WindowProcessors(plan, len(prompt))
+    logits: np.ndarray | TokenPicker = first[-1:]
     while True:
-        scores = _process(plan, step.logits[0, -1].astype(np.float32), sequence, len(prompt))
-        logprobs = _log_softmax(scores)
-        if temperature > 0.0:
-            token = _sample(scores / temperature, plan.top_k, rng)
+        if not isinstance(logits, np.ndarray):  # the greedy head's bounds
+            token = int(logits.argmax(processors, np.array([sequence]))[0])
         else:
-            token = int(np.argmax(scores))
+            # In place: the runner's own array, which nothing reads after this.
+            scores = _process(plan, np.asarray(logits[0], dtype=np.float32), sequence, len(prompt))
+            if temperature > 0.0:
+                token = _sample(scores / temperature, plan.top_k, rng)
+            else:
+                token = int(np.argmax(scores))
+            if scored:
+                decoded.logprobs.append(float(_log_softmax(scores)[token]))
         sequence.append(token)
         decoded.tokens.append(token)
-        decoded.logprobs.append(float(logprobs[token]))
         if token == plan.eos or len(sequence) >= max_length:
             return decoded
-        step = model.next_step(np.array([[token]], dtype=np.int64), step.cache)
+        logits = runner.advance(np.array([token], dtype=np.int64))
+
+
+class _WindowProcessors:
+    """:func:`_process` as a list of processors over ``[rows, vocab]`` scores, for the greedy
+    head's bounds: the timestamp rule weighs the timestamps' probabilities together (their
+    float logits, ``exact_columns``); everything else it does is masking."""
+
+    keeps_bounds = True
+
+    def __init__(self, plan: _Plan, begin: int):
+        self.plan, self.begin = plan, begin
+        self.exact_columns = slice(plan.timestamp_begin, None) if plan.return_timestamps else None
+
+    def __call__(self, input_ids: np.ndarray, scores: np.ndarray) -> np.ndarray:
+        for row, ids in zip(scores, input_ids.tolist(), strict=True):
+            _process(self.plan, row, ids, self.begin)
+        return scores
 
 
 def _sample(scores: np.ndarray, top_k: int | None, rng: np.random.Generator) -> int:
@@ -563,17 +598,17 @@ def _timestamp_rules(plan: _Plan, scores: np.ndarray, generated: list[int], at_b
             scores[begin:] = -np.inf
         else:
             scores[: plan.eos] = -np.inf
-    stamps = [t for t in generated if t >= begin]
-    if stamps:
-        floor = stamps[-1] if last and not penultimate else stamps[-1] + 1
+    latest = next((t for t in reversed(generated) if t >= begin), None)
+    if latest is not None:
+        floor = latest if last and not penultimate else latest + 1
         scores[begin:floor] = -np.inf
     if at_begin:
         scores[:begin] = -np.inf
         if plan.max_initial_timestamp is not None:
             scores[begin + plan.max_initial_timestamp + 1 :] = -np.inf
-    logprobs = _log_softmax(scores)
-    stamp_logprob = _logsumexp(logprobs[begin:])
-    if stamp_logprob > np.max(logprobs[:begin]):
+    # transformers compares log-probabilities; their normalizer is the same on both sides, so
+    # the scores are compared as they are, without a softmax over the vocabulary.
+    if _logsumexp(scores[begin:]) > np.max(scores[:begin]):
         scores[:begin] = -np.inf
 
 

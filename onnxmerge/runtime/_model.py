@@ -453,18 +453,30 @@ class Seq2SeqModel:
             prompt = np.repeat(prompt, repeat, axis=0)
         # Greedy search needs only each row's largest score: the session's int8 head bounds
         # the rest, where the processors keep bounds bounds.
-        greedy_head = (
-            self._session.greedy_head
-            if not settings.do_sample and processors.keeps_bounds
-            else None
-        )
-        max_length = settings.max_length
-        greedy: GreedyRunner = (
-            GreedyHeadRunner(self._session, inputs, prompt, max_length, greedy_head, stop)
-            if greedy_head is not None
-            else Runner(self._session, inputs, prompt, max_length, stop)
+        greedy = self._greedy_runner(
+            inputs,
+            prompt,
+            settings.max_length,
+            bounded=not settings.do_sample and processors.keeps_bounds,
+            stop=stop,
         )
         return _Search(False, (greedy, prompt, settings, processors, rng), self.accelerations)
+
+    def _greedy_runner(
+        self,
+        inputs: dict[str, np.ndarray],
+        prompt: np.ndarray,
+        max_length: int,
+        *,
+        bounded: bool,
+        stop: threading.Event | None = None,
+    ) -> GreedyRunner:
+        """A runner over checked encoder ``inputs`` whose cached steps go through the session's
+        int8 head where there is one and the caller's processors allow it (``bounded``)."""
+        head = self._session.greedy_head if bounded else None
+        if head is not None:
+            return GreedyHeadRunner(self._session, inputs, prompt, max_length, head, stop)
+        return Runner(self._session, inputs, prompt, max_length, stop)
 
     def generate_many(
         self,
@@ -687,13 +699,19 @@ class Seq2SeqModel:
         decoder_input_ids: np.ndarray,
     ) -> StepOutput:
         """Run encoder and decoder on a prompt; ``logits`` is ``[rows, prompt_len, vocab]``."""
-        inputs = self._check_encoder_inputs(dict(encoder_inputs))
+        inputs = self._step_inputs(encoder_inputs)
         batch = next(iter(inputs.values())).shape[0]
         ids = _decoder_ids(np.asarray(decoder_input_ids), batch)
+        return self._session.first_step(inputs, ids)
+
+    def _step_inputs(self, encoder_inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Checked encoder inputs, with an attention mask of ones where the session takes one
+        and none is given."""
+        inputs = self._check_encoder_inputs(dict(encoder_inputs))
         if self._session.has_attention_mask and c.ATTENTION_MASK not in inputs:
             first = next(iter(inputs.values()))
             inputs[c.ATTENTION_MASK] = np.ones(first.shape[:2], dtype=np.int64)
-        return self._session.first_step(inputs, ids)
+        return inputs
 
     def next_step(
         self,

@@ -53,7 +53,9 @@ class SessionSteps:
             raise RuntimeError("the runner has not started")  # the search loops start first
         return self._cache
 
-    def start(self) -> np.ndarray:
+    def start(self, *, every_position: bool = False) -> np.ndarray:
+        """The first step's logits: ``[rows, vocab]`` of the prompt's last position, or with
+        ``every_position`` ``[rows, prompt length, vocab]``."""
         self._check_stop()
         out = self.session.first_step(self.encoder_inputs, self.prompt)
         self._cache = out.cache
@@ -61,7 +63,7 @@ class SessionSteps:
             vocab = out.logits.shape[-1]
             ring = self.accelerations.present_ring and self.session.pasts_die_by_layer
             self._presents = PresentBuffers(self.max_length, vocab, out.logits.dtype, ring=ring)
-        return out.logits[:, -1, :]
+        return out.logits if every_position else out.logits[:, -1, :]
 
     def _next(self, tokens: np.ndarray, *, greedy: bool) -> StepOutput:
         self._check_stop()
@@ -187,9 +189,10 @@ class GreedyHeadRunner(SessionSteps):
     def advance(self, tokens: np.ndarray) -> np.ndarray | LogitBounds:
         head, last, self._screened = self.head, self._screened, None
         share = None if last is None else last.float_share
-        if share is not None and self.backoff.costly(share):
+        taken = None if last is None else last.float_tokens
+        if share is not None and self.backoff.costly(share, taken):
             head.drop_pages()  # the many rows it read
-        out = self._next(tokens, greedy=self.backoff.next_is_screened(share))
+        out = self._next(tokens, greedy=self.backoff.next_is_screened(share, taken))
         if out.hidden is not None:
             self._screened = head.bounds(
                 out.logits[:, -1, :], out.hidden, self.workspace, self.accelerations

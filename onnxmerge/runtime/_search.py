@@ -18,7 +18,7 @@ from typing import Protocol, TypeVar
 import numpy as np
 
 from onnxmerge.runtime._accelerations import Accelerations
-from onnxmerge.runtime.processors import ProcessorList, log_softmax, softmax
+from onnxmerge.runtime.processors import LogitsProcessor, ProcessorList, log_softmax, softmax
 from onnxmerge.settings import GenerationSettings
 
 _NEG = np.float32(-1.0e9)
@@ -45,7 +45,7 @@ Departed = Callable[[], np.ndarray]
 class TokenPicker(Protocol):
     """What a greedy step may return in place of its logits: it picks each row's token."""
 
-    def argmax(self, processors: ProcessorList, input_ids: np.ndarray) -> np.ndarray: ...
+    def argmax(self, processors: LogitsProcessor, input_ids: np.ndarray) -> np.ndarray: ...
 
 
 class StepRunner(Protocol):
@@ -66,7 +66,7 @@ class GreedyRunner(Protocol):
     """The model as greedy search and sampling see it: a step after the first may return a
     ``TokenPicker`` (bounds from a greedy head) in place of its logits."""
 
-    def start(self) -> np.ndarray: ...
+    def start(self, *, every_position: bool = False) -> np.ndarray: ...
 
     def advance(self, tokens: np.ndarray) -> np.ndarray | TokenPicker: ...
 

@@ -31,6 +31,8 @@ TokenRows = np.ndarray | Sequence[np.ndarray] | Sequence[Sequence[int]]
 class LogitsProcessor(Protocol):
     """``keeps_bounds = True`` on a processor says it maps each score through a non-decreasing
     function of that score alone (given the tokens so far): bounds on scores stay bounds.
+    ``exact_columns`` (a slice), where a processor has it, names the scores it reads as a whole
+    (long-form Whisper's timestamp rule): with those exact, it keeps bounds on the others.
     ``masks_only(input_ids)``, where a processor has it, says whether, called with these
     ``input_ids``, it only sets some scores to -inf and leaves the others as they are."""
 

@@ -1,0 +1,170 @@
+"""What the greedy head's ``greedy_gather_below`` weighs, at batch 1: a cached step through the
+float head against one through the int8 head (what screening saves), gathering the float rows
+of ``k`` tokens from cold pages (what a screened step pays for the tokens its bounds leave), and
+one row's product over the whole mapped head (what a step pays that gives up gathering).
+
+The model is the whisper-tiny shape (seeded random weights; ``bench_whisper``'s cached export,
+merged afresh) opened through a session cache, whose entry holds the int8 head
+(``docs/runtime.md``, "Greedy search through the session cache"); the opus-mt-fr-en shape with
+``--model marian``. Cold pages: the head's rows are dropped from the process before each
+gather, as a step's page release leaves them. A diagnosis for one setting, run by
+``run_all.py --only greedy_gather``; its figures are medians of ``--repeats`` each.
+
+Usage: python benchmarks/bench_greedy_gather.py [--quick] [--model whisper|marian]
+    [--repeats 50] [--threads 2] [--out benchmarks/out/greedy_gather.json]
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks import _anchor, _common  # noqa: E402
+
+GATHERED = (256, 512, 1024, 2048, 4096, 8192)
+
+
+def _median_ms(
+    fn: Callable[[], Any], repeats: int, before: Callable[[], Any] | None = None
+) -> float:
+    times = []
+    for _ in range(repeats):
+        if before is not None:
+            before()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def _model(args, scratch: Path) -> tuple[Any, dict[str, Any], str]:
+    """The model through a session cache, its first step's encoder inputs and prompt, a name."""
+    import numpy as np
+
+    import onnxmerge
+
+    if args.model == "marian":
+        export, _ = _common.marian_export(args.quick)
+        onnx_dir, name = export.onnx_dir, "tiny Marian" if args.quick else "opus-mt-fr-en shape"
+    else:
+        from benchmarks import bench_whisper
+
+        onnx_dir = bench_whisper.export_whisper(quick=args.quick)
+        name = "tiny Whisper" if args.quick else "whisper-tiny shape"
+    merged = onnxmerge.merge_seq2seq(onnx_dir, scratch / "model.onnx")
+    model = onnxmerge.Seq2SeqModel(merged, threads=args.threads, session_cache=scratch / "cache")
+    rng = np.random.default_rng(_common.SEED)
+    if args.model == "marian":
+        inputs = {"input_ids": rng.integers(2, 1000, (1, 30), dtype=np.int64)}
+    else:
+        bins, frames = model.config["num_mel_bins"], 2 * model.config["max_source_positions"]
+        inputs = {"input_features": rng.uniform(-1, 1, (1, bins, frames)).astype(np.float32)}
+    start = int(model.generation_config.get("decoder_start_token_id") or 0)
+    return model, {"inputs": inputs, "prompt": np.array([[start]], dtype=np.int64)}, name
+
+
+def measure(args) -> dict[str, Any]:
+    import numpy as np
+
+    with tempfile.TemporaryDirectory(prefix="bench-gather-") as tmp:
+        model, first, name = _model(args, Path(tmp))
+        session = model._session
+        head = session.greedy_head
+        if head is None:
+            raise RuntimeError("the session-cache entry holds no int8 head")
+        out = model.first_step(first["inputs"], first["prompt"])
+        token = np.array([[int(np.argmax(out.logits[0, -1]))]], dtype=np.int64)
+
+        def step(greedy: bool) -> Callable[[], Any]:
+            return lambda: session.next_step(token, out.cache, greedy=greedy)
+
+        vocab, width = head.weight.shape
+        rng = np.random.default_rng(_common.SEED)
+        hidden = rng.standard_normal(width).astype(np.float32)
+        gathers = {}
+        for count in GATHERED:
+            tokens = np.sort(rng.choice(vocab, min(count, vocab), replace=False))
+            gathers[str(count)] = _median_ms(
+                lambda tokens=tokens: np.einsum(
+                    "ij,j->i", np.take(head.weight, tokens, axis=0, mode="clip"), hidden
+                ),
+                args.repeats,
+                before=head.drop_pages,
+            )
+        chunk = model.accelerations.greedy_rows_at_once
+
+        def whole_row() -> None:
+            for start in range(0, vocab, chunk):
+                part = slice(start, start + chunk)
+                np.einsum("ij,kj->ik", hidden[None], head.weight[part])
+                head.drop_pages(part)
+
+        float_ms = _median_ms(step(False), args.repeats)
+        int8_ms = _median_ms(step(True), args.repeats)
+        return {
+            "model": name,
+            "vocab": vocab,
+            "width": width,
+            "float_step_ms": float_ms,
+            "int8_step_ms": int8_ms,
+            "saved_ms": float_ms - int8_ms,
+            "gather_ms": gathers,
+            "whole_row_ms": _median_ms(whole_row, max(3, args.repeats // 10), head.drop_pages),
+            "greedy_gather_below": model.accelerations.greedy_gather_below,
+        }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _common.arguments(__doc__, "greedy_gather", "the tiny model, fewer repeats")
+    parser.add_argument("--model", choices=("whisper", "marian"), default="whisper")
+    parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.repeats = 5
+    load_at_start = os.getloadavg()
+    machine = _anchor.MachineUse()
+    results = {
+        "quick": args.quick,
+        "setting": {"threads": args.threads, "repeats": args.repeats, "statistic": "median"},
+        "environment": _common.environment(load_at_start, **_common.package_versions()),
+        "batch_1": measure(args),
+        "machine_use": machine.record(),
+    }
+    _common.write_results(args.out, results)
+    return 0
+
+
+def markdown(data: dict[str, Any]) -> list[str]:
+    """The section of docs/benchmarks.md (``run_all.py`` renders it from greedy_gather.json)."""
+    m = data["batch_1"]
+    cpu = _common.processor_words(data["environment"])
+    gathers = ", ".join(f"{k}: {v:.2f} ms" for k, v in m["gather_ms"].items())
+    return [
+        "## What a screened greedy step pays for the tokens its bounds leave",
+        "",
+        f"{m['model']} ({m['vocab']:,} tokens, {m['width']} wide), batch 1, "
+        f"{data['setting']['threads']} threads, {cpu} (`benchmarks/bench_greedy_gather.py`, "
+        f"medians). A cached step through the float head takes {m['float_step_ms']:.2f} ms, "
+        f"through the int8 head {m['int8_step_ms']:.2f} ms: screening saves "
+        f"{m['saved_ms']:.2f} ms a step. Gathering the float rows of that many tokens from "
+        f"cold pages: {gathers}; one row's product over the whole mapped head "
+        f"{m['whole_row_ms']:.2f} ms. A step that takes fewer than `greedy_gather_below` "
+        f"({m['greedy_gather_below']:,}) tokens in float gathers them and counts as cheap. "
+        f"Other processes used {data['machine_use']['other_cores']:.2f} cores on average.",
+        "",
+    ]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

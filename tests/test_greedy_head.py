@@ -705,3 +705,39 @@ def test_columns_read_as_a_whole_get_float_logits_and_the_tokens_stay():
             agree[exact] += int((tokens == expected).all())
     assert agree[True] == 60, agree
     assert agree[False] < 60, agree  # without them the bounds pick other tokens: the test can fail
+
+
+@pytest.mark.skipif(not SMAPS.exists(), reason="reads Linux's smaps")
+def test_a_row_read_from_the_heads_mapping_maps_its_own_pages_only(tmp_path):
+    # Without MADV_RANDOM a read fault reads ahead and maps the pages around it too (64 KB and
+    # more): a screened step's few hundred candidate rows mapped 16 pages each, for the page
+    # release to drop again. The session's page release leaves the rows out of the page cache
+    # (GatheredPages), as the fadvise below does.
+    import os
+
+    from onnxmerge.runtime._greedy_head import write_tables
+
+    vocab, width = 4096, 256  # 4 MB of rows, 1 KB each
+    weight = np.random.default_rng(0).standard_normal((vocab, width)).astype(np.float32)
+    with open(tmp_path / "rows.bin", "wb") as file:
+        file.write(weight.tobytes())
+        file.flush()
+        os.fsync(file.fileno())
+        os.posix_fadvise(file.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    tables = row_tables(weight)
+    write_tables(
+        tmp_path,
+        weight_file="rows.bin",
+        weight_offset=0,
+        weight_shape=(vocab, width),
+        bias=None,
+        error=tables.error,
+        l1=tables.l1,
+        amax=tables.amax,
+    )
+    head = GreedyHead.load(tmp_path)
+    assert head is not None
+    head.drop_pages()
+    assert resident_bytes(head.weight.ctypes.data) == 0
+    np.testing.assert_array_equal(head.weight[1000], weight[1000])
+    assert resident_bytes(head.weight.ctypes.data) <= 8192

@@ -39,11 +39,10 @@ class Accelerations:
             the next steps to the float head (same measurement).
         greedy_gather_below: a step that takes fewer tokens than this in float gathers their
             rows and counts as cheap, whatever the two shares above say: they were measured on
-            batches, and at batch 1 they are a few hundred tokens. Gathering 2,048 rows of the
-            head from cold pages took 0.46 ms on the whisper-tiny shape (1.08 ms on the
-            opus-mt-fr-en shape), against the 2.2 ms (3.8 ms) a step the int8 head saves and
-            6.9 ms (14.5 ms) for one row's product over the mapped head
-            (``bench_greedy_gather``).
+            batches, and at batch 1 they are a few hundred tokens. At batch 1 on the
+            whisper-tiny shape, gathering 2,048 rows of the head from cold pages took 0.43 ms,
+            against the 2.4 ms a step the int8 head saves and 6.3 ms for one row's product over
+            the mapped head (``bench_greedy_gather``).
         greedy_rows_at_once: float logits are computed from this many of the head's rows at a
             time, gathered or in place, so that what a step reads stays within 16 MB at the
             opus-mt-fr-en shape's width (and its pages are dropped again part by part).

@@ -110,6 +110,8 @@ class GreedyHead:
                     mapping = mmap.mmap(
                         file.fileno(), length, access=mmap.ACCESS_READ, offset=start
                     )
+                if hasattr(mmap, "MADV_RANDOM"):  # a row read maps its own pages, no more
+                    mapping.madvise(mmap.MADV_RANDOM)
                 weight = np.frombuffer(mapping, np.float32, vocab * hidden, offset - start).reshape(
                     vocab, hidden
                 )

@@ -157,8 +157,8 @@ def markdown(data: dict[str, Any]) -> list[str]:
         f"{data['setting']['threads']} threads, {cpu} (`benchmarks/bench_greedy_gather.py`, "
         f"medians). A cached step through the float head takes {m['float_step_ms']:.2f} ms, "
         f"through the int8 head {m['int8_step_ms']:.2f} ms: screening saves "
-        f"{m['saved_ms']:.2f} ms a step. Gathering the float rows of that many tokens from "
-        f"cold pages: {gathers}; one row's product over the whole mapped head "
+        f"{m['saved_ms']:.2f} ms a step. Gathering the float rows of k tokens from cold pages, "
+        f"by k: {gathers}; one row's product over the whole mapped head "
         f"{m['whole_row_ms']:.2f} ms. A step that takes fewer than `greedy_gather_below` "
         f"({m['greedy_gather_below']:,}) tokens in float gathers them and counts as cheap. "
         f"Other processes used {data['machine_use']['other_cores']:.2f} cores on average.",

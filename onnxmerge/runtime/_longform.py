@@ -360,8 +360,8 @@ def _window(features: np.ndarray, seek: int, frames: int, size: int) -> dict[str
 
 @dataclass
 class _Decoded:
-    """One decoding of a window: the generated tokens (eos included, where it came) and the
-    log-probability of each under the processed scores."""
+    """One decoding of a window: the generated tokens (eos included, where it came) and, where
+    ``logprob_threshold`` reads them, the log-probability of each under the processed scores."""
 
     tokens: list[int]
     logprobs: list[float]

@@ -301,7 +301,7 @@ class LogitBounds:
 
     def _write_columns(self, logits: np.ndarray, columns: slice) -> None:
         """Write the float logits of ``columns`` (a slice of the vocabulary) of every row over
-        theirs in ``logits``: one product over those rows of the head, which stay resident."""
+        theirs in ``logits``: one product over those rows of the head."""
         head = self.head
         # einsum, not a BLAS product: BLAS's own threads would contend with onnxruntime's.
         logits[:, columns] = np.einsum("ij,kj->ik", self.hidden, head.weight[columns])

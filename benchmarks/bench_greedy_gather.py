@@ -16,6 +16,7 @@ Usage: python benchmarks/bench_greedy_gather.py [--quick] [--model whisper|maria
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 import sys
@@ -90,24 +91,29 @@ def measure(args) -> dict[str, Any]:
 
         vocab, width = head.weight.shape
         rng = np.random.default_rng(_common.SEED)
-        hidden = rng.standard_normal(width).astype(np.float32)
+        hidden = rng.standard_normal((1, width)).astype(np.float32)
+        # The runtime's own code: LogitBounds gathering the rows of the tokens a mask holds
+        # (with shares that never send them to a product), and its product over a whole row.
+        gathering = dataclasses.replace(
+            model.accelerations, greedy_most_of_row=1.0, greedy_most_of_step=1.0
+        )
+        bounds = head.bounds(np.zeros((1, vocab), np.float32), hidden, accelerations=gathering)
         gathers = {}
         for count in GATHERED:
-            tokens = np.sort(rng.choice(vocab, min(count, vocab), replace=False))
+            reaching = np.zeros((1, vocab), bool)
+            reaching[0, rng.choice(vocab, min(count, vocab), replace=False)] = True
+            unbounded = np.zeros(1, bool)
             gathers[str(count)] = _median_ms(
-                lambda tokens=tokens: np.einsum(
-                    "ij,j->i", np.take(head.weight, tokens, axis=0, mode="clip"), hidden
+                lambda reaching=reaching, unbounded=unbounded: bounds._candidates(
+                    reaching, unbounded
                 ),
                 args.repeats,
                 before=head.drop_pages,
             )
-        chunk = model.accelerations.greedy_rows_at_once
+        logits = np.zeros((1, vocab), np.float32)
 
         def whole_row() -> None:
-            for start in range(0, vocab, chunk):
-                part = slice(start, start + chunk)
-                np.einsum("ij,kj->ik", hidden[None], head.weight[part])
-                head.drop_pages(part)
+            bounds._write_whole_rows(logits, np.ones(1, bool))
 
         float_ms = _median_ms(step(False), args.repeats)
         int8_ms = _median_ms(step(True), args.repeats)

@@ -40,8 +40,8 @@ class Accelerations:
         greedy_gather_below: a step that takes fewer tokens than this in float gathers their
             rows and counts as cheap, whatever the two shares above say: they were measured on
             batches, and at batch 1 they are a few hundred tokens. At batch 1 on the
-            whisper-tiny shape, gathering 2,048 rows of the head from cold pages took 0.43 ms,
-            against the 2.4 ms a step the int8 head saves and 6.3 ms for one row's product over
+            whisper-tiny shape, gathering 2,048 rows of the head from cold pages took 0.74 ms,
+            against the 1.8 ms a step the int8 head saves and 7.3 ms for one row's product over
             the mapped head (``bench_greedy_gather``).
         greedy_rows_at_once: float logits are computed from this many of the head's rows at a
             time, gathered or in place, so that what a step reads stays within 16 MB at the

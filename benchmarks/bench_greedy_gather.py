@@ -1,7 +1,10 @@
 """What the greedy head's ``greedy_gather_below`` weighs, at batch 1: a cached step through the
 float head against one through the int8 head (what screening saves), gathering the float rows
 of ``k`` tokens from cold pages (what a screened step pays for the tokens its bounds leave), and
-one row's product over the whole mapped head (what a step pays that gives up gathering).
+one row's product over the whole mapped head (what a step pays that gives up gathering). And
+what ``gathered_pages_kept`` weighs: a long-form ``generate`` (``bench_pipeline``'s two minutes
+of audio) with the mapped pages of gathered rows dropped once the process's resident file pages
+grew by each of ``KEPT`` bytes, 4,096 being about every step.
 
 The model is the whisper-tiny shape (seeded random weights; ``bench_whisper``'s cached export,
 merged afresh) opened through a session cache, whose entry holds the int8 head
@@ -33,6 +36,7 @@ if str(REPO_ROOT) not in sys.path:
 from benchmarks import _anchor, _common  # noqa: E402
 
 GATHERED = (256, 512, 1024, 2048, 4096, 8192)
+KEPT = (4096, 2**20, 4 * 2**20, 16 * 2**20, 64 * 2**20)
 
 
 def _median_ms(
@@ -130,14 +134,70 @@ def measure(args) -> dict[str, Any]:
         }
 
 
+def measure_page_release(args) -> dict[str, Any]:
+    """A long-form call's time and the resident file pages it leaves, by ``gathered_pages_kept``:
+    the fastest of ``--calls`` calls after one untimed, each setting in turn, twice over."""
+    import gc
+    import json
+
+    import onnxmerge
+    from benchmarks import bench_pipeline
+    from onnxmerge.runtime import Accelerations
+    from onnxmerge.runtime._memory import resident_file_bytes
+
+    onnx_dir, _, fields, features, mask = bench_pipeline._whisper(args)
+    with tempfile.TemporaryDirectory(prefix="bench-kept-") as tmp:
+        merged = onnxmerge.merge_seq2seq(onnx_dir, Path(tmp) / "model.onnx")
+        cache = Path(tmp) / "cache"
+        onnxmerge.Seq2SeqModel(merged, session_cache=cache)  # the entry, written once
+        times: dict[int, list[float]] = {kept: [] for kept in KEPT}
+        kept_mb: dict[int, float] = {}
+        sequences = set()
+        for _ in range(2):
+            for kept in KEPT:
+                model = onnxmerge.Seq2SeqModel(
+                    merged,
+                    threads=args.threads,
+                    session_cache=cache,
+                    accelerations=Accelerations(gathered_pages_kept=kept),
+                )
+                model.generation_config.update(fields)
+
+                def call(model=model) -> Any:
+                    return model.generate(
+                        input_features=features, attention_mask=mask, return_timestamps=True
+                    )
+
+                before = resident_file_bytes() or 0
+                sequences.add(json.dumps(call().tolist()))
+                for _ in range(args.calls):
+                    start = time.perf_counter()
+                    call()
+                    times[kept].append(time.perf_counter() - start)
+                kept_mb[kept] = max(
+                    kept_mb.get(kept, 0.0), ((resident_file_bytes() or 0) - before) / 1e6
+                )
+                del model, call
+                gc.collect()
+        if len(sequences) != 1:
+            raise RuntimeError("the settings gave different ids")
+        return {
+            "audio_s": None if args.quick else bench_pipeline.AUDIO_SECONDS,
+            "call_s": {str(kept): min(times[kept]) for kept in KEPT},
+            "resident_file_growth_mb": {str(kept): kept_mb[kept] for kept in KEPT},
+            "gathered_pages_kept": Accelerations().gathered_pages_kept,
+        }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _common.arguments(__doc__, "greedy_gather", "the tiny model, fewer repeats")
     parser.add_argument("--model", choices=("whisper", "marian"), default="whisper")
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--calls", type=int, default=2, help="timed long-form calls a setting")
     args = parser.parse_args(argv)
     if args.quick:
-        args.repeats = 5
+        args.repeats, args.calls = 5, 1
     load_at_start = os.getloadavg()
     machine = _anchor.MachineUse()
     results = {
@@ -145,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         "setting": {"threads": args.threads, "repeats": args.repeats, "statistic": "median"},
         "environment": _common.environment(load_at_start, **_common.package_versions()),
         "batch_1": measure(args),
+        "page_release": measure_page_release(args),
         "machine_use": machine.record(),
     }
     _common.write_results(args.out, results)
@@ -168,6 +229,29 @@ def markdown(data: dict[str, Any]) -> list[str]:
         f"{m['whole_row_ms']:.2f} ms. A step that takes fewer than `greedy_gather_below` "
         f"({m['greedy_gather_below']:,}) tokens in float gathers them and counts as cheap. "
         f"Other processes used {data['machine_use']['other_cores']:.2f} cores on average.",
+        "",
+        *_page_release_lines(data),
+    ]
+
+
+def _page_release_lines(data: dict[str, Any]) -> list[str]:
+    r = data.get("page_release")
+    if r is None:
+        return []
+    every = str(KEPT[0])
+    cells = ", ".join(
+        f"{int(k) / 2**20:g} MiB: {s:.2f} s ({s / r['call_s'][every]:.2f}x), "
+        f"{r['resident_file_growth_mb'][k]:.1f} MB kept"
+        for k, s in r["call_s"].items()
+        if k != every
+    )
+    audio = f"{r['audio_s']:.0f} s of audio" if r["audio_s"] else "the tiny model's features"
+    return [
+        "Long-form `generate(..., return_timestamps=True)` on the same model through its "
+        f"session cache ({audio}), by `gathered_pages_kept`, the fastest call of each: dropping "
+        f"the gathered rows' pages about every step (4 KiB) {r['call_s'][every]:.2f} s, "
+        f"{r['resident_file_growth_mb'][every]:.1f} MB of file pages kept; {cells}. The default "
+        f"keeps {r['gathered_pages_kept'] / 2**20:g} MiB.",
         "",
     ]
 

@@ -50,6 +50,11 @@ class Accelerations:
             int8 step; each costly int8 step after that doubles it.
         greedy_most_float_steps: the most steps the float head then runs before the int8 head
             is tried again (the back-off of 4 to 32 steps, ``bench_corpus_ends``).
+        gathered_pages_kept: the mapped pages that steps gather rows from (the embedding, the
+            greedy head's float rows) are dropped once the process's resident file pages grew
+            by this many bytes since the last drop, rather than after every step, which made
+            each step fault its rows in again: long-form Whisper through the session cache,
+            by the setting (``bench_greedy_gather``).
         drop_finished: rows whose search ended leave their batch, as CTranslate2 drops them,
             instead of running on padding to the batch's end as transformers does; on a model
             whose outputs end at different lengths, 1.7-2.1x faster (``bench_corpus_ends``,
@@ -81,6 +86,7 @@ class Accelerations:
     greedy_rows_at_once: int = 8192
     greedy_first_float_steps: int = 4
     greedy_most_float_steps: int = 32
+    gathered_pages_kept: int = 16 * 2**20
     drop_finished: bool = True
     present_buffers: bool = True
     present_ring: bool = True

@@ -138,13 +138,24 @@ def _drop(regions: Sequence[tuple[int, int]]) -> int:
     return released
 
 
+def resident_file_bytes(statm: str = "/proc/self/statm") -> int | None:
+    """The bytes of files (and shared memory) this process has resident; None where unknown."""
+    try:
+        with open(statm, "rb") as file:
+            return int(file.read().split()[2]) * mmap.PAGESIZE
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 class GatheredPages:
     """The mapped pages of weights that steps only gather rows of (an embedding whose other
-    reader, a tied head, runs from its pre-packed copy), dropped again after every step.
+    reader, a tied head, runs from its pre-packed copy), dropped again once they add up.
 
     Each gathered row maps back the kernel's fault-around window of pages around it: over a
     corpus of varied tokens the whole embedding becomes resident beside the head's packed copy,
-    twice what the weights need. Dropped after each step, only the rows of one step are.
+    twice what the weights need. :meth:`after_step` drops them once the process's resident file
+    pages grew by ``kept`` bytes since the last drop (after every step where that cannot be
+    read): a row read again before then costs no fault, and what steps keep stays bounded.
     ``tensors``: ``(file, offset, length)`` of each such weight in the model's data files.
 
     A region is dropped only while its mapping is still that file's (``/proc/self/map_files``):
@@ -152,7 +163,11 @@ class GatheredPages:
     dropping would zero.
     """
 
-    def __init__(self, model: Path, tensors: Sequence[tuple[Path, int, int]]) -> None:
+    def __init__(
+        self, model: Path, tensors: Sequence[tuple[Path, int, int]], kept: int = 0
+    ) -> None:
+        self._kept = kept
+        self._resident_after_drop: int | None = None
         # Each region with its mapping (map_files entry, file), replaced only as a whole: steps
         # of batches run at once drop from several threads.
         self._regions: list[tuple[tuple[int, int], tuple[str, str]]] = []
@@ -184,6 +199,16 @@ class GatheredPages:
     def regions(self) -> list[tuple[int, int]]:
         return [region for region, _ in self._regions]
 
+    def after_step(self) -> None:
+        """:meth:`drop` once the pages kept since the last drop may add up to ``kept`` bytes."""
+        if not self._regions:
+            return
+        if self._kept and self._resident_after_drop is not None:
+            resident = resident_file_bytes()
+            if resident is not None and resident - self._resident_after_drop < self._kept:
+                return
+        self.drop()
+
     def drop(self) -> None:
         regions = self._regions
         if not regions:
@@ -192,6 +217,8 @@ class GatheredPages:
         if len(kept) < len(regions):  # gone for good: never dropped again
             self._regions = kept
         _drop([region for region, _ in kept])
+        if self._kept:
+            self._resident_after_drop = resident_file_bytes()
 
 
 def _read_page_by_page(

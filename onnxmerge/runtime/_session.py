@@ -8,7 +8,6 @@ pass them back without copying.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -273,7 +272,6 @@ class MergedSession:
         """Hand the load's memory back, then read the contract, the step names and the greedy
         head of the opened ``session``."""
         self.session, self.opened, self.wrote_cache_entry = session, opened, wrote_cache_entry
-        release_free_heap()
         release_mapped_weights(self.opened)
         self._mapped_files = mapped_file_states(self.opened)
         self._read_contract()
@@ -291,8 +289,26 @@ class MergedSession:
         )
         if self.greedy_head is not None:
             self._greedy_outputs = self._next_outputs + [HIDDEN]
+        # The graph's structure is read once here and not kept: a parsed graph is megabytes.
+        graph = self._read_graph()
+        # Whether a step's presents of layer ``i`` may be written over the pasts of layers
+        # before ``i``: the graph reads each decoder past only into its own present, and each
+        # layer's presents are computed from the layer before's, so those pasts have been read
+        # to the end before a node of layer ``i`` writes.
+        self.pasts_die_by_layer = (
+            self.has_past
+            and graph is not None
+            and pasts_read_only_into_presents(graph, self.past_decoder_names)
+            and presents_follow_layers(graph, self.present_decoder_names)
+        )
         # After the greedy head, whose rows of the embedding are mapped as well.
-        self._gathered = GatheredPages(self.opened, self._gathered_tensors(options))
+        self._gathered = GatheredPages(
+            self.opened,
+            self._gathered_tensors(options, graph),
+            self.accelerations.gathered_pages_kept,
+        )
+        del graph
+        release_free_heap()
 
     def _read_contract(self) -> None:
         """The contract, inputs and outputs of the session; refuses encoder inputs it lacks."""
@@ -362,8 +378,7 @@ class MergedSession:
         providers = getattr(self.session, "get_providers", None)
         return providers is not None and providers() == ["CPUExecutionProvider"]
 
-    @functools.cached_property
-    def _graph(self) -> _proto.GraphProto | None:
+    def _read_graph(self) -> _proto.GraphProto | None:
         """The structure of the graph onnxruntime runs, or None where it cannot be read."""
         try:
             return load_skeleton(self.opened).graph
@@ -371,10 +386,12 @@ class MergedSession:
             logger.debug("%s not read: %s", self.opened, error)
             return None
 
-    def _gathered_tensors(self, options: Any) -> list[tuple[Path, int, int]]:
+    def _gathered_tensors(
+        self, options: Any, graph: _proto.GraphProto | None
+    ) -> list[tuple[Path, int, int]]:
         """Where the weights lie that steps only gather rows of, outside the runs' packed copies:
         on onnxruntime's CPU provider, which packs MatMul and Gemm weights unless told not to."""
-        if options is None or not self._on_cpu() or self._graph is None:
+        if options is None or not self._on_cpu() or graph is None:
             return []
         try:
             if options.get_session_config_entry("session.disable_prepacking") == "1":
@@ -382,7 +399,7 @@ class MergedSession:
         except Exception:  # onnxruntime raises where the entry was never set
             pass
         found = []
-        for tensor in gathered_only(self._graph):
+        for tensor in gathered_only(graph):
             where = {e.key: e.value for e in tensor.external_data}
             if "location" in where and "length" in where:
                 file = self.opened.parent / where["location"]
@@ -431,20 +448,6 @@ class MergedSession:
         """Whether ``next_step(into=...)`` writes the presents into the caller's arrays."""
         return bool(self._passed_through)
 
-    @functools.cached_property
-    def pasts_die_by_layer(self) -> bool:
-        """Whether a step's presents of layer ``i`` may be written over the pasts of layers
-        before ``i``: the graph onnxruntime runs reads each decoder past only into its own
-        present (``pasts_read_only_into_presents``), and each layer's presents are computed
-        from the layer before's (``presents_follow_layers``), so those pasts have been read to
-        the end before a node of layer ``i`` writes."""
-        graph = self._graph
-        return (
-            graph is not None
-            and pasts_read_only_into_presents(graph, self.past_decoder_names)
-            and presents_follow_layers(graph, self.present_decoder_names)
-        )
-
     # -- steps ----------------------------------------------------------------------------------
 
     def _run(
@@ -468,7 +471,7 @@ class MergedSession:
         try:
             return self._run_once(output_names, feeds, passed_through, into)
         finally:
-            self._gathered.drop()
+            self._gathered.after_step()
 
     def _run_once(
         self,

@@ -8,7 +8,6 @@ here imports onnxruntime at module level."""
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 import logging
 import os
@@ -99,7 +98,7 @@ _FOLDER_KEY = "session.model_external_initializers_file_folder_path"
 
 
 def mapped_skeleton(path: str | os.PathLike) -> bytes | None:
-    """The bytes of ``path``'s skeleton (``_wire.load_skeleton``): the model with each large
+    """The bytes of ``path``'s skeleton (``_wire.skeleton_bytes``): the model with each large
     ``raw_data`` of its main graph replaced by a reference into the file itself, which
     onnxruntime maps as it maps an external data file.
 
@@ -109,21 +108,14 @@ def mapped_skeleton(path: str | os.PathLike) -> bytes | None:
     lie only in subgraphs, which the skeleton leaves inline): onnxruntime then parses the same
     bytes either way.
     """
-    from onnxmerge._wire import load_skeleton
+    from onnxmerge._wire import skeleton_bytes
 
-    name = os.path.basename(path)
     try:
-        skeleton = load_skeleton(path)
-    except Exception as error:  # WireFormatError, protobuf's DecodeError, OSError
+        skeleton, externalised = skeleton_bytes(path)
+    except Exception as error:  # WireFormatError, OSError
         logger.debug("%s opened by path: no skeleton (%s)", path, error)
         return None
-    if not any(
-        entry.key == "location" and entry.value == name
-        for tensor in skeleton.graph.initializer
-        for entry in tensor.external_data
-    ):
-        return None
-    return skeleton.SerializeToString()
+    return skeleton if externalised else None
 
 
 def _set_config(options: Any, key: str, value: str) -> None:
@@ -177,12 +169,12 @@ def processor() -> tuple[str, frozenset[str] | None]:
 @functools.cache
 def libc() -> ctypes.CDLL | None:
     """The C library with ``madvise`` typed, or None off Linux or where it cannot be loaded."""
-    # Once per process: find_library runs ldconfig in a child process, and steps drop pages.
     if not sys.platform.startswith("linux"):
         return None
-    try:
-        found = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    except OSError:  # pragma: no cover - not glibc
+    # The process's own symbols, the C library's among them: no library search (ctypes.util's
+    # runs ldconfig in a child process, and importing it costs the process a megabyte).
+    found = ctypes.CDLL(None, use_errno=True)
+    if not hasattr(found, "madvise"):  # pragma: no cover - a C library without it
         return None
     found.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     return found

@@ -6,6 +6,10 @@ for a 300 MB model that is well over a gigabyte at the peak. Here the weights st
 - :func:`load_skeleton` parses only the structure of a model. Each large ``raw_data`` of a
   main-graph initializer becomes an external-data reference into the file itself, which onnx-ir
   then memory-maps.
+- :func:`skeleton_bytes` gives the same model serialized, unparsed, for onnxruntime to map.
+- :func:`graph_structure` reads the nodes and initializers of a model's graph without protobuf,
+  for readers that need only which node reads what: importing protobuf and parsing a graph
+  cost a process megabytes that it keeps.
 - :func:`inline_external_data` writes a model whose initializers live in a data file as one
   self-contained file, copying the weights through in slices.
 """
@@ -15,17 +19,26 @@ from __future__ import annotations
 import mmap
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from onnxmerge import _proto
 from onnxmerge.errors import WireFormatError
+
+if TYPE_CHECKING:
+    from onnxmerge import _proto
 
 # Field numbers of onnx.proto.
 _MODEL_GRAPH = 7
+_GRAPH_NODE = 1
 _GRAPH_INITIALIZER = 5
+_NODE_INPUT, _NODE_OUTPUT, _NODE_OP_TYPE, _NODE_ATTRIBUTE, _NODE_DOMAIN = 1, 2, 4, 5, 7
+_ATTRIBUTE_GRAPH, _ATTRIBUTE_GRAPHS = 6, 11
+_TENSOR_NAME = 8
 _TENSOR_RAW_DATA = 9
 _TENSOR_EXTERNAL_DATA = 13
 _TENSOR_DATA_LOCATION = 14
+_EXTERNAL = 1  # TensorProto.DataLocation.EXTERNAL
 _ENTRY_KEY, _ENTRY_VALUE = 1, 2
 _LEN, _VARINT, _I64, _I32 = 2, 0, 1, 5
 _COPY_CHUNK = 16 * 2**20
@@ -113,36 +126,152 @@ def _externalised_tensor(buf, start: int, end: int, location: str, min_bytes: in
     kept += _entry("location", location)
     kept += _entry("offset", str(raw[0]))
     kept += _entry("length", str(raw[1] - raw[0]))
-    kept += _key(_TENSOR_DATA_LOCATION, _VARINT) + _encode_varint(_proto.TensorProto.EXTERNAL)
+    kept += _key(_TENSOR_DATA_LOCATION, _VARINT) + _encode_varint(_EXTERNAL)
     return bytes(kept)
+
+
+def _mapped(path: Path) -> mmap.mmap:
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            raise WireFormatError("empty file")
+        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+
+
+def skeleton_bytes(path: str | os.PathLike, min_bytes: int = 1024) -> tuple[bytes, int]:
+    """The model serialized with each ``raw_data`` of at least ``min_bytes`` of a main-graph
+    initializer replaced by an external-data reference into the file itself, and how many were."""
+    path = Path(path)
+    externalised = 0
+    with _mapped(path) as buf:
+        model = bytearray()
+        for field, wire_type, field_start, value_start, value_end in _fields(buf, 0, len(buf)):
+            if field != _MODEL_GRAPH or wire_type != _LEN:
+                model += buf[field_start:value_end]
+                continue
+            graph = bytearray()
+            for g_field, g_type, g_start, g_value, g_end in _fields(buf, value_start, value_end):
+                if g_field == _GRAPH_INITIALIZER and g_type == _LEN:
+                    tensor = _externalised_tensor(buf, g_value, g_end, path.name, min_bytes)
+                    externalised += tensor != buf[g_value:g_end]
+                    graph += _length_delimited(_GRAPH_INITIALIZER, tensor)
+                else:
+                    graph += buf[g_start:g_end]
+            model += _length_delimited(_MODEL_GRAPH, bytes(graph))
+    return bytes(model), externalised
 
 
 def load_skeleton(path: str | os.PathLike, min_bytes: int = 1024) -> _proto.ModelProto:
     """Parse a model with its large initializers left in the file as external references."""
-    path = Path(path)
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size == 0:
-            raise WireFormatError("empty file")
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            model = bytearray()
-            for field, wire_type, field_start, value_start, value_end in _fields(buf, 0, size):
-                if field != _MODEL_GRAPH or wire_type != _LEN:
-                    model += buf[field_start:value_end]
-                    continue
-                graph = bytearray()
-                for g_field, g_type, g_start, g_value, g_end in _fields(
-                    buf, value_start, value_end
-                ):
-                    if g_field == _GRAPH_INITIALIZER and g_type == _LEN:
-                        tensor = _externalised_tensor(buf, g_value, g_end, path.name, min_bytes)
-                        graph += _length_delimited(_GRAPH_INITIALIZER, tensor)
-                    else:
-                        graph += buf[g_start:g_end]
-                model += _length_delimited(_MODEL_GRAPH, bytes(graph))
+    from onnxmerge import _proto
+
     proto = _proto.ModelProto()
-    proto.ParseFromString(bytes(model))
+    proto.ParseFromString(skeleton_bytes(path, min_bytes)[0])
     return proto
+
+
+@dataclass(frozen=True)
+class Node:
+    """What a node reads and writes: ``NodeProto``'s fields of those names, and its subgraphs."""
+
+    op_type: str
+    domain: str
+    input: tuple[str, ...]
+    output: tuple[str, ...]
+    subgraphs: tuple[Graph, ...]
+
+
+@dataclass(frozen=True)
+class Initializer:
+    """An initializer's name and where its data lies, as the skeleton gives it: ``external_data``
+    holds ``location``, ``offset`` and ``length`` of a tensor stored outside its message (in a
+    data file, or as ``raw_data`` of at least the skeleton's ``min_bytes`` in the model file)."""
+
+    name: str
+    external_data: dict[str, str]
+
+
+@dataclass(frozen=True)
+class Graph:
+    node: tuple[Node, ...]
+    initializer: tuple[Initializer, ...]
+
+    def graphs(self) -> Iterator[Graph]:
+        """This graph and every graph inside its nodes, at any depth."""
+        yield self
+        for node in self.node:
+            for sub in node.subgraphs:
+                yield from sub.graphs()
+
+
+def graph_structure(path: str | os.PathLike, min_bytes: int = 1024) -> Graph:
+    """The structure of the main graph of the model in ``path``, read field by field: the weights
+    are skipped, never copied."""
+    path = Path(path)
+    with _mapped(path) as buf:
+        for field, wire_type, _, start, end in _fields(buf, 0, len(buf)):
+            if field == _MODEL_GRAPH and wire_type == _LEN:
+                return _graph(buf, start, end, path.name, min_bytes)
+    raise WireFormatError("no graph")
+
+
+def _text(buf, start: int, end: int) -> str:
+    return bytes(buf[start:end]).decode()
+
+
+def _graph(buf, start: int, end: int, location: str, min_bytes: int | None) -> Graph:
+    """``min_bytes``: None in subgraphs, whose initializers the skeleton leaves inline."""
+    nodes, initializers = [], []
+    for field, wire_type, _, value_start, value_end in _fields(buf, start, end):
+        if wire_type != _LEN:
+            continue
+        if field == _GRAPH_NODE:
+            nodes.append(_node(buf, value_start, value_end, location, min_bytes))
+        elif field == _GRAPH_INITIALIZER:
+            initializers.append(_initializer(buf, value_start, value_end, location, min_bytes))
+    return Graph(tuple(nodes), tuple(initializers))
+
+
+def _node(buf, start: int, end: int, location: str, min_bytes: int | None) -> Node:
+    inputs, outputs, subgraphs = [], [], []
+    op_type = domain = ""
+    for field, wire_type, _, value_start, value_end in _fields(buf, start, end):
+        if wire_type != _LEN:
+            continue
+        if field == _NODE_INPUT:
+            inputs.append(_text(buf, value_start, value_end))
+        elif field == _NODE_OUTPUT:
+            outputs.append(_text(buf, value_start, value_end))
+        elif field == _NODE_OP_TYPE:
+            op_type = _text(buf, value_start, value_end)
+        elif field == _NODE_DOMAIN:
+            domain = _text(buf, value_start, value_end)
+        elif field == _NODE_ATTRIBUTE:
+            for a_field, a_type, _, a_start, a_end in _fields(buf, value_start, value_end):
+                if a_field in (_ATTRIBUTE_GRAPH, _ATTRIBUTE_GRAPHS) and a_type == _LEN:
+                    subgraphs.append(_graph(buf, a_start, a_end, location, None))
+    return Node(op_type, domain, tuple(inputs), tuple(outputs), tuple(subgraphs))
+
+
+def _initializer(buf, start: int, end: int, location: str, min_bytes: int | None) -> Initializer:
+    name = ""
+    entries: dict[str, str] = {}
+    raw: tuple[int, int] | None = None
+    for field, wire_type, _, value_start, value_end in _fields(buf, start, end):
+        if field == _TENSOR_NAME and wire_type == _LEN:
+            name = _text(buf, value_start, value_end)
+        elif field == _TENSOR_RAW_DATA and wire_type == _LEN:
+            raw = (value_start, value_end)
+        elif field == _TENSOR_EXTERNAL_DATA and wire_type == _LEN:
+            key = value = ""
+            for e_field, _, _, e_start, e_end in _fields(buf, value_start, value_end):
+                if e_field == _ENTRY_KEY:
+                    key = _text(buf, e_start, e_end)
+                elif e_field == _ENTRY_VALUE:
+                    value = _text(buf, e_start, e_end)
+            entries[key] = value
+    if raw is not None and not entries and min_bytes is not None and raw[1] - raw[0] >= min_bytes:
+        entries = {"location": location, "offset": str(raw[0]), "length": str(raw[1] - raw[0])}
+    return Initializer(name, entries)
 
 
 def _external_location(buf, start: int, end: int) -> tuple[bytes, str, int, int] | None:
@@ -162,7 +291,7 @@ def _external_location(buf, start: int, end: int) -> tuple[bytes, str, int, int]
             entries[key] = value
         elif field == _TENSOR_DATA_LOCATION:
             location, _ = _varint(buf, value_start, value_end)
-            external = location == _proto.TensorProto.EXTERNAL
+            external = location == _EXTERNAL
         else:
             kept += buf[field_start:value_end]
     if not external or "location" not in entries:

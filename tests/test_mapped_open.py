@@ -136,10 +136,52 @@ def test_a_file_the_wire_reader_refuses_opens_by_path(written, tmp_path, monkeyp
     def refuse(path, min_bytes=1024):
         raise WireFormatError("refused")
 
-    monkeypatch.setattr(_wire, "load_skeleton", refuse)
+    monkeypatch.setattr(_wire, "skeleton_bytes", refuse)
     model = _open(copy)
     assert not _maps(copy)
     assert model.generate(input_ids=np.array([[5, 6, 1]]), max_new_tokens=3).shape[0] == 1
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_graph_structure_is_the_skeletons(written, arch):
+    """The runtime reads which node reads what field by field, without protobuf: the same
+    nodes, in the same order at every depth, and the same initializers and data references as
+    the parsed skeleton."""
+    from onnxmerge import _proto, _wire
+
+    for precision in PRECISIONS:
+        path, _ = written(arch, precision)
+        structure = _wire.graph_structure(path)
+        skeleton = _wire.load_skeleton(path).graph
+        ours = [
+            (n.op_type, n.domain, n.input, n.output) for g in structure.graphs() for n in g.node
+        ]
+        theirs = [
+            (n.op_type, n.domain, tuple(n.input), tuple(n.output))
+            for g in _proto.graph_protos(skeleton)
+            for n in g.node
+        ]
+        assert ours == theirs
+        assert [(t.name, t.external_data) for t in structure.initializer] == [
+            (t.name, {e.key: e.value for e in t.external_data}) for t in skeleton.initializer
+        ]
+        assert any(t.external_data for t in structure.initializer)
+
+
+def test_opening_a_model_imports_no_protobuf(written):
+    """Regression: the runtime parsed the graph with protobuf at every load and kept it, about
+    5 MB of the process for what a field-by-field reader gives."""
+    import subprocess
+
+    path, _ = written("marian", "int8")
+    code = (
+        "import sys, onnxmerge\n"
+        f"model = onnxmerge.Seq2SeqModel({str(path)!r})\n"
+        "assert model._session.pasts_die_by_layer\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('google', 'onnx.'))))\n"
+    )
+    found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert found.stdout.strip() == "[]"
 
 
 @linux_only

@@ -327,6 +327,16 @@ def test_cache_reorder_and_expand(merged):
     assert expanded.rows == 6
     c = model.next_step(np.repeat(token, 3, axis=0), expanded)
     np.testing.assert_allclose(c.logits[::3], a.logits, atol=1e-5)
+    # The cross-attention tensors' OrtValues are kept from step to step only for the same
+    # arrays: a step on another cache in between never reads the expanded one's.
+    session = model._session
+    if session.writes_into:
+        kept = dict(session._shared_values)
+        assert kept  # the expanded cache's tensors, which the step before read
+        again = model.next_step(np.repeat(token, 3, axis=0), expanded)
+        assert all(session._shared_values[name][1] is kept[name][1] for name in kept)
+        np.testing.assert_array_equal(again.logits, c.logits)
+        np.testing.assert_array_equal(model.next_step(token, first.cache).logits, a.logits)
 
 
 def test_cached_steps_write_the_cache_into_a_ring_of_buffers(merged, monkeypatch):

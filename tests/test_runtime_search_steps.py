@@ -517,12 +517,23 @@ def _renamed(graph, names: dict[str, str]) -> None:
                 _renamed(attribute.g, names)
 
 
+def _structure(graph, tmp_path):
+    """``graph`` as the runtime reads it (``_wire.graph_structure``)."""
+    import onnx
+
+    from onnxmerge._wire import graph_structure
+
+    path = tmp_path / "model.onnx"
+    onnx.save(onnx.helper.make_model(graph), path)
+    return graph_structure(path)
+
+
 @pytest.mark.parametrize(
     "reader, dies",
     [("Identity(k)", True), ("Neg(past)", False), (BRANCHES, False)],
     ids=["shape and own present", "another node", "a branch"],
 )
-def test_pasts_die_by_layer_where_only_their_own_present_reads_them(reader, dies):
+def test_pasts_die_by_layer_where_only_their_own_present_reads_them(reader, dies, tmp_path):
     import onnx
 
     from onnxmerge.runtime._graph_reads import pasts_read_only_into_presents
@@ -530,7 +541,7 @@ def test_pasts_die_by_layer_where_only_their_own_present_reads_them(reader, dies
     graph = onnx.parser.parse_model(PAST_READER.replace("READER", reader)).graph
     past = "past_key_values.0.decoder.key"
     _renamed(graph, {"past": past, "present": "present.0.decoder.key"})
-    assert pasts_read_only_into_presents(graph, [past]) is dies
+    assert pasts_read_only_into_presents(_structure(graph, tmp_path), [past]) is dies
 
 
 LAYERED = """
@@ -555,7 +566,7 @@ g (float[1] p0k, float[1] p0v, float[1] p1k, float[1] p1v, float[1] x)
         ("y = Identity(q0k)", False),  # layer 0's value may be written after layer 1's
     ],
 )
-def test_presents_follow_layers_where_each_layer_needs_the_one_before(first, follows):
+def test_presents_follow_layers_where_each_layer_needs_the_one_before(first, follows, tmp_path):
     import onnx
 
     from onnxmerge.runtime._graph_reads import presents_follow_layers
@@ -563,7 +574,7 @@ def test_presents_follow_layers_where_each_layer_needs_the_one_before(first, fol
     graph = onnx.parser.parse_model(LAYERED.replace("FIRST", first)).graph
     names = {f"q{i}{k[0]}": f"present.{i}.decoder.{k}" for i in (0, 1) for k in ("key", "value")}
     _renamed(graph, names)
-    assert presents_follow_layers(graph, list(names.values())) is follows
+    assert presents_follow_layers(_structure(graph, tmp_path), list(names.values())) is follows
 
 
 @pytest.mark.parametrize("writeable", [True, False])

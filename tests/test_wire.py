@@ -64,9 +64,51 @@ def test_inline_restores_a_single_file(tmp_path):
         np.testing.assert_array_equal(numpy_helper.to_array(tensor), ARRAYS[tensor.name])
 
 
+def test_graph_structure_reads_nodes_at_every_depth_and_where_weights_lie(tmp_path):
+    branch = helper.make_graph(
+        [helper.make_node("Add", ["big", "inner"], ["y"], domain="")],
+        "then",
+        [],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
+        initializer=[numpy_helper.from_array(np.ones(512, np.float32), "inner")],
+    )
+    graph = helper.make_graph(
+        [
+            helper.make_node("Gather", ["big", "small"], ["rows"]),
+            helper.make_node(
+                "If", ["cond"], ["y"], then_branch=branch, else_branch=branch, domain=""
+            ),
+            helper.make_node("FusedMatMul", ["rows", "half"], ["z"], domain="com.microsoft"),
+        ],
+        "g",
+        [helper.make_tensor_value_info("cond", onnx.TensorProto.BOOL, [])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
+        initializer=[numpy_helper.from_array(a, n) for n, a in ARRAYS.items()],
+    )
+    path = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(graph), os.fspath(path))
+    structure = _wire.graph_structure(path)
+    assert [(n.op_type, n.domain, n.input, n.output) for n in structure.node] == [
+        ("Gather", "", ("big", "small"), ("rows",)),
+        ("If", "", ("cond",), ("y",)),
+        ("FusedMatMul", "com.microsoft", ("rows", "half"), ("z",)),
+    ]
+    inner = [n.op_type for g in structure.graphs() for n in g.node]
+    assert inner == ["Gather", "If", "FusedMatMul", "Add", "Add"]
+    # As the skeleton: main-graph raw data of 1 KiB or more points into the file; the
+    # branches' initializers stay inline.
+    skeleton = _wire.load_skeleton(path).graph
+    assert {t.name: t.external_data for t in structure.initializer} == {
+        t.name: {e.key: e.value for e in t.external_data} for t in skeleton.initializer
+    }
+    assert structure.initializer[0].external_data["location"] == "m.onnx"
+    assert structure.node[1].subgraphs[0].initializer[0].external_data == {}
+
+
 @pytest.mark.parametrize("data", [b"", b"\x08", b"\x3a\xff\xff\xff\xff\x0f", b"\x0b\x00"])
-def test_malformed_bytes_raise(tmp_path, data):
+@pytest.mark.parametrize("reader", ["load_skeleton", "skeleton_bytes", "graph_structure"])
+def test_malformed_bytes_raise(tmp_path, data, reader):
     path = tmp_path / "bad.onnx"
     path.write_bytes(data)
     with pytest.raises(OnnxMergeError):  # one hierarchy: callers catch OnnxMergeError
-        _wire.load_skeleton(path)
+        getattr(_wire, reader)(path)

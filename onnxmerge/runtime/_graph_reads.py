@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 
-from onnxmerge import _proto
 from onnxmerge import contract as c
+from onnxmerge._wire import Graph, Initializer, Node
 
 
-def pasts_read_only_into_presents(graph: _proto.GraphProto, pasts: Sequence[str]) -> bool:
+def pasts_read_only_into_presents(graph: Graph, pasts: Sequence[str]) -> bool:
     """Whether every node of ``graph`` (and of its subgraphs) that reads one of ``pasts`` either
     reads only its shape or computes that past's own present."""
     names = set(pasts)
@@ -22,7 +22,7 @@ def pasts_read_only_into_presents(graph: _proto.GraphProto, pasts: Sequence[str]
     return True
 
 
-def presents_follow_layers(graph: _proto.GraphProto, presents: Sequence[str]) -> bool:
+def presents_follow_layers(graph: Graph, presents: Sequence[str]) -> bool:
     """Whether the node that computes each present of layer ``i`` (``presents``: key, value per
     layer, in order) needs, through the graph's data flow, the nodes that compute both presents
     of layer ``i - 1``: then no order onnxruntime may run the nodes in writes a present of
@@ -59,9 +59,9 @@ def _upstream(start: int, needs: list[set[str]], producer: Mapping[str, int]) ->
     return seen
 
 
-def _nodes_within(node: _proto.NodeProto) -> Iterator[_proto.NodeProto]:
+def _nodes_within(node: Node) -> Iterator[Node]:
     """Every node of the graphs inside ``node``, at any depth."""
-    for sub in _proto.node_subgraphs(node):
+    for sub in node.subgraphs:
         yield from _nodes(sub)
 
 
@@ -69,7 +69,7 @@ def _nodes_within(node: _proto.NodeProto) -> Iterator[_proto.NodeProto]:
 _PACKED_READS = {("MatMul", 1), ("Gemm", 1)}
 
 
-def gathered_only(graph: _proto.GraphProto) -> list[_proto.TensorProto]:
+def gathered_only(graph: Graph) -> list[Initializer]:
     """The initializers of ``graph`` that a ``Gather`` reads rows of (its data input) and that
     nothing else reads but as a weight that onnxruntime pre-packs (``_PACKED_READS``)."""
     initializers = {t.name: t for t in graph.initializer}
@@ -90,7 +90,7 @@ def gathered_only(graph: _proto.GraphProto) -> list[_proto.TensorProto]:
     ]
 
 
-def _nodes(graph: _proto.GraphProto) -> Iterator[_proto.NodeProto]:
+def _nodes(graph: Graph) -> Iterator[Node]:
     """Every node of ``graph`` and of the graphs inside its nodes."""
-    for inner in _proto.graph_protos(graph):
+    for inner in graph.graphs():
         yield from inner.node

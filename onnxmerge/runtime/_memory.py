@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import math
 import mmap
 import os
 from collections.abc import Callable, Sequence
@@ -306,7 +307,7 @@ class Workspace:
 
     def array(self, name: str, shape: tuple[int, ...], dtype: DTypeLike) -> np.ndarray:
         """The array ``name`` in ``shape``; the same memory as the last call's where it fits."""
-        size, dtype = int(np.prod(shape)), np.dtype(dtype)
+        size, dtype = math.prod(shape), np.dtype(dtype)  # math's: numpy's is 10x slower
         kept = self._arrays.get(name)
         if kept is None or kept.size < size or kept.dtype != dtype:
             kept = self._arrays[name] = anonymous_array(size, dtype)

@@ -18,10 +18,9 @@ from typing import Any
 import numpy as np
 
 from onnxmerge import _ort as ort
-from onnxmerge import _proto
 from onnxmerge import contract as c
 from onnxmerge._ort import release_free_heap
-from onnxmerge._wire import load_skeleton
+from onnxmerge._wire import Graph, graph_structure
 from onnxmerge.errors import GenerationError, InvalidMergedModelError
 from onnxmerge.runtime._accelerations import Accelerations
 from onnxmerge.runtime._accelerations import checked as checked_accelerations
@@ -278,6 +277,7 @@ class MergedSession:
         self._true = np.ones(1, dtype=np.bool_)
         self._false = np.zeros(1, dtype=np.bool_)
         self._passed_through: dict[str, str] | None = None
+        self._shared_values: dict[str, tuple[np.ndarray, Any]] = {}
         if self.has_past:
             self._check_past()
         # A session-cache entry may hold an int8 head for greedy search under FLAG.
@@ -378,17 +378,15 @@ class MergedSession:
         providers = getattr(self.session, "get_providers", None)
         return providers is not None and providers() == ["CPUExecutionProvider"]
 
-    def _read_graph(self) -> _proto.GraphProto | None:
+    def _read_graph(self) -> Graph | None:
         """The structure of the graph onnxruntime runs, or None where it cannot be read."""
         try:
-            return load_skeleton(self.opened).graph
+            return graph_structure(self.opened)
         except Exception as error:  # the session runs it: a reader's limit, not a bad model
             logger.debug("%s not read: %s", self.opened, error)
             return None
 
-    def _gathered_tensors(
-        self, options: Any, graph: _proto.GraphProto | None
-    ) -> list[tuple[Path, int, int]]:
+    def _gathered_tensors(self, options: Any, graph: Graph | None) -> list[tuple[Path, int, int]]:
         """Where the weights lie that steps only gather rows of, outside the runs' packed copies:
         on onnxruntime's CPU provider, which packs MatMul and Gemm weights unless told not to."""
         if options is None or not self._on_cpu() or graph is None:
@@ -400,7 +398,7 @@ class MergedSession:
             pass
         found = []
         for tensor in gathered_only(graph):
-            where = {e.key: e.value for e in tensor.external_data}
+            where = tensor.external_data
             if "location" in where and "length" in where:
                 file = self.opened.parent / where["location"]
                 found.append((file, int(where.get("offset", 0)), int(where["length"])))
@@ -500,7 +498,7 @@ class MergedSession:
                 and array.flags.writeable
                 and array.flags.c_contiguous
             ):
-                shared[name] = onnxruntime.OrtValue.ortvalue_from_numpy(array)
+                shared[name] = self._shared_value(name, array, onnxruntime)
                 binding.bind_ortvalue_input(name, shared[name])
             else:
                 kept.append(np.ascontiguousarray(array))
@@ -509,10 +507,23 @@ class MergedSession:
             if source in shared:
                 binding.bind_ortvalue_output(output, shared[source])
         session.run_with_iobinding(binding)
+        if all(name in into for name in output_names):
+            return [into[name] for name in output_names]
         values = binding.get_outputs()
         return [
             into[name] if name in into else values[i].numpy() for i, name in enumerate(output_names)
         ]
+
+    def _shared_value(self, name: str, array: np.ndarray, onnxruntime: Any) -> Any:
+        """An ``OrtValue`` over ``array``, the last step's where it was over the same array: a
+        window's steps read the same cross-attention tensors, eight or more a step."""
+        last = self._shared_values.get(name)
+        if last is not None and last[0] is array:
+            return last[1]
+        value = onnxruntime.OrtValue.ortvalue_from_numpy(array)
+        # Replaced whole, never changed: searches at once on one session only miss it.
+        self._shared_values[name] = (array, value)
+        return value
 
     def first_step(
         self, encoder_inputs: Mapping[str, np.ndarray], decoder_input_ids: np.ndarray
@@ -595,6 +606,11 @@ class MergedSession:
         written = dict(zip(self.present_decoder_names, into, strict=True)) if into else None
         if written is not None and logits_into is not None:
             written[c.LOGITS] = logits_into
+            if greedy and self.greedy_head is not None:
+                # Every output bound: onnxruntime's own list of them is never built.
+                rows_out = int(np.prod(logits_into.shape[:-1]))
+                width = self.greedy_head.weight.shape[1]
+                written[HIDDEN] = np.empty((rows_out, width), self.greedy_head.weight.dtype)
         results = self._run(
             self._greedy_outputs if greedy else self._next_outputs,
             feeds,

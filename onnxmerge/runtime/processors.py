@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from onnxmerge import _proto
 from onnxmerge._ort import bind_output_into, open_session, session_options
 from onnxmerge.errors import GenerationError
 
@@ -382,6 +381,7 @@ def _log_softmax_kernel() -> Any:
     cores, 1.4 ms against 2.2 ms with one thread for 64 rows of 59514."""
     if importlib.util.find_spec("onnxruntime") is None:
         return None
+    from onnxmerge import _proto
 
     def value(name: str) -> _proto.ValueInfoProto:
         info = _proto.ValueInfoProto(name=name)

@@ -150,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = _common.arguments(__doc__, "batch", "two tiny models; a tiny Marian")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args(argv)
+    _common.compile_bytecode()
 
     from tests.zoo import ARCHITECTURES, tiny_export
 

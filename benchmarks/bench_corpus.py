@@ -725,6 +725,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep-rows", action="store_true", help=argparse.SUPPRESS)
     _anchor.add_argument(parser)
     args = parser.parse_args(argv)
+    _common.compile_bytecode()
     if args.worker:
         config = json.loads(args.config)
         given = (args.worker, args.path, config, args.inputs, args.threads, args.session_cache)

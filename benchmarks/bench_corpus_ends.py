@@ -175,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cache-dir", type=Path, default=_common.DEFAULT_CACHE_DIR)
     _anchor.add_argument(parser)
     args = parser.parse_args(argv)
+    _common.compile_bytecode()
     settings = QUICK_SETTINGS if args.quick else SETTINGS
     if args.quick:
         args.inputs = min(args.inputs, 48)

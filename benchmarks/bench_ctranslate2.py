@@ -620,6 +620,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     _anchor.add_argument(parser)
     args = parser.parse_args(argv)
+    _common.compile_bytecode()
     if args.worker:
         work_args = (args.path, json.loads(args.config), args.repeats, args.threads)
         if args.worker == "ours":

@@ -164,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--path", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--source", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    _common.compile_bytecode()
 
     if args.worker:
         work = worker_ours if args.worker == "ours" else worker_optimum

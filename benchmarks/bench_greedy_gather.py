@@ -241,17 +241,18 @@ def _page_release_lines(data: dict[str, Any]) -> list[str]:
     every = str(KEPT[0])
     cells = ", ".join(
         f"{int(k) / 2**20:g} MiB: {s:.2f} s ({s / r['call_s'][every]:.2f}x), "
-        f"{r['resident_file_growth_mb'][k]:.1f} MB kept"
+        f"+{r['resident_file_growth_mb'][k]:.1f} MB"
         for k, s in r["call_s"].items()
         if k != every
     )
     audio = f"{r['audio_s']:.0f} s of audio" if r["audio_s"] else "the tiny model's features"
     return [
         "Long-form `generate(..., return_timestamps=True)` on the same model through its "
-        f"session cache ({audio}), by `gathered_pages_kept`, the fastest call of each: dropping "
-        f"the gathered rows' pages about every step (4 KiB) {r['call_s'][every]:.2f} s, "
-        f"{r['resident_file_growth_mb'][every]:.1f} MB of file pages kept; {cells}. The default "
-        f"keeps {r['gathered_pages_kept'] / 2**20:g} MiB.",
+        f"session cache ({audio}), by `gathered_pages_kept`: the fastest call of each, and how "
+        "much the process's resident file pages grew over its calls. Dropping the gathered "
+        f"rows' pages about every step (4 KiB): {r['call_s'][every]:.2f} s, "
+        f"+{r['resident_file_growth_mb'][every]:.1f} MB; {cells}. The default keeps "
+        f"{r['gathered_pages_kept'] / 2**20:g} MiB.",
         "",
     ]
 

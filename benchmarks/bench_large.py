@@ -397,6 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-optimum", action="store_true")
     parser.add_argument("--tolerance", type=float, default=1e-4)
     args = parser.parse_args(argv)
+    _common.compile_bytecode()
     if args.export_only:
         record = export_large(args.cache_dir)
         print(json.dumps({k: v for k, v in record.items() if k != "export_traceback"}, indent=2))

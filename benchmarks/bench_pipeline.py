@@ -506,6 +506,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    _common.compile_bytecode()
     if args.worker:
         print(json.dumps(WORKERS[args.worker](json.loads(args.spec))))
         return 0

@@ -477,6 +477,7 @@ def main(argv: list[str] | None = None) -> int:
     _anchor.add_argument(parser)
     explicit_out = any(a == "--out" or a.startswith("--out=") for a in (argv or sys.argv[1:]))
     args = parser.parse_args(argv)
+    _common.compile_bytecode()
     if args.sizing:
         known = json.loads(args.out.read_text("utf-8")) if args.out.exists() else None
         print(sizing_table(known), end="")

@@ -97,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=10_000, help="calls for the memory run")
     parser.add_argument("--calls-per-thread", type=int, default=50)
     args = parser.parse_args(argv)
+    _common.compile_bytecode()
     if args.quick:
         args.calls, args.calls_per_thread = min(args.calls, 50), 1
     tiny = _common.export_cached(_common.tiny_marian_config, "tied")

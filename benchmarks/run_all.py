@@ -474,7 +474,10 @@ def render(out: Path, docs: Path) -> Path:
         "do not edit by hand). Models have the shapes of real checkpoints and seeded random "
         "weights;",
         "each side runs in a fresh process, on the same inputs, in the same run. Ratios are",
-        "onnxmerge / optimum: below 1 is better.",
+        "onnxmerge / optimum: below 1 is better. Every package runs from compiled bytecode, as",
+        "an install leaves it: the benchmarks that measure load or memory compile onnxmerge's",
+        "first (a source checkout under `PYTHONDONTWRITEBYTECODE` compiles it again in every",
+        "process, 1.6 MB of the runtime's import that an installed package never pays).",
         "",
         "Where a benchmark times CTranslate2, each of its CTranslate2 processes is checked in the "
         "same run against CTranslate2's documented one-liner "

@@ -100,6 +100,15 @@ def _fields(buf, start: int, end: int) -> Iterator[tuple[int, int, int, int, int
         pos = value_end
 
 
+def field(number: int, value: int | str | bytes) -> bytes:
+    """One serialized field: an int as a varint (a negative one as its 64-bit two's
+    complement, as protobuf writes int64), a str (UTF-8) or bytes (a message) length-delimited."""
+    if isinstance(value, int):
+        return _key(number, _VARINT) + _encode_varint(value & (2**64 - 1))
+    payload = value.encode() if isinstance(value, str) else value
+    return _length_delimited(number, payload)
+
+
 def _length_delimited(field: int, payload: bytes) -> bytes:
     return _key(field, _LEN) + _encode_varint(len(payload)) + payload
 

@@ -669,8 +669,10 @@ class _WeighedTogether:
     keeps_bounds = True
 
     def __init__(self, begin: int, exact: bool):
-        self.begin = begin
-        self.exact_columns = slice(begin, None) if exact else None
+        self.begin, self.exact = begin, exact
+
+    def exact_columns(self, input_ids: np.ndarray) -> slice | None:
+        return slice(self.begin, None) if self.exact else None
 
     def __call__(self, input_ids: np.ndarray, scores: np.ndarray) -> np.ndarray:
         for row in scores:

@@ -168,22 +168,6 @@ def test_the_graph_structure_is_the_skeletons(written, arch):
         assert any(t.external_data for t in structure.initializer)
 
 
-def test_opening_a_model_imports_no_protobuf(written):
-    """Regression: the runtime parsed the graph with protobuf at every load and kept it, about
-    5 MB of the process for what a field-by-field reader gives."""
-    import subprocess
-
-    path, _ = written("marian", "int8")
-    code = (
-        "import sys, onnxmerge\n"
-        f"model = onnxmerge.Seq2SeqModel({str(path)!r})\n"
-        "assert model._session.pasts_die_by_layer\n"
-        "print(sorted(m for m in sys.modules if m.startswith(('google', 'onnx.'))))\n"
-    )
-    found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert found.stdout.strip() == "[]"
-
-
 @linux_only
 def test_page_release_leaves_other_files_mappings_alone(written, tmp_path):
     """Release drops only the pages of the model's own files; another file of the folder,

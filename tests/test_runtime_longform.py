@@ -177,6 +177,35 @@ def _steps_through_the_int8_head(model, monkeypatch) -> list[int]:
     return steps
 
 
+@pytest.mark.parametrize("max_initial", [None, 3])
+def test_the_exact_columns_are_the_timestamps_no_mask_removes(max_initial):
+    """The greedy head takes float logits only of the timestamps the rule weighs at a step:
+    every timestamp outside them is -inf after the rules whatever the scores, none inside."""
+    import dataclasses
+
+    from onnxmerge.runtime import _longform
+
+    begin, vocab = 20, 40
+    plan = _longform._Plan.__new__(_longform._Plan)
+    fields = dict(timestamp_begin=begin, no_timestamps=begin - 1, eos=1, vocab_size=vocab)
+    fields.update(max_initial_timestamp=max_initial, return_timestamps=True)
+    for name, value in fields.items():
+        object.__setattr__(plan, name, value)
+    assert dataclasses.is_dataclass(plan)
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        generated = [int(t) for t in rng.integers(2, vocab, rng.integers(0, 6))]
+        scores = rng.standard_normal(vocab).astype(np.float32)
+        _longform._timestamp_rules(plan, scores, generated, at_begin=not generated)
+        exact = _longform._weighed_timestamps(plan, generated)
+        kept = np.zeros(vocab, bool)
+        if exact is not None:
+            kept[exact] = True
+            assert kept[begin:].any()
+        assert np.isneginf(scores[begin:][~kept[begin:]]).all()
+        assert np.isfinite(scores[kept]).all()
+
+
 def test_one_row_needs_no_mask_and_timestamps_are_implied(models):
     model, pt_model = models
     _configure(model, pt_model, {})

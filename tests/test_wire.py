@@ -112,3 +112,23 @@ def test_malformed_bytes_raise(tmp_path, data, reader):
     path.write_bytes(data)
     with pytest.raises(OnnxMergeError):  # one hierarchy: callers catch OnnxMergeError
         getattr(_wire, reader)(path)
+
+
+def test_fields_written_by_hand_are_what_protobuf_writes():
+    """The runtime's one-node LogSoftmax model is written field by field (no protobuf in the
+    runtime): byte for byte the message onnx builds, and a valid model."""
+    from onnxmerge.runtime.processors import _log_softmax_model
+
+    shape = ["rows", "vocab"]
+    graph = helper.make_graph(
+        [helper.make_node("LogSoftmax", ["scores"], ["log_probs"], axis=-1)],
+        "log_softmax",
+        [helper.make_tensor_value_info("scores", onnx.TensorProto.FLOAT, shape)],
+        [helper.make_tensor_value_info("log_probs", onnx.TensorProto.FLOAT, shape)],
+    )
+    model = helper.make_model(graph, ir_version=8, opset_imports=[helper.make_opsetid("", 13)])
+    model.ClearField("producer_name")
+    model.ClearField("producer_version")
+    assert _log_softmax_model() == model.SerializeToString()
+    onnx.checker.check_model(onnx.load_from_string(_log_softmax_model()), full_check=True)
+    assert _wire.field(3, -1) == b"\x18" + b"\xff" * 9 + b"\x01"

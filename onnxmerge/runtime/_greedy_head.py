@@ -194,14 +194,16 @@ class LogitBounds:
     def argmax(self, processors, input_ids: np.ndarray) -> np.ndarray:
         """``argmax(processors(input_ids, float logits))`` per row; ``processors`` must map
         each score through a non-decreasing function of that score alone, except the scores of
-        its ``exact_columns`` (a slice, where it has one), which it may read as a whole: those
-        get float logits before any processor runs. ``approximate`` is worked in: it is left
+        the columns its ``exact_columns(input_ids)`` names (a slice, where it has the method
+        and returns one), which it may read as a whole: those get float logits before any
+        processor runs. ``approximate`` is worked in: it is left
         holding the processed int8 logits, or float ones of the tokens that may be the
         largest."""
         approximate = self.approximate
         if not approximate.flags.writeable:
             approximate = approximate.copy()
-        columns = getattr(processors, "exact_columns", None)
+        exact_columns = getattr(processors, "exact_columns", None)
+        columns = exact_columns(input_ids) if exact_columns is not None else None
         if columns is not None:
             self._write_columns(approximate, columns)
         masks_only = getattr(processors, "masks_only", None)

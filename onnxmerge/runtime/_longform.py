@@ -550,7 +550,22 @@ class _WindowProcessors:
 
     def __init__(self, plan: _Plan, begin: int):
         self.plan, self.begin = plan, begin
-        self.exact_columns = slice(plan.timestamp_begin, None) if plan.return_timestamps else None
+
+    def exact_columns(self, input_ids: np.ndarray) -> slice | None:
+        """The timestamps the rule weighs at this step: those that no mask sets to -inf
+        whatever their scores (not below the latest timestamp, not past the first one's limit,
+        none after two timestamps in a row); None where no row has any."""
+        plan = self.plan
+        if not plan.return_timestamps:
+            return None
+        low: int | None = None
+        high: int | None = plan.timestamp_begin
+        for ids in input_ids.tolist():
+            row = _weighed_timestamps(plan, ids[self.begin :])
+            if row is not None:
+                low = row.start if low is None else min(low, row.start)
+                high = None if row.stop is None or high is None else max(high, row.stop)
+        return None if low is None else slice(low, high)
 
     def __call__(self, input_ids: np.ndarray, scores: np.ndarray) -> np.ndarray:
         for row, ids in zip(scores, input_ids.tolist(), strict=True):
@@ -610,6 +625,25 @@ def _timestamp_rules(plan: _Plan, scores: np.ndarray, generated: list[int], at_b
     # the scores are compared as they are, without a softmax over the vocabulary.
     if _logsumexp(scores[begin:]) > np.max(scores[:begin]):
         scores[:begin] = -np.inf
+
+
+def _weighed_timestamps(plan: _Plan, generated: list[int]) -> slice | None:
+    """The timestamps that ``_timestamp_rules`` leaves unmasked after ``generated``, whatever
+    the scores: ``None`` where it masks them all."""
+    begin = plan.timestamp_begin
+    last = len(generated) >= 1 and generated[-1] >= begin
+    penultimate = len(generated) < 2 or generated[-2] >= begin
+    if last and penultimate:
+        return None
+    low, high = begin, None
+    latest = next((t for t in reversed(generated) if t >= begin), None)
+    if latest is not None:
+        low = latest if last and not penultimate else latest + 1
+    if not generated and plan.max_initial_timestamp is not None:
+        high = begin + plan.max_initial_timestamp + 1
+    if low >= (plan.vocab_size if high is None else high):
+        return None
+    return slice(low, high)
 
 
 def _logsumexp(values: np.ndarray) -> float:

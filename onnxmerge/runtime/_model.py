@@ -17,7 +17,6 @@ from onnxmerge import _ort as ort
 from onnxmerge import contract as c
 from onnxmerge.errors import GenerationError
 from onnxmerge.runtime import _corpus as corpus
-from onnxmerge.runtime import _longform
 from onnxmerge.runtime._accelerations import Accelerations
 from onnxmerge.runtime._runners import GreedyHeadRunner, Runner
 from onnxmerge.runtime._search import (
@@ -353,11 +352,15 @@ class Seq2SeqModel:
         Raises:
             GenerationError: invalid inputs or settings.
         """
-        if _longform.applies(self, encoder_inputs, keywords):
-            # A dict only with return_segments=True: the contract most callers rely on stays.
-            return _longform.generate(  # type: ignore[return-value]
-                self, encoder_inputs, decoder_input_ids, seed, keywords
-            )
+        if self.model_type == "whisper":  # imported for speech alone
+            from onnxmerge.runtime import _longform
+
+            if _longform.applies(self, encoder_inputs, keywords):
+                # A dict only with return_segments=True: the contract most callers rely on
+                # stays.
+                return _longform.generate(  # type: ignore[return-value]
+                    self, encoder_inputs, decoder_input_ids, seed, keywords
+                )
         return self._generate(encoder_inputs, decoder_input_ids, seed, keywords)
 
     def stream(

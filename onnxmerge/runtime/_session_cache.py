@@ -21,8 +21,6 @@ import json
 import logging
 import os
 import platform
-import shutil
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -75,6 +73,10 @@ def open_with_cache(
             return _open_saved(entry / ENTRY_MODEL, options, providers), entry / ENTRY_MODEL, False
         except Exception as error:  # a partial or foreign entry: rebuild it
             logger.debug("cache entry %s does not load (%s); writing it again", entry, error)
+    # Only writing an entry needs these: a load that reads one imports neither.
+    import shutil
+    import tempfile
+
     try:
         if saved or (entry.exists() and not (entry / ENTRY_MODEL).is_file()):
             shutil.rmtree(entry)  # broken, or left half-deleted: it would block the new entry
@@ -112,6 +114,8 @@ def open_with_cache(
 def _greedy_source(model: Path, building: Path) -> Any:
     """The model with a greedy head (``runtime/_greedy_source.py``), written in ``building``;
     None where its head does not allow one or it cannot be written."""
+    import shutil
+
     try:
         from onnxmerge.runtime._greedy_source import (
             write_greedy_source,  # onnx-ir: only when writing
@@ -129,6 +133,8 @@ def _build(
 ) -> None:
     """Save onnxruntime's optimized graph of ``model``, or of its greedy ``source``, in
     ``building``, with the greedy head's tables."""
+    import shutil
+
     try:
         opened = source.path if source is not None else model
         session = _open_saving(opened, building / ENTRY_MODEL, options, providers)
@@ -203,6 +209,8 @@ def _open_saving(model: Path, target: Path, options: Any, providers: Sequence[An
 def _publish(building: Path, entry: Path) -> bool:
     """Move a complete entry into place; drop the entries it replaces (same model and settings,
     older files) and folders that killed loads left. Whether this entry is the one in place."""
+    import shutil
+
     if not (building / ENTRY_MODEL).is_file():
         logger.debug("onnxruntime saved no optimized graph; nothing cached")
         return False

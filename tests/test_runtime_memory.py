@@ -219,7 +219,7 @@ def test_steps_dropping_pages_look_the_c_library_up_once(tmp_path, monkeypatch):
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and madvise are Linux's")
 def test_gathered_pages_are_kept_until_the_resident_file_pages_grew_by_kept(tmp_path, monkeypatch):
     """Regression: dropping after every step made each long-form Whisper step fault its rows
-    in again (1.15x the call's time); the pages now stay until they add up to ``kept``."""
+    in again (1.08x the call's time); the pages now stay until they add up to ``kept``."""
     from onnxmerge.runtime import _memory
     from onnxmerge.runtime._memory import GatheredPages
 

@@ -54,9 +54,10 @@ class Accelerations:
             greedy head's float rows) are dropped once the process's resident file pages grew
             by this many bytes since the last drop, rather than after every step, which made
             each step fault its rows in again: two minutes of long-form Whisper through the
-            session cache (whisper-tiny shape) took 0.87x the time of dropping about every
-            step, and the process's resident file pages grew by 15.9 MB against 8.4 MB; 4 MiB
-            took 0.95x, 64 MiB no less than 16 (``bench_greedy_gather``).
+            session cache (whisper-tiny shape) took 0.92x the time of dropping about every
+            step, and the process's resident file pages grew by 15.8 MB against 6.1 MB; 4 MiB
+            took 0.94x, 64 MiB 0.89x, within the runs' spread of 16 MiB's
+            (``bench_greedy_gather``).
         drop_finished: rows whose search ended leave their batch, as CTranslate2 drops them,
             instead of running on padding to the batch's end as transformers does; on a model
             whose outputs end at different lengths, 1.7-2.1x faster (``bench_corpus_ends``,

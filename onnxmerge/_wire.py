@@ -120,7 +120,9 @@ def _entry(key: str, value: str) -> bytes:
     return _length_delimited(_TENSOR_EXTERNAL_DATA, body)
 
 
-def _externalised_tensor(buf, start: int, end: int, location: str, min_bytes: int) -> bytes:
+def _externalised_tensor(buf, start: int, end: int, location: str, min_bytes: int) -> bytes | None:
+    """The tensor with its ``raw_data`` as a reference into ``location``; None where it stays
+    as it is (external already, no ``raw_data``, or less than ``min_bytes`` of it)."""
     raw = None
     kept = bytearray()
     for field, wire_type, field_start, value_start, value_end in _fields(buf, start, end):
@@ -128,10 +130,10 @@ def _externalised_tensor(buf, start: int, end: int, location: str, min_bytes: in
             raw = (value_start, value_end)
         else:
             if field in (_TENSOR_EXTERNAL_DATA, _TENSOR_DATA_LOCATION):
-                return bytes(buf[start:end])  # already external: leave it alone
+                return None  # already external: leave it alone
             kept += buf[field_start:value_end]
     if raw is None or raw[1] - raw[0] < min_bytes:
-        return bytes(buf[start:end])
+        return None
     kept += _entry("location", location)
     kept += _entry("offset", str(raw[0]))
     kept += _entry("length", str(raw[1] - raw[0]))
@@ -159,12 +161,14 @@ def skeleton_bytes(path: str | os.PathLike, min_bytes: int = 1024) -> tuple[byte
                 continue
             graph = bytearray()
             for g_field, g_type, g_start, g_value, g_end in _fields(buf, value_start, value_end):
+                tensor = None
                 if g_field == _GRAPH_INITIALIZER and g_type == _LEN:
                     tensor = _externalised_tensor(buf, g_value, g_end, path.name, min_bytes)
-                    externalised += tensor != buf[g_value:g_end]
-                    graph += _length_delimited(_GRAPH_INITIALIZER, tensor)
-                else:
+                if tensor is None:
                     graph += buf[g_start:g_end]
+                else:
+                    externalised += 1
+                    graph += _length_delimited(_GRAPH_INITIALIZER, tensor)
             model += _length_delimited(_MODEL_GRAPH, bytes(graph))
     return bytes(model), externalised
 

@@ -606,21 +606,18 @@ def _timestamp_rules(plan: _Plan, scores: np.ndarray, generated: list[int], at_b
     text, and win when their probabilities together beat the likeliest text token."""
     begin = plan.timestamp_begin
     scores[plan.no_timestamps] = -np.inf
-    last = len(generated) >= 1 and generated[-1] >= begin
-    penultimate = len(generated) < 2 or generated[-2] >= begin
-    if last:
-        if penultimate:
-            scores[begin:] = -np.inf
-        else:
-            scores[: plan.eos] = -np.inf
-    latest = next((t for t in reversed(generated) if t >= begin), None)
-    if latest is not None:
-        floor = latest if last and not penultimate else latest + 1
-        scores[begin:floor] = -np.inf
+    weighed = _weighed_timestamps(plan, generated)
+    if weighed is None:
+        scores[begin:] = -np.inf
+    else:
+        scores[begin : weighed.start] = -np.inf
+        if weighed.stop is not None:
+            scores[weighed.stop :] = -np.inf
+    # After a lone timestamp, text cannot come: another timestamp or the end.
+    if generated and generated[-1] >= begin and len(generated) >= 2 and generated[-2] < begin:
+        scores[: plan.eos] = -np.inf
     if at_begin:
         scores[:begin] = -np.inf
-        if plan.max_initial_timestamp is not None:
-            scores[begin + plan.max_initial_timestamp + 1 :] = -np.inf
     # transformers compares log-probabilities; their normalizer is the same on both sides, so
     # the scores are compared as they are, without a softmax over the vocabulary.
     if _logsumexp(scores[begin:]) > np.max(scores[:begin]):
@@ -628,8 +625,9 @@ def _timestamp_rules(plan: _Plan, scores: np.ndarray, generated: list[int], at_b
 
 
 def _weighed_timestamps(plan: _Plan, generated: list[int]) -> slice | None:
-    """The timestamps that ``_timestamp_rules`` leaves unmasked after ``generated``, whatever
-    the scores: ``None`` where it masks them all."""
+    """The timestamps that may follow ``generated`` (None: none may): they come in pairs and
+    never decrease, and the first is at most ``max_initial_timestamp``. The rest
+    ``_timestamp_rules`` masks, whatever their scores."""
     begin = plan.timestamp_begin
     last = len(generated) >= 1 and generated[-1] >= begin
     penultimate = len(generated) < 2 or generated[-2] >= begin

@@ -152,7 +152,9 @@ def test_an_existing_output_needs_overwrite_and_stays_as_it_was(model, tmp_path)
 )
 def test_a_signal_ends_batches_at_once_and_leaves_no_output(model, tmp_path, sent, code, said):  # noqa: F811
     source = tmp_path / "ids.txt"
-    source.write_text("".join(" ".join(map(str, ids)) + "\n" for ids in id_lines(20000)))
+    # Minutes of work: the run is still translating whenever the signal comes (20,000 lines
+    # took about a minute, which a loaded machine's wait for the temporary output could reach).
+    source.write_text("".join(" ".join(map(str, ids)) + "\n" for ids in id_lines(100_000)))
     out = tmp_path / "out.txt"
     args = ("translate", model.path, source, "--ids", "-o", out, "--max-batch-size", "1")
     process = subprocess.Popen(
@@ -166,6 +168,7 @@ def test_a_signal_ends_batches_at_once_and_leaves_no_output(model, tmp_path, sen
             if list(tmp_path.glob(".out.txt.*")) or process.poll() is not None:
                 break
             time.sleep(0.1)
+        assert process.poll() is None and list(tmp_path.glob(".out.txt.*"))
         time.sleep(0.5)
         process.send_signal(sent)
         _, stderr = process.communicate(timeout=120)

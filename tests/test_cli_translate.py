@@ -157,8 +157,18 @@ def test_a_signal_ends_batches_at_once_and_leaves_no_output(model, tmp_path, sen
     source.write_text("".join(" ".join(map(str, ids)) + "\n" for ids in id_lines(100_000)))
     out = tmp_path / "out.txt"
     args = ("translate", model.path, source, "--ids", "-o", out, "--max-batch-size", "1")
+    # The command as a shell starts it: signals not blocked and not ignored. A child inherits
+    # both from the process that starts it, and a test worker that others ran in first may have
+    # either (the full suite's CI run twice got a child that never saw the signal).
+    as_a_shell_starts_it = (
+        "import os, signal, sys\n"
+        "signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})\n"
+        "signal.signal(signal.SIGINT, signal.SIG_DFL)\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_DFL)\n"
+        "os.execv(sys.executable, [sys.executable, '-m', 'onnxmerge', *sys.argv[1:]])\n"
+    )
     process = subprocess.Popen(
-        [sys.executable, "-m", "onnxmerge", *map(str, args), "--parallel-batches", "2"],
+        [sys.executable, "-c", as_a_shell_starts_it, *map(str, args), "--parallel-batches", "2"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -86,11 +86,16 @@ def open_session(
         if skeleton is not None:
             _set_config(options, _FOLDER_KEY, os.path.dirname(os.path.abspath(source)))
             source = skeleton
-    return ort.InferenceSession(
+    session = ort.InferenceSession(
         source,
         sess_options=options,
         providers=list(providers) if providers else ["CPUExecutionProvider"],
     )
+    if isinstance(source, bytes) and session.get_providers() == ["CPUExecutionProvider"]:
+        # onnxruntime keeps the bytes for the session's life, to create it again on a fallback
+        # provider when another provider fails; a session on the CPU alone never falls back.
+        session._model_bytes = None
+    return session
 
 
 # Where onnxruntime resolves the external references of a model given as bytes.

@@ -182,7 +182,7 @@ def load_skeleton(path: str | os.PathLike, min_bytes: int = 1024) -> _proto.Mode
     return proto
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Node:
     """What a node reads and writes: ``NodeProto``'s fields of those names, and its subgraphs."""
 
@@ -193,7 +193,7 @@ class Node:
     subgraphs: tuple[Graph, ...]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Initializer:
     """An initializer's name and where its data lies, as the skeleton gives it: ``external_data``
     holds ``location``, ``offset`` and ``length`` of a tensor stored outside its message (in a
@@ -203,7 +203,7 @@ class Initializer:
     external_data: dict[str, str]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Graph:
     node: tuple[Node, ...]
     initializer: tuple[Initializer, ...]
@@ -223,55 +223,67 @@ def graph_structure(path: str | os.PathLike, min_bytes: int = 1024) -> Graph:
     with _mapped(path) as buf:
         for field, wire_type, _, start, end in _fields(buf, 0, len(buf)):
             if field == _MODEL_GRAPH and wire_type == _LEN:
-                return _graph(buf, start, end, path.name, min_bytes)
+                return _graph(buf, start, end, path.name, min_bytes, {})
     raise WireFormatError("no graph")
 
 
-def _text(buf, start: int, end: int) -> str:
-    return bytes(buf[start:end]).decode()
+def _text(buf, start: int, end: int, names: dict[str, str] | None = None) -> str:
+    """The string in buf[start:end]; with ``names``, one object for every equal string read."""
+    text = bytes(buf[start:end]).decode()
+    return text if names is None else names.setdefault(text, text)
 
 
-def _graph(buf, start: int, end: int, location: str, min_bytes: int | None) -> Graph:
-    """``min_bytes``: None in subgraphs, whose initializers the skeleton leaves inline."""
+def _graph(
+    buf, start: int, end: int, location: str, min_bytes: int | None, names: dict[str, str]
+) -> Graph:
+    """``min_bytes``: None in subgraphs, whose initializers the skeleton leaves inline.
+    ``names``: every name and operator read so far, each kept once (a name is read once for
+    its writer and again for each reader)."""
     nodes, initializers = [], []
     for field, wire_type, _, value_start, value_end in _fields(buf, start, end):
         if wire_type != _LEN:
             continue
         if field == _GRAPH_NODE:
-            nodes.append(_node(buf, value_start, value_end, location, min_bytes))
+            nodes.append(_node(buf, value_start, value_end, location, min_bytes, names))
         elif field == _GRAPH_INITIALIZER:
-            initializers.append(_initializer(buf, value_start, value_end, location, min_bytes))
+            initializers.append(
+                _initializer(buf, value_start, value_end, location, min_bytes, names)
+            )
     return Graph(tuple(nodes), tuple(initializers))
 
 
-def _node(buf, start: int, end: int, location: str, min_bytes: int | None) -> Node:
+def _node(
+    buf, start: int, end: int, location: str, min_bytes: int | None, names: dict[str, str]
+) -> Node:
     inputs, outputs, subgraphs = [], [], []
     op_type = domain = ""
     for field, wire_type, _, value_start, value_end in _fields(buf, start, end):
         if wire_type != _LEN:
             continue
         if field == _NODE_INPUT:
-            inputs.append(_text(buf, value_start, value_end))
+            inputs.append(_text(buf, value_start, value_end, names))
         elif field == _NODE_OUTPUT:
-            outputs.append(_text(buf, value_start, value_end))
+            outputs.append(_text(buf, value_start, value_end, names))
         elif field == _NODE_OP_TYPE:
-            op_type = _text(buf, value_start, value_end)
+            op_type = _text(buf, value_start, value_end, names)
         elif field == _NODE_DOMAIN:
-            domain = _text(buf, value_start, value_end)
+            domain = _text(buf, value_start, value_end, names)
         elif field == _NODE_ATTRIBUTE:
             for a_field, a_type, _, a_start, a_end in _fields(buf, value_start, value_end):
                 if a_field in (_ATTRIBUTE_GRAPH, _ATTRIBUTE_GRAPHS) and a_type == _LEN:
-                    subgraphs.append(_graph(buf, a_start, a_end, location, None))
+                    subgraphs.append(_graph(buf, a_start, a_end, location, None, names))
     return Node(op_type, domain, tuple(inputs), tuple(outputs), tuple(subgraphs))
 
 
-def _initializer(buf, start: int, end: int, location: str, min_bytes: int | None) -> Initializer:
+def _initializer(
+    buf, start: int, end: int, location: str, min_bytes: int | None, names: dict[str, str]
+) -> Initializer:
     name = ""
     entries: dict[str, str] = {}
     raw: tuple[int, int] | None = None
     for field, wire_type, _, value_start, value_end in _fields(buf, start, end):
         if field == _TENSOR_NAME and wire_type == _LEN:
-            name = _text(buf, value_start, value_end)
+            name = _text(buf, value_start, value_end, names)
         elif field == _TENSOR_RAW_DATA and wire_type == _LEN:
             raw = (value_start, value_end)
         elif field == _TENSOR_EXTERNAL_DATA and wire_type == _LEN:

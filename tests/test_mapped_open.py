@@ -96,6 +96,27 @@ def test_a_skeleton_opening_maps_the_model_file(written):
     del model
 
 
+def test_a_skeleton_opening_keeps_neither_the_skeleton_nor_the_graph(written):
+    """onnxruntime's Python session keeps the bytes it was given for its life; a CPU session
+    falls back to no other provider, so the skeleton is let go. The graph structure read at
+    load is not kept either: the model still runs after both are gone."""
+    from onnxmerge import _wire
+
+    path, _ = written("marian")
+    session = _ort.open_session(path, _options())
+    assert _ort.mapped_skeleton(path) is not None
+    assert session._model_bytes is None
+
+    def structures() -> int:
+        gc.collect()
+        return sum(isinstance(o, _wire.Node) for o in gc.get_objects())
+
+    before = structures()
+    model = _open(path)
+    assert structures() == before
+    assert model.generate(input_ids=np.array([[5, 6, 1]]), max_new_tokens=3).shape[0] == 1
+
+
 def _typed_fields_copy(source: Path, target: Path) -> Path:
     """``source`` with every float initializer stored as ``float_data``, which a skeleton leaves
     inline: nothing would be mapped."""

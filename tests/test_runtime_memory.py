@@ -51,6 +51,24 @@ def test_only_unwritten_mappings_of_the_model_data_are_chosen(tmp_path):
     ]
 
 
+def test_proc_files_are_read_line_by_line_and_an_unreadable_one_gives_nothing(tmp_path):
+    """The readers of /proc iterate the file: a trailing newline is not part of a path, and
+    a file that cannot be read reads as no mapping."""
+    from onnxmerge.runtime._memory import _lines, mapped_file_states
+
+    smaps = tmp_path / "smaps"
+    smaps.write_text(SMAPS)
+    assert list(_lines(str(smaps)))[-1] == "Anonymous:             0 kB"
+    assert list(_lines(str(tmp_path / "absent"))) == []
+    assert clean_file_mappings(lambda path: True, str(tmp_path / "absent")) == []
+    assert mapped_file_states(Path("/models/a/model.onnx"), str(tmp_path / "absent")) == {}
+    model = tmp_path / "model.onnx"
+    model.write_bytes(b"x")
+    maps = tmp_path / "maps"
+    maps.write_text(f"7f0000000000-7f0000001000 r--p 00000000 fe:00 11 {model}\n")
+    assert list(mapped_file_states(model, str(maps))) == [str(model)]
+
+
 def _mapped_data(folder: Path) -> tuple[Path, Path, bytes, mmap.mmap]:
     """A model's data file of eight pages, mapped private and writable as onnxruntime maps
     external data: the model's path, the file's, its bytes and the mapping."""

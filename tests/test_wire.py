@@ -93,6 +93,9 @@ def test_graph_structure_reads_nodes_at_every_depth_and_where_weights_lie(tmp_pa
         ("If", "", ("cond",), ("y",)),
         ("FusedMatMul", "com.microsoft", ("rows", "half"), ("z",)),
     ]
+    # Each name is one string object however many nodes read it.
+    names = [name for g in structure.graphs() for n in g.node for name in n.input + n.output]
+    assert len({id(name) for name in names}) == len(set(names)) < len(names)
     inner = [n.op_type for g in structure.graphs() for n in g.node]
     assert inner == ["Gather", "If", "FusedMatMul", "Add", "Add"]
     # As the skeleton: main-graph raw data of 1 KiB or more points into the file; the

@@ -13,12 +13,14 @@ import itertools
 import threading
 from collections import deque
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
 from onnxmerge.errors import GenerationError
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -163,6 +165,9 @@ def ordered_map(
     pending: deque[Future[R]] = deque()
     iterator = iter(items)
     finished = False
+    # Imported here: a process that never runs batches side by side does without it.
+    from concurrent.futures import ThreadPoolExecutor
+
     with ThreadPoolExecutor(parallel, thread_name_prefix="onnxmerge-batch") as pool:
         try:
             while True:

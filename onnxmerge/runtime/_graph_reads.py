@@ -5,7 +5,7 @@ readers run from packed copies).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 
 from onnxmerge import contract as c
 from onnxmerge._wire import Graph, Initializer, Node
@@ -29,12 +29,12 @@ def presents_follow_layers(graph: Graph, presents: Sequence[str]) -> bool:
     layer ``i`` before those of layer ``i - 1`` are written. A node with subgraphs needs every
     name they read from outside."""
     producer: dict[str, int] = {}
-    needs: list[set[str]] = []
+    needs: list[Collection[str]] = []
     for index, node in enumerate(graph.node):
-        producer.update(dict.fromkeys(node.output, index))
-        needs.append(
-            {name for inner in _nodes_within(node) for name in inner.input} | set(node.input)
-        )
+        for name in node.output:
+            producer[name] = index
+        within = {name for inner in _nodes_within(node) for name in inner.input}
+        needs.append(within | set(node.input) if within else node.input)
     kinds = len(c.CACHE_KINDS)
     if any(name not in producer for name in presents):
         return False
@@ -46,7 +46,7 @@ def presents_follow_layers(graph: Graph, presents: Sequence[str]) -> bool:
     return True
 
 
-def _upstream(start: int, needs: list[set[str]], producer: Mapping[str, int]) -> set[int]:
+def _upstream(start: int, needs: list[Collection[str]], producer: Mapping[str, int]) -> set[int]:
     """The nodes that node ``start`` needs, directly or not."""
     seen: set[int] = set()
     todo = [start]

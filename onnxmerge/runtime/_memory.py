@@ -13,13 +13,16 @@ import logging
 import math
 import mmap
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-from numpy.typing import DTypeLike
 
 from onnxmerge._ort import libc as _libc
+
+if TYPE_CHECKING:
+    from numpy.typing import DTypeLike
 
 logger = logging.getLogger(__name__)
 
@@ -39,13 +42,9 @@ def _clean_mappings(
     chosen: Callable[[Path], bool], smaps: str = "/proc/self/smaps"
 ) -> list[tuple[int, int, Path, int]]:
     """``clean_file_mappings`` with each mapping's file and the file offset it starts at."""
-    try:
-        text = Path(smaps).read_text()
-    except OSError:
-        return []
     found = []
     region: tuple[int, int, Path, int] | None = None
-    for line in text.splitlines():
+    for line in _lines(smaps):
         fields = line.split(maxsplit=5)
         if "-" in fields[0] and len(fields) >= 5:  # a mapping's header line
             region = None
@@ -92,12 +91,8 @@ def mapped_file_states(model: Path, maps: str = "/proc/self/maps") -> dict[str, 
     this process maps. A mapping reads the file as it is now: a file rewritten in place
     changes the weights under a session (``changed_files``)."""
     chosen = is_data_file_of(model)
-    try:
-        lines = Path(maps).read_text().splitlines()
-    except OSError:
-        return {}
     states = {}
-    for line in lines:
+    for line in _lines(maps):
         fields = line.split(maxsplit=5)
         if len(fields) == 6 and fields[5] not in states and chosen(Path(fields[5])):
             with contextlib.suppress(OSError):
@@ -254,15 +249,23 @@ def _read_page_by_page(
 
 
 def _mapping_ranges(maps: str = "/proc/self/maps") -> list[tuple[int, int]]:
-    try:
-        lines = Path(maps).read_text().splitlines()
-    except OSError:
-        return []
     ranges = []
-    for line in lines:
+    for line in _lines(maps):
         start, _, end = line.partition(" ")[0].partition("-")
         ranges.append((int(start, 16), int(end, 16)))
     return ranges
+
+
+def _lines(path: str) -> Iterator[str]:
+    """The lines of a ``/proc`` file, none where it cannot be read. Read one at a time: the
+    whole text and its list of lines, thousands under onnxruntime's per-tensor mappings, would
+    leave the interpreter's memory fragmented for the session's life."""
+    try:
+        with open(path) as file:
+            for line in file:
+                yield line.rstrip("\n")
+    except OSError:
+        return
 
 
 def _maps(entry: str, path: str) -> bool:

@@ -36,7 +36,6 @@ from onnxmerge.runtime._memory import (
     mapped_file_states,
     release_mapped_weights,
 )
-from onnxmerge.runtime._session_cache import open_with_cache
 
 logger = logging.getLogger(__name__)
 
@@ -245,6 +244,8 @@ class MergedSession:
                 session = ort.open_session(self.path, options, providers, mapped=mapped)
                 opened, wrote = self.path, False
             else:
+                from onnxmerge.runtime._session_cache import open_with_cache
+
                 session, opened, wrote = open_with_cache(
                     self.path, session_cache, options, providers, mapped=mapped
                 )
@@ -289,25 +290,11 @@ class MergedSession:
         )
         if self.greedy_head is not None:
             self._greedy_outputs = self._next_outputs + [HIDDEN]
-        # The graph's structure is read once here and not kept: a parsed graph is megabytes.
-        graph = self._read_graph()
-        # Whether a step's presents of layer ``i`` may be written over the pasts of layers
-        # before ``i``: the graph reads each decoder past only into its own present, and each
-        # layer's presents are computed from the layer before's, so those pasts have been read
-        # to the end before a node of layer ``i`` writes.
-        self.pasts_die_by_layer = (
-            self.has_past
-            and graph is not None
-            and pasts_read_only_into_presents(graph, self.past_decoder_names)
-            and presents_follow_layers(graph, self.present_decoder_names)
-        )
+        self.pasts_die_by_layer, gathered = self._graph_facts(options)
         # After the greedy head, whose rows of the embedding are mapped as well.
         self._gathered = GatheredPages(
-            self.opened,
-            self._gathered_tensors(options, graph),
-            self.accelerations.gathered_pages_kept,
+            self.opened, gathered, self.accelerations.gathered_pages_kept
         )
-        del graph
         release_free_heap()
 
     def _read_contract(self) -> None:
@@ -378,18 +365,35 @@ class MergedSession:
         providers = getattr(self.session, "get_providers", None)
         return providers is not None and providers() == ["CPUExecutionProvider"]
 
-    def _read_graph(self) -> Graph | None:
-        """The structure of the graph onnxruntime runs, or None where it cannot be read."""
+    def _graph_facts(self, options: Any) -> tuple[bool, list[tuple[Path, int, int]]]:
+        """What the runtime needs of the graph's structure, which is read once here and not
+        kept (a parsed graph is megabytes): whether a step's presents may be written over the
+        pasts (``pasts_die_by_layer``), and where the weights lie that steps only gather rows
+        of (:class:`GatheredPages`). What outlives the read is built after it is gone: an
+        object made while the graph's thousands are alive holds their memory for good."""
         try:
-            return graph_structure(self.opened)
+            graph = graph_structure(self.opened)
         except Exception as error:  # the session runs it: a reader's limit, not a bad model
             logger.debug("%s not read: %s", self.opened, error)
-            return None
+            return False, []
+        # The graph reads each decoder past only into its own present, and each layer's
+        # presents are computed from the layer before's: a node of layer ``i`` writes only
+        # once the pasts of the layers before have been read to the end.
+        pasts_die = (
+            self.has_past
+            and pasts_read_only_into_presents(graph, self.past_decoder_names)
+            and presents_follow_layers(graph, self.present_decoder_names)
+        )
+        places = self._gathered_tensors(options, graph)
+        del graph
+        return bool(pasts_die), [
+            (self.opened.parent / location, offset, length) for location, offset, length in places
+        ]
 
-    def _gathered_tensors(self, options: Any, graph: Graph | None) -> list[tuple[Path, int, int]]:
+    def _gathered_tensors(self, options: Any, graph: Graph) -> list[tuple[str, int, int]]:
         """Where the weights lie that steps only gather rows of, outside the runs' packed copies:
         on onnxruntime's CPU provider, which packs MatMul and Gemm weights unless told not to."""
-        if options is None or not self._on_cpu() or graph is None:
+        if options is None or not self._on_cpu():
             return []
         try:
             if options.get_session_config_entry("session.disable_prepacking") == "1":
@@ -400,8 +404,7 @@ class MergedSession:
         for tensor in gathered_only(graph):
             where = tensor.external_data
             if "location" in where and "length" in where:
-                file = self.opened.parent / where["location"]
-                found.append((file, int(where.get("offset", 0)), int(where["length"])))
+                found.append((where["location"], int(where.get("offset", 0)), int(where["length"])))
         return found
 
     # -- shapes ---------------------------------------------------------------------------------

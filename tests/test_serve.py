@@ -607,6 +607,8 @@ def test_bad_arguments_are_refused_before_anything_loads(tmp_path, merged):
         run({"fr-en": merged}, max_queues=3)
     with pytest.raises(InvalidArgumentError, match="threads must be a whole number"):
         create_app({"fr-en": merged}, threads=0)
+    with pytest.raises(InvalidArgumentError, match="is a file; give a folder"):
+        create_app({"fr-en": merged}, session_cache=merged)
 
 
 def test_the_command_serves_a_pair_and_exits_143_on_sigterm(merged):
@@ -724,12 +726,18 @@ def transcription(
 
 
 @pytest.fixture(scope="module")
-def speech_app(merged: Path, whisper: Path) -> Any:
+def session_cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("session-cache")
+
+
+@pytest.fixture(scope="module")
+def speech_app(merged: Path, whisper: Path, session_cache: Path) -> Any:
     return create_app(
         {"fr-en": merged, "tiny-whisper": whisper},
         api_key="secret",
         threads=1,
         max_body_bytes=250_000,
+        session_cache=session_cache,
     )
 
 
@@ -768,12 +776,18 @@ def test_a_wav_upload_is_answered_with_the_text_transcribe_gives(speech_url, spo
     assert metric(metrics, "onnxmerge_serve_new_tokens_total", 'model="tiny-whisper"') > 0
 
 
-def test_threads_reach_every_model_and_text_requests_need_no_model_name(speech_app, speech_url):
+def test_threads_and_the_session_cache_reach_every_model_and_text_requests_need_no_model_name(
+    speech_app, speech_url, session_cache
+):
     batchers = speech_app.state.serve.batchers
     assert set(batchers) == {"fr-en", "tiny-whisper"}
     for batcher in batchers.values():
         options = batcher.served.model.session.get_session_options()
         assert options.intra_op_num_threads == 1
+        # Each opened from its own entry of the one cache folder (the transcription tests
+        # compare its answers with the text the model gives opened without it).
+        assert batcher.served.model._session.opened.parent.parent == session_cache
+    assert len(list(session_cache.iterdir())) == 2
     # The model for text is the only one: a request for text may leave it out.
     answer = ask(speech_url, "/translate", {"q": "deux", "api_key": "secret"})
     assert answer.json() == {"translatedText": "two"}

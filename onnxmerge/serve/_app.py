@@ -60,7 +60,13 @@ class ServerState:
         batching worker for each, and a transcribing one for each Whisper model."""
         try:
             for name, path in self.paths.items():
-                served = await asyncio.to_thread(ServedModel.load, name, path, self.limits.threads)
+                served = await asyncio.to_thread(
+                    ServedModel.load,
+                    name,
+                    path,
+                    self.limits.threads,
+                    self.limits.session_cache,
+                )
                 self.batchers[name] = Batcher(
                     served,
                     self.metrics,
@@ -98,6 +104,7 @@ def create_app(
     request_timeout_s: float = Limits.request_timeout_s,
     api_key: str | None = None,
     threads: int | None = None,
+    session_cache: str | os.PathLike | None = None,
 ) -> FastAPI:
     """An ASGI app (FastAPI) serving ``models``; the limits are :class:`Limits`' (docs/serve.md).
 
@@ -108,6 +115,8 @@ def create_app(
             A Whisper model is served on ``/v1/audio/transcriptions``.
         threads: onnxruntime's intra-op threads of each model's session (default:
             onnxruntime's choice), as ``Seq2SeqModel(threads=)``.
+        session_cache: a folder keeping onnxruntime's optimized graph of each merged file, as
+            ``Seq2SeqModel(session_cache=)`` (:class:`Limits`).
 
     Returns:
         The app. The models load in the background once it starts: ``/health`` answers 503
@@ -124,6 +133,7 @@ def create_app(
         request_timeout_s=request_timeout_s,
         api_key=api_key,
         threads=threads,
+        session_cache=session_cache if session_cache is None else os.fspath(session_cache),
     )
     state = ServerState(check_models(models), limits)
 

@@ -144,9 +144,17 @@ class ServedModel:
         return bool(self.model.model_type == "whisper")
 
     @classmethod
-    def load(cls, name: str, path: Path, threads: int | None = None) -> ServedModel:
+    def load(
+        cls,
+        name: str,
+        path: Path,
+        threads: int | None = None,
+        session_cache: str | os.PathLike | None = None,
+    ) -> ServedModel:
         """Open ``path`` (a merged file, or an export folder merged first into a temporary
-        folder) with the tokenizer saved beside it, if any, on ``threads`` intra-op threads."""
+        folder) with the tokenizer saved beside it, if any, on ``threads`` intra-op threads;
+        a merged file through ``session_cache``. A merged export does without it: its
+        temporary folder is new at each start, and each would leave an entry behind."""
         from onnxmerge.runtime import Seq2SeqModel
 
         merged_into = None
@@ -162,8 +170,9 @@ class ServedModel:
             except BaseException:
                 shutil.rmtree(merged_into, ignore_errors=True)
                 raise
+            session_cache = None
         try:
-            model = Seq2SeqModel(file, threads=threads)
+            model = Seq2SeqModel(file, threads=threads, session_cache=session_cache)
         except BaseException:
             if merged_into is not None:
                 shutil.rmtree(merged_into, ignore_errors=True)

@@ -609,6 +609,16 @@ def test_bad_arguments_are_refused_before_anything_loads(tmp_path, merged):
         create_app({"fr-en": merged}, threads=0)
     with pytest.raises(InvalidArgumentError, match="is a file; give a folder"):
         create_app({"fr-en": merged}, session_cache=merged)
+    with pytest.raises(InvalidArgumentError, match="session_cache must be a folder's path"):
+        create_app({"fr-en": merged}, session_cache=3)
+
+
+def test_the_session_cache_is_kept_as_an_absolute_path(tmp_path, monkeypatch):
+    from onnxmerge.serve._limits import Limits
+
+    monkeypatch.chdir(tmp_path)
+    assert Limits(session_cache=Path("cache")).session_cache == str(tmp_path / "cache")
+    assert Limits().session_cache is None
 
 
 def test_the_command_serves_a_pair_and_exits_143_on_sigterm(merged):

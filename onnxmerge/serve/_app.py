@@ -133,7 +133,7 @@ def create_app(
         request_timeout_s=request_timeout_s,
         api_key=api_key,
         threads=threads,
-        session_cache=session_cache if session_cache is None else os.fspath(session_cache),
+        session_cache=session_cache,
     )
     state = ServerState(check_models(models), limits)
 

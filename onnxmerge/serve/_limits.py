@@ -27,6 +27,7 @@ class Limits:
             ``Seq2SeqModel(session_cache=)`` takes it: later starts load faster, and a float32
             model with a tied head runs greedy steps through the entry's int8 head. An export
             folder, merged into a new temporary folder at each start, opens without it.
+            Kept as an absolute path: a Ray replica may start in another folder.
     """
 
     max_batch_size: int = 32
@@ -36,7 +37,7 @@ class Limits:
     request_timeout_s: float = 60.0
     api_key: str | None = None
     threads: int | None = None
-    session_cache: str | None = None
+    session_cache: str | os.PathLike[str] | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_queue", "max_body_bytes"):
@@ -55,15 +56,19 @@ class Limits:
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
             raise InvalidArgumentError("api_key must be a non-empty string", argument="api_key")
         cache = self.session_cache
-        if cache is not None and (not isinstance(cache, str) or not cache):
-            raise InvalidArgumentError(
-                f"session_cache must be a folder's path, got {cache!r}", argument="session_cache"
-            )
-        if cache is not None and os.path.exists(cache) and not os.path.isdir(cache):
-            raise InvalidArgumentError(
-                f"session_cache {cache} is a file; give a folder (it is made if missing)",
-                argument="session_cache",
-            )
+        if cache is not None:
+            if not isinstance(cache, (str, os.PathLike)) or not os.fspath(cache):
+                raise InvalidArgumentError(
+                    f"session_cache must be a folder's path, got {cache!r}",
+                    argument="session_cache",
+                )
+            cache = os.path.abspath(os.fspath(cache))
+            if os.path.exists(cache) and not os.path.isdir(cache):
+                raise InvalidArgumentError(
+                    f"session_cache {cache} is a file; give a folder (it is made if missing)",
+                    argument="session_cache",
+                )
+            object.__setattr__(self, "session_cache", cache)
         threads = self.threads
         if threads is not None and (
             not isinstance(threads, int) or isinstance(threads, bool) or threads < 1

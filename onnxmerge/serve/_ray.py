@@ -106,7 +106,8 @@ def application(
         max_ongoing_requests=checked.max_queue + checked.max_batch_size,
         health_check_timeout_s=_LOAD_TIMEOUT_S,
     )
-    return deployment.bind(paths, dict(limits))
+    # As checked: the session cache's path made absolute, as the models' are.
+    return deployment.bind(paths, {name: getattr(checked, name) for name in LIMIT_NAMES})
 
 
 def build_app(args: dict[str, Any]) -> Any:

@@ -614,7 +614,7 @@ def _timestamp_rules(plan: _Plan, scores: np.ndarray, generated: list[int], at_b
         if weighed.stop is not None:
             scores[weighed.stop :] = -np.inf
     # After a lone timestamp, text cannot come: another timestamp or the end.
-    if generated and generated[-1] >= begin and len(generated) >= 2 and generated[-2] < begin:
+    if _closes_pair_next(begin, generated):
         scores[: plan.eos] = -np.inf
     if at_begin:
         scores[:begin] = -np.inf
@@ -629,19 +629,24 @@ def _weighed_timestamps(plan: _Plan, generated: list[int]) -> slice | None:
     never decrease, and the first is at most ``max_initial_timestamp``. The rest
     ``_timestamp_rules`` masks, whatever their scores."""
     begin = plan.timestamp_begin
-    last = len(generated) >= 1 and generated[-1] >= begin
-    penultimate = len(generated) < 2 or generated[-2] >= begin
-    if last and penultimate:
-        return None
+    closes_pair = _closes_pair_next(begin, generated)
+    if generated and generated[-1] >= begin and not closes_pair:
+        return None  # a pair just closed, or the window opened with a timestamp
     low, high = begin, None
     latest = next((t for t in reversed(generated) if t >= begin), None)
     if latest is not None:
-        low = latest if last and not penultimate else latest + 1
+        low = latest if closes_pair else latest + 1
     if not generated and plan.max_initial_timestamp is not None:
         high = begin + plan.max_initial_timestamp + 1
     if low >= (plan.vocab_size if high is None else high):
         return None
     return slice(low, high)
+
+
+def _closes_pair_next(begin: int, generated: list[int]) -> bool:
+    """Whether the next token closes a pair: the last is a timestamp after text, and the
+    next may repeat it."""
+    return len(generated) >= 2 and generated[-1] >= begin and generated[-2] < begin
 
 
 def _logsumexp(values: np.ndarray) -> float:

@@ -1,10 +1,11 @@
 """Session-wide access to the tiny model zoo of tests/zoo.py and to the demo model's export;
-Chromium for the page tests."""
+Chromium for the page tests; every test leaves the process's signal handling as it found it."""
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+import signal
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,28 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if EXPORT_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.export)
+
+
+@pytest.fixture(autouse=True)
+def signal_handling_kept() -> Iterator[None]:
+    """Fails a test that leaves SIGINT's or SIGTERM's handler, or the blocked signals, changed
+    (and puts them back): later tests of the worker would inherit it, and the children they
+    start too (a child of a process that ignores SIGINT ignores it)."""
+    before = _signal_handling()
+    yield
+    after = _signal_handling()
+    if after != before:
+        handlers, blocked = before
+        for sig, handler in handlers.items():
+            if handler is not None:
+                signal.signal(sig, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        pytest.fail(f"the test changed this process's signal handling: {before} -> {after}")
+
+
+def _signal_handling() -> tuple[dict[signal.Signals, object], set[signal.Signals]]:
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    return handlers, signal.pthread_sigmask(signal.SIG_BLOCK, [])
 
 
 @pytest.fixture(scope="session")

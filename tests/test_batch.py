@@ -14,6 +14,7 @@ from pathlib import Path
 import onnx
 import pytest
 
+from onnxmerge._ray_session import ray_session
 from onnxmerge.batch import CONVERTED, FAILED, SKIPPED, convert_many, plan
 from onnxmerge.batch import _manifest as manifest_module
 from onnxmerge.batch._runners import WORKER_DIED, run_pool
@@ -184,13 +185,15 @@ def _check_rerun(results: list[ModelResult], out: Path, written: dict[str, int])
 def test_ray_converts_the_zoo_reports_the_broken_model_and_resumes(zoo, tmp_path):
     ray = pytest.importorskip("ray")
     out = tmp_path / "out"
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        _check_first_run(convert_many([zoo / "models.txt"], out, ray=True), out)
-        written = _mtimes(out)
+    # Ray started by the conversion: ended after it, the signal handlers as they were (the
+    # autouse fixture fails the test otherwise).
+    _check_first_run(convert_many([zoo / "models.txt"], out, ray=True), out)
+    assert not ray.is_initialized()
+    written = _mtimes(out)
+    with ray_session(None, num_cpus=2, include_dashboard=False, log_to_driver=False):
+        # The process's own session: used, and left running.
         _check_rerun(convert_many([zoo / "models.txt"], out, ray=True), out, written)
-    finally:
-        ray.shutdown()
+        assert ray.is_initialized()
 
 
 def test_pool_converts_the_zoo_from_the_command_line_and_resumes(zoo, tmp_path, capsys):

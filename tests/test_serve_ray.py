@@ -12,6 +12,7 @@ pytest.importorskip("fastapi", reason="the server needs the serve extra")
 pytest.importorskip("transformers", reason="text in, text out needs transformers")
 pytest.importorskip("ray.serve", reason="serving on Ray needs Ray Serve")
 
+from onnxmerge._ray_session import ray_session  # noqa: E402
 from onnxmerge.demo import english_number, french_number  # noqa: E402
 from onnxmerge.errors import InvalidArgumentError  # noqa: E402
 from onnxmerge.serve import build_ray_app, deploy_on_ray, ray_application  # noqa: E402
@@ -49,7 +50,6 @@ def test_the_application_builder_takes_a_config_files_args(tmp_path):
 
 @pytest.mark.slow
 def test_two_replicas_on_ray_answer_as_the_model_alone(demo_export, tmp_path):
-    ray = pytest.importorskip("ray")
     from ray import serve
 
     from onnxmerge import Seq2SeqModel, merge_seq2seq
@@ -60,26 +60,25 @@ def test_two_replicas_on_ray_answer_as_the_model_alone(demo_export, tmp_path):
     assert alone[0] == english_number(21)
     # Ray Serve waits for replicas without a time limit: past 120 s, fail with the stacks.
     faulthandler.dump_traceback_later(120, exit=True)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        url = deploy_on_ray(
-            {"fr-en": merged}, replicas=2, port=free_port(), num_cpus=1, batch_wait_ms=20
-        )
-        status = serve.status().applications["onnxmerge"]
-        assert status.status == "RUNNING"
-        assert status.deployments["onnxmerge"].replica_states == {"RUNNING": 2}
-        assert ask(url, "/health").status == 200
-        for text, expected in zip(texts, alone, strict=True):
-            answer = ask(url, "/translate", {"q": text, "source": "fr", "target": "en"})
-            assert (answer.status, answer.json()) == (200, {"translatedText": expected})
-        answer = ask(url, "/translate", {"q": texts, "source": "fr", "target": "en"})
-        assert answer.json() == {"translatedText": alone}
-        answer = ask(url, "/translate", {"q": 5})
-        assert answer.status == 400 and "error" in answer.json()
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-        faulthandler.cancel_dump_traceback_later()
+    with ray_session(None, num_cpus=2, include_dashboard=False, log_to_driver=False):
+        try:
+            url = deploy_on_ray(
+                {"fr-en": merged}, replicas=2, port=free_port(), num_cpus=1, batch_wait_ms=20
+            )
+            status = serve.status().applications["onnxmerge"]
+            assert status.status == "RUNNING"
+            assert status.deployments["onnxmerge"].replica_states == {"RUNNING": 2}
+            assert ask(url, "/health").status == 200
+            for text, expected in zip(texts, alone, strict=True):
+                answer = ask(url, "/translate", {"q": text, "source": "fr", "target": "en"})
+                assert (answer.status, answer.json()) == (200, {"translatedText": expected})
+            answer = ask(url, "/translate", {"q": texts, "source": "fr", "target": "en"})
+            assert answer.json() == {"translatedText": alone}
+            answer = ask(url, "/translate", {"q": 5})
+            assert answer.status == 400 and "error" in answer.json()
+        finally:
+            serve.shutdown()
+            faulthandler.cancel_dump_traceback_later()
 
 
 def test_cli_refuses_a_bad_replica_count_before_ray_starts(tmp_path, capsys):

@@ -17,6 +17,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wai
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
+from onnxmerge._ray_session import ray_session
 from onnxmerge.batch._sources import Job
 from onnxmerge.batch._task import ModelResult, Options, convert_one, failed, proc_bytes
 from onnxmerge.errors import MissingDependencyError
@@ -116,7 +117,8 @@ def run_ray(
     """Convert as Ray tasks, each declaring one CPU and its memory; results stream as they end.
 
     Uses the Ray session of this process if there is one, else connects with ``ray.init(address)``
-    (``None``: a cluster started on this machine, or a new local one) and disconnects at the end.
+    (``None``: a cluster started on this machine, or a new local one) and disconnects at the end,
+    with the process's signal handlers as they were.
     ``out_dir`` and the sources must be paths every node can reach (a shared folder).
     """
     try:
@@ -125,15 +127,12 @@ def run_ray(
         raise MissingDependencyError(
             "runner='ray' (--ray) needs Ray: pip install 'onnxmerge[ray]'"
         ) from e
-    started = not ray.is_initialized()
-    if started:
-        ray.init(
-            address=address,
-            log_to_driver=False,
-            include_dashboard=False,
-            logging_level=logging.WARNING,
-        )
-    try:
+    with ray_session(
+        address,
+        log_to_driver=False,
+        include_dashboard=False,
+        logging_level=logging.WARNING,
+    ):
         largest = max(
             (n["Resources"].get("memory", 0) for n in ray.nodes() if n.get("Alive")), default=0
         )
@@ -160,6 +159,3 @@ def run_ray(
                 except ray.exceptions.RayError as e:
                     first_line = str(e).strip().splitlines()[0] if str(e).strip() else ""
                     yield failed(job, f"{type(e).__name__}: {first_line}")
-    finally:
-        if started:
-            ray.shutdown()

@@ -11,6 +11,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any, cast
 
+from onnxmerge._ray_session import SIGNALS, handlers, ray_session, restore
 from onnxmerge.errors import InvalidArgumentError, MissingDependencyError
 from onnxmerge.serve._app import create_app
 from onnxmerge.serve._limits import LIMIT_NAMES, Limits
@@ -133,10 +134,7 @@ def build_app(args: dict[str, Any]) -> Any:
     return application(args["models"], **options)
 
 
-def _connect(address: str | None) -> None:
-    import ray
-
-    ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
+_INIT_OPTIONS: dict[str, Any] = {"logging_level": logging.WARNING, "log_to_driver": False}
 
 
 def deploy(
@@ -178,7 +176,7 @@ def deploy(
 
     serve = _serve_module()
     if not ray.is_initialized():
-        _connect(address)
+        ray.init(address=address, **_INIT_OPTIONS)
     serve.start(http_options={"host": host, "port": port})
     serve.run(app, name=name, route_prefix="/")
     return f"http://{host}:{port}"
@@ -203,11 +201,6 @@ def run_on_ray(
     """
     _checked(models, replicas, {k: v for k, v in options.items() if k in LIMIT_NAMES})
     _serve_module()
-    import ray
-
-    started = not ray.is_initialized()
-    if started:  # before our handlers: ray.init installs its own for SIGTERM
-        _connect(options.get("address"))
     name = options.get("name", "onnxmerge")
     stopped = threading.Event()
     ended: list[int] = []
@@ -216,16 +209,17 @@ def run_on_ray(
         ended.append(sig)
         stopped.set()
 
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        deploy(models, replicas=replicas, **options)
-        stopped.wait()
-        _serve_module().delete(name)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        if started and ray.is_initialized():
-            ray.shutdown()
+    # Ray first: ray.init installs its own SIGTERM handler, which ours must replace.
+    with ray_session(options.get("address"), **_INIT_OPTIONS):
+        previous = handlers()
+        for sig in SIGNALS:
+            signal.signal(sig, stop)
+        try:
+            deploy(models, replicas=replicas, **options)
+            stopped.wait()
+            _serve_module().delete(name)
+        finally:
+            restore(previous)
     return ended[0]
 
 

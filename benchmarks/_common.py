@@ -402,25 +402,31 @@ def reset_peak_rss() -> bool:
 
 
 class _PrivateMemorySampler(threading.Thread):
-    """Samples Private_Clean + Private_Dirty of a process from smaps_rollup; keeps the peak."""
+    """Samples a process's smaps_rollup and keeps two peaks: Private_Clean + Private_Dirty
+    (``peak``: pages no other process maps, file pages read or written through a mapping
+    included, which the kernel can drop or write back), and Anonymous (``peak_anonymous``:
+    memory no file backs, which it cannot)."""
 
     def __init__(self, pid: int, interval_s: float) -> None:
         super().__init__(daemon=True)
         self.path = f"/proc/{pid}/smaps_rollup"
         self.interval_s = interval_s
         self.peak = 0
+        self.peak_anonymous = 0
         self.samples = 0
         self._halt = threading.Event()
 
     def run(self) -> None:
         while not self._halt.is_set():
-            value = _read_proc_kib(self.path, ("Private_Clean", "Private_Dirty"))
-            if value is None:
+            private = _read_proc_kib(self.path, ("Private_Clean", "Private_Dirty"))
+            anonymous = _read_proc_kib(self.path, ("Anonymous",))
+            if private is None or anonymous is None:
                 if self.samples:
                     return
             else:
                 self.samples += 1
-                self.peak = max(self.peak, value)
+                self.peak = max(self.peak, private)
+                self.peak_anonymous = max(self.peak_anonymous, anonymous)
             self._halt.wait(self.interval_s)
 
     def stop(self) -> None:
@@ -456,6 +462,7 @@ MEASURED_KEYS = (
     "baseline_rss_bytes",
     "peak_call_rss_bytes",
     "peak_private_bytes",
+    "peak_anonymous_bytes",
     "maxrss_bytes",
 )
 
@@ -468,6 +475,7 @@ def run_in_subprocess(
     preload: Sequence[str] = (),
     sample_interval_s: float = 0.01,
     timeout_s: float | None = None,
+    preexec_fn: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
     """Call ``module:function`` with JSON-able arguments in a fresh interpreter and measure it.
 
@@ -475,9 +483,11 @@ def run_in_subprocess(
     leave out import costs; ``wall_s`` is the whole process. Returns ``wall_s``, ``call_s``,
     ``peak_rss_bytes`` (VmHWM of the child: the whole process, imports included),
     ``baseline_rss_bytes`` (RSS just before the call), ``peak_call_rss_bytes`` (peak minus
-    baseline), ``peak_private_bytes`` (sampled peak of Private_Clean + Private_Dirty),
-    ``maxrss_bytes`` (the kernel's ru_maxrss of the reaped child) and ``result`` (the function's
-    return value, round-tripped through JSON).
+    baseline), ``peak_private_bytes`` (sampled peak of Private_Clean + Private_Dirty: file
+    pages mapped by the child alone count), ``peak_anonymous_bytes`` (sampled peak of Anonymous:
+    the memory no file backs), ``maxrss_bytes`` (the kernel's ru_maxrss of the reaped child) and
+    ``result`` (the function's return value, round-tripped through JSON). ``preexec_fn`` runs in
+    the child before it starts (to join a memory cgroup, say).
     """
     with tempfile.TemporaryDirectory(prefix="bench-") as tmp:
         result_path = Path(tmp) / "result.json"
@@ -497,6 +507,7 @@ def run_in_subprocess(
             cwd=REPO_ROOT,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
+            preexec_fn=preexec_fn,
         )
         sampler = _PrivateMemorySampler(child.pid, sample_interval_s)
         sampler.start()
@@ -527,6 +538,7 @@ def run_in_subprocess(
         wall_s=wall_s,
         maxrss_bytes=usage.ru_maxrss * 1024,
         peak_private_bytes=sampler.peak or None,
+        peak_anonymous_bytes=sampler.peak_anonymous or None,
         private_samples=sampler.samples,
         peak_call_rss_bytes=measured["peak_rss_bytes"] - measured["baseline_rss_bytes"],
         log=log[-4000:],

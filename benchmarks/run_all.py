@@ -424,37 +424,71 @@ def _profile_section(data: dict) -> list[str]:
 
 def _large_section(large: dict) -> list[str]:
     ours, theirs = large["onnxmerge"], large.get("optimum_merge_decoders", {})
+    limited = large.get("limited_merge") or {}
     result = ours["result"]
     failed = theirs.get("result", {}).get("error")
+
+    def gib(run: dict, key: str) -> str:
+        value = run.get(key)
+        return "-" if value is None else f"{value / 2**30:.2f}"
+
+    def row(step: str, outcome: str, run: dict, wall: str) -> str:
+        return (
+            f"| {step} | {outcome} | {wall} | {gib(run, 'peak_private_bytes')} | "
+            f"{gib(run, 'peak_anonymous_bytes')} |"
+        )
+
     lines = [
         "## Past 2 GB (facebook/mbart-large-50 shape)",
         "",
         f"{large['export_input_bytes'] / 2**30:.2f} GiB of export files (optimum's own "
         "post-processing fails on this model and leaves the three files). Written by "
         "`benchmarks/bench_large.py` (run separately: its export takes about 10 "
-        "minutes).",
+        "minutes). Private memory counts the file pages a process alone maps (the weights "
+        "the merge's output check reads as it runs the written file, the data file as it is "
+        "written), which the kernel can drop or write back; anonymous memory is what no file "
+        "backs.",
         "",
-        "| step | outcome | wall s | peak private GiB |",
-        "|---|---|---:|---:|",
-        f"| onnxmerge merge | {result['output_bytes'] / 2**30:.2f} GiB as model.onnx + "
-        f"model.onnx_data; {result['shared']} tensors shared ({result['transposed']} "
-        f"transposed) | {ours['wall_s']:.0f} | "
-        f"{ours['peak_private_bytes'] / 2**30:.2f} |",
-        "| check_model(full_check=True) | "
-        f"{'passes' if large['checker']['result']['ok'] else 'fails'} "
-        f"| {large['checker']['wall_s']:.1f} | "
-        f"{large['checker']['peak_private_bytes'] / 2**30:.2f} |",
-        f"| both branches against the export (onnxruntime) | max abs diff "
-        f"{large['verify']['result']['max_abs_diff']:.1e} | "
-        f"{large['verify']['wall_s']:.0f} | "
-        f"{large['verify']['peak_private_bytes'] / 2**30:.2f} |",
+        "| step | outcome | wall s | peak private GiB | peak anonymous GiB |",
+        "|---|---|---:|---:|---:|",
+        row(
+            "onnxmerge merge",
+            f"{result['output_bytes'] / 2**30:.2f} GiB as model.onnx + model.onnx_data; "
+            f"{result['shared']} tensors shared ({result['transposed']} transposed)",
+            ours,
+            f"{ours['wall_s']:.0f}",
+        ),
+    ]
+    if limited.get("measured"):
+        lines.append(
+            row(
+                f"onnxmerge merge in a {limited['limit_bytes'] / 2**30:.1f} GiB memory cgroup "
+                "(page cache included), the export dropped from the page cache first",
+                "crashed"
+                if limited["crashed"]
+                else "completes; the cgroup's peak charge "
+                f"{limited['peak_charged_bytes'] / 2**30:.2f} GiB",
+                limited,
+                "-" if limited["crashed"] else f"{limited['wall_s']:.0f}",
+            )
+        )
+    lines += [
+        row(
+            "check_model(full_check=True)",
+            "passes" if large["checker"]["result"]["ok"] else "fails",
+            large["checker"],
+            f"{large['checker']['wall_s']:.1f}",
+        ),
+        row(
+            "both branches against the export (onnxruntime)",
+            f"max abs diff {large['verify']['result']['max_abs_diff']:.1e}",
+            large["verify"],
+            f"{large['verify']['wall_s']:.0f}",
+        ),
     ]
     if theirs:
         outcome = "fails: " + failed if failed else "succeeds"
-        lines.append(
-            f"| optimum merge_decoders | {outcome} "
-            f"| {theirs['wall_s']:.0f} | {theirs['peak_private_bytes'] / 2**30:.2f} |"
-        )
+        lines.append(row("optimum merge_decoders", outcome, theirs, f"{theirs['wall_s']:.0f}"))
     lines.append("")
     return lines
 

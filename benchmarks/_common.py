@@ -368,19 +368,26 @@ def files_bytes(folder: Path, names: Sequence[str]) -> int:
 # ---------------------------------------------------------------- measured child processes
 
 
-def _read_proc_kib(path: str, keys: Sequence[str]) -> int | None:
-    """Sum of the ``kB`` fields ``keys`` of a /proc file, in bytes; None once it is gone."""
+def _proc_fields_bytes(path: str, keys: Sequence[str]) -> dict[str, int] | None:
+    """The ``kB`` fields ``keys`` of a /proc file, in bytes (0 where absent); None once the
+    file is gone."""
     try:
         with open(path, encoding="ascii") as f:
             text = f.read()
     except (OSError, ValueError):
         return None
-    total = 0
+    found = dict.fromkeys(keys, 0)
     for line in text.splitlines():
         field, _, rest = line.partition(":")
-        if field in keys:
-            total += int(rest.split()[0]) * 1024
-    return total
+        if field in found:
+            found[field] += int(rest.split()[0]) * 1024
+    return found
+
+
+def _read_proc_kib(path: str, keys: Sequence[str]) -> int | None:
+    """Sum of the ``kB`` fields ``keys`` of a /proc file, in bytes; None once it is gone."""
+    found = _proc_fields_bytes(path, keys)
+    return None if found is None else sum(found.values())
 
 
 def self_rss_bytes() -> dict[str, int | None]:
@@ -418,15 +425,16 @@ class _PrivateMemorySampler(threading.Thread):
 
     def run(self) -> None:
         while not self._halt.is_set():
-            private = _read_proc_kib(self.path, ("Private_Clean", "Private_Dirty"))
-            anonymous = _read_proc_kib(self.path, ("Anonymous",))
-            if private is None or anonymous is None:
+            # One read a sample: the kernel walks every mapping of the process for it.
+            found = _proc_fields_bytes(self.path, ("Private_Clean", "Private_Dirty", "Anonymous"))
+            if found is None:
                 if self.samples:
                     return
             else:
                 self.samples += 1
+                private = found["Private_Clean"] + found["Private_Dirty"]
                 self.peak = max(self.peak, private)
-                self.peak_anonymous = max(self.peak_anonymous, anonymous)
+                self.peak_anonymous = max(self.peak_anonymous, found["Anonymous"])
             self._halt.wait(self.interval_s)
 
     def stop(self) -> None:

@@ -264,6 +264,7 @@ class MemoryCgroup:
         except OSError as e:
             self.reason = f"cannot make a memory cgroup here ({e})"
             self.remove()
+            self.path = None
 
     def join(self) -> None:
         """Move the calling process into the cgroup (a child's ``preexec_fn``)."""

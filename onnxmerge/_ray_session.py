@@ -7,6 +7,7 @@ handler instead of its own. What started Ray puts the process's handlers back wh
 
 from __future__ import annotations
 
+import logging
 import signal
 import threading
 from collections.abc import Iterator
@@ -15,6 +16,8 @@ from typing import Any
 
 # The signals whose handlers a Ray session may change.
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# How the package starts Ray: its workers' output and Ray's info lines stay out of the caller's.
+QUIET_INIT: dict[str, Any] = {"logging_level": logging.WARNING, "log_to_driver": False}
 
 
 @contextmanager

@@ -8,7 +8,6 @@ worker process died so that the one that killed it is found and the others still
 
 from __future__ import annotations
 
-import logging
 import multiprocessing
 import os
 from collections import deque
@@ -17,7 +16,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wai
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
-from onnxmerge._ray_session import ray_session
+from onnxmerge._ray_session import QUIET_INIT, ray_session
 from onnxmerge.batch._sources import Job
 from onnxmerge.batch._task import ModelResult, Options, convert_one, failed, proc_bytes
 from onnxmerge.errors import MissingDependencyError
@@ -127,12 +126,7 @@ def run_ray(
         raise MissingDependencyError(
             "runner='ray' (--ray) needs Ray: pip install 'onnxmerge[ray]'"
         ) from e
-    with ray_session(
-        address,
-        log_to_driver=False,
-        include_dashboard=False,
-        logging_level=logging.WARNING,
-    ):
+    with ray_session(address, include_dashboard=False, **QUIET_INIT):
         largest = max(
             (n["Resources"].get("memory", 0) for n in ray.nodes() if n.get("Alive")), default=0
         )

@@ -4,14 +4,13 @@ Ray Serve spreading requests over ``replicas`` copies on one machine or a cluste
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import signal
 import threading
 from collections.abc import Mapping
 from typing import Any, cast
 
-from onnxmerge._ray_session import SIGNALS, handlers, ray_session, restore
+from onnxmerge._ray_session import QUIET_INIT, SIGNALS, handlers, ray_session, restore
 from onnxmerge.errors import InvalidArgumentError, MissingDependencyError
 from onnxmerge.serve._app import create_app
 from onnxmerge.serve._limits import LIMIT_NAMES, Limits
@@ -134,9 +133,6 @@ def build_app(args: dict[str, Any]) -> Any:
     return application(args["models"], **options)
 
 
-_INIT_OPTIONS: dict[str, Any] = {"logging_level": logging.WARNING, "log_to_driver": False}
-
-
 def deploy(
     models: Mapping[str, str | os.PathLike],
     *,
@@ -176,7 +172,7 @@ def deploy(
 
     serve = _serve_module()
     if not ray.is_initialized():
-        ray.init(address=address, **_INIT_OPTIONS)
+        ray.init(address=address, **QUIET_INIT)
     serve.start(http_options={"host": host, "port": port})
     serve.run(app, name=name, route_prefix="/")
     return f"http://{host}:{port}"
@@ -210,7 +206,7 @@ def run_on_ray(
         stopped.set()
 
     # Ray first: ray.init installs its own SIGTERM handler, which ours must replace.
-    with ray_session(options.get("address"), **_INIT_OPTIONS):
+    with ray_session(options.get("address"), **QUIET_INIT):
         previous = handlers()
         for sig in SIGNALS:
             signal.signal(sig, stop)
